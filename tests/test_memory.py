@@ -1,0 +1,92 @@
+"""The CPU meter gives the exact peak of known allocation patterns."""
+import pytest
+import torch
+
+from hilore_actor.runtime import MemoryMeter, measure_peak
+
+MB = 2**20
+
+
+def buf(nbytes):
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def test_allocate_free_reallocate():
+    with MemoryMeter("cpu") as m:
+        a = buf(4 * MB)
+        b = buf(8 * MB)
+        del a
+        c = buf(2 * MB)  # 10 MB live, below the 12 MB peak
+        del b, c
+    assert m.peak_bytes == 12 * MB
+    assert m.report.net_bytes == 0
+
+
+def test_peak_after_free_then_larger_allocation():
+    with MemoryMeter("cpu") as m:
+        a = buf(3 * MB)
+        del a
+        b = buf(5 * MB)  # peak 5 MB, never 8
+    assert m.peak_bytes == 5 * MB
+    assert m.report.net_bytes == 5 * MB
+    del b
+
+
+def test_views_and_inplace_allocate_nothing():
+    x = torch.zeros(MB // 4)  # 1 MB float32, allocated before the region
+    with MemoryMeter("cpu") as m:
+        y = torch.zeros(MB // 2)  # 2 MB
+        v = y.view(2, -1)[:, :100]
+        y.add_(y)  # tensor operands only: a Python scalar would allocate a 0-d tensor
+        y.mul_(y + y)  # the out-of-place sum is a 2 MB temporary, freed at once
+        y[: x.numel()].add_(x)
+        v.zero_()
+    assert m.peak_bytes == 4 * MB
+    assert m.report.net_bytes == 2 * MB
+    del x, y, v
+
+
+def test_preexisting_tensors_are_not_counted():
+    base = buf(16 * MB)
+    with MemoryMeter("cpu") as m:
+        del base  # freeing what was live before the region does not lower the count
+        a = buf(1 * MB)
+    assert m.peak_bytes == 1 * MB
+    del a
+
+
+def test_random_pattern_matches_running_sum():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    sizes = (torch.randint(1, 64, (20,), generator=gen) * 4096).tolist()
+    frees = torch.rand(20, generator=gen) < 0.5
+    live, expected, held = 0, 0, []
+    with MemoryMeter("cpu") as m:
+        for n, f in zip(sizes, frees.tolist()):
+            held.append(buf(n))
+            live += n
+            expected = max(expected, live)
+            if f:
+                live -= held.pop(0).numel()
+    assert m.peak_bytes == expected
+
+
+def test_autograd_saved_tensors_are_seen():
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(128, 256)
+    def step():
+        y = torch.tanh(x @ w)  # saves the tanh output (128 KB) for backward
+        return y
+    y, rep = measure_peak(step)
+    assert rep.peak_bytes == 128 * 256 * 4 * 2  # matmul output + tanh output
+    assert rep.net_bytes == 128 * 256 * 4  # only the tanh output (== y) survives
+
+
+def test_nested_profiler_is_refused():
+    with MemoryMeter("cpu"):
+        with pytest.raises(RuntimeError, match="profiler"):
+            MemoryMeter("cpu").__enter__()
+
+
+def test_unsupported_device():
+    with pytest.raises(ValueError, match="cpu and cuda"):
+        MemoryMeter("meta")
