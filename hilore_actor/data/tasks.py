@@ -1,0 +1,95 @@
+"""Prompt/answer tasks with verifiable rewards: reasoning-gym generators and JSONL files.
+
+A ``Task`` is a list of ``Example`` s plus a scorer ``score(response, example) -> float``.
+Spec strings select one: ``rg:basic_arithmetic`` (any reasoning-gym dataset name, seeded and
+offline) or a path to a ``.jsonl`` file with one ``{"prompt": ..., "answer": ...}`` per line.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from .rewards import extract_answer, math_verify_reward
+
+
+class DatasetError(ValueError):
+    """Bad task input; the message names the file and line."""
+
+
+@dataclass
+class Example:
+    prompt: str
+    answer: str
+    metadata: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Task:
+    name: str
+    examples: List[Example]
+    scorer: Callable[[str, Example], float]
+
+    def score(self, response: str, example: Example) -> float:
+        return float(self.scorer(response, example))
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+ANSWER_FORMAT = " Put only the final answer inside <answer></answer>."
+
+
+def reasoning_gym_task(name: str, size: int = 256, seed: int = 0, instruction: str = ANSWER_FORMAT, **kwargs) -> Task:
+    """A reasoning-gym procedural dataset, scored by the dataset's own ``score_answer``."""
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+    except Exception as e:  # reasoning-gym raises various types for unknown names / bad options
+        raise DatasetError(f"reasoning-gym dataset {name!r} with options {kwargs}: {e}") from None
+    examples, entries = [], []
+    for entry in dataset:
+        examples.append(Example(prompt=entry["question"] + instruction, answer=str(entry["answer"]), metadata={"index": len(entries)}))
+        entries.append(entry)
+
+    def score(response: str, ex: Example) -> float:
+        extracted = extract_answer(response)
+        return float(dataset.score_answer(extracted, entries[ex.metadata["index"]])) if extracted is not None else 0.0
+
+    return Task(name=f"rg:{name}", examples=examples, scorer=score)
+
+
+def jsonl_task(path, prompt_key: str = "prompt", answer_key: str = "answer", instruction: str = "") -> Task:
+    """Examples from a JSONL file, scored with math-verify against ``answer``."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"{p}: dataset file not found")
+    examples = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{p}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in (prompt_key, answer_key) if k not in row]
+            if missing:
+                raise DatasetError(f"{p}:{lineno}: missing field(s) {missing}; found {sorted(row)}")
+            examples.append(Example(prompt=str(row[prompt_key]) + instruction, answer=str(row[answer_key]), metadata={"line": lineno}))
+    if not examples:
+        raise DatasetError(f"{p}: empty dataset (no JSON lines)")
+    return Task(name=str(p), examples=examples, scorer=lambda response, ex: math_verify_reward(response, ex.answer))
+
+
+def load_task(spec: str, size: int = 256, seed: int = 0, options: Optional[Dict[str, Any]] = None) -> Task:
+    """``rg:<name>`` for reasoning-gym, else a JSONL path."""
+    if spec.startswith("rg:"):
+        return reasoning_gym_task(spec[3:], size=size, seed=seed, **(options or {}))
+    if spec.endswith(".jsonl") or Path(spec).exists():
+        return jsonl_task(spec)
+    raise DatasetError(f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic) or a .jsonl path")

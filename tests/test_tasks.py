@@ -1,0 +1,67 @@
+"""Tasks and rewards: reasoning-gym, JSONL, math-verify, clear errors on bad files."""
+import json
+
+import pytest
+
+from hilore_actor.data import DatasetError, extract_answer, jsonl_task, load_task, math_verify_reward
+
+
+def test_reasoning_gym_arithmetic_is_seeded_and_scored():
+    a = load_task("rg:basic_arithmetic", size=8, seed=3)
+    b = load_task("rg:basic_arithmetic", size=8, seed=3)
+    assert [e.prompt for e in a.examples] == [e.prompt for e in b.examples]
+    ex = a.examples[0]
+    assert a.score(f"thinking...\n<answer>{ex.answer}</answer>", ex) == 1.0
+    assert a.score("<answer>not a number</answer>", ex) == 0.0
+    assert a.score("", ex) == 0.0
+
+
+def test_knights_and_knaves():
+    task = load_task("rg:knights_knaves", size=2, seed=0)
+    ex = task.examples[0]
+    assert task.score(f"<answer>{ex.answer}</answer>", ex) == 1.0
+
+
+def test_unknown_reasoning_gym_name():
+    with pytest.raises(DatasetError, match="no_such_task"):
+        load_task("rg:no_such_task")
+
+
+def test_jsonl_roundtrip_and_math_verify(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"{i}+1=?", "answer": str(i + 1)}) for i in range(3)) + "\n\n")
+    task = jsonl_task(p)
+    assert len(task) == 3
+    assert task.score("The answer is \\boxed{2}", task.examples[1]) == 1.0
+    assert task.score("<answer>3</answer>", task.examples[1]) == 0.0
+    assert math_verify_reward("<answer>0.5</answer>", "1/2") == 1.0
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", answer: 2}\n', r"d.jsonl:2: malformed JSON"),
+        ('{"prompt": "a"}\n', r"d.jsonl:1: missing field\(s\) \['answer'\]"),
+        ("[1, 2]\n", r"d.jsonl:1: expected a JSON object"),
+        ("\n\n", "empty dataset"),
+    ],
+)
+def test_bad_jsonl_names_file_and_line(tmp_path, content, match):
+    p = tmp_path / "d.jsonl"
+    p.write_text(content)
+    with pytest.raises(DatasetError, match=match):
+        jsonl_task(p)
+
+
+def test_missing_file_and_unknown_spec(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        load_task(str(tmp_path / "x.jsonl"))
+    with pytest.raises(DatasetError, match="unknown task"):
+        load_task("gsm8k")
+
+
+def test_extract_answer_precedence():
+    assert extract_answer("a <answer>1</answer> b <answer> 2 </answer>") == "2"
+    assert extract_answer("so \\boxed{7}") == "7"
+    assert extract_answer("line1\n\n 42 \n") == "42"
+    assert extract_answer("   ") is None
