@@ -90,3 +90,16 @@ def test_nested_profiler_is_refused():
 def test_unsupported_device():
     with pytest.raises(ValueError, match="cpu and cuda"):
         MemoryMeter("meta")
+
+
+def test_mark_gives_peak_of_the_later_window():
+    with MemoryMeter("cpu") as m:
+        a = buf(8 * MB)
+        del a  # the overall peak (8 MB) is before the mark
+        b = buf(1 * MB)
+        m.mark("after")
+        c = buf(2 * MB)  # 3 MB live: the peak since the mark
+        del c
+    assert m.peak_bytes == 8 * MB
+    assert m.report.peak_since["after"] == 3 * MB
+    del b

@@ -15,12 +15,13 @@ The profiler slows CPU code down, so measure peaks and times in separate passes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, TypeVar, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple, TypeVar, Union
 
 import torch
 
 T = TypeVar("T")
+MARK_PREFIX = "hilore.mark."
 
 
 @dataclass
@@ -28,6 +29,7 @@ class MemoryReport:
     device: str
     peak_bytes: int  # max live bytes above the region's start
     net_bytes: int  # live bytes at the end minus at the start (allocated in the region)
+    peak_since: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes after it (above the start)
 
     def __str__(self) -> str:
         return f"peak {self.peak_bytes / 2**20:.2f} MiB above start on {self.device} (net {self.net_bytes / 2**20:+.2f} MiB)"
@@ -43,6 +45,7 @@ class MemoryMeter:
         self.device = device
         self.report: Optional[MemoryReport] = None
         self._prof = None
+        self._cuda_peaks: Dict[str, int] = {}
 
     def __enter__(self) -> "MemoryMeter":
         if self.device.type == "cuda":
@@ -56,16 +59,33 @@ class MemoryMeter:
             self._prof.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def mark(self, name: str) -> None:
+        """Start a sub-window: the report's ``peak_since[name]`` is the peak after this point
+        (still measured above the region's start), e.g. the backward after a downgrade."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self._cuda_overall = max(getattr(self, "_cuda_overall", 0), torch.cuda.max_memory_allocated(self.device))
+            for k in self._cuda_peaks:
+                self._cuda_peaks[k] = max(self._cuda_peaks[k], torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_peaks[name] = torch.cuda.memory_allocated(self.device)
+        else:
+            with torch.profiler.record_function(MARK_PREFIX + name):
+                pass
+
+    def __exit__(self, *exc) -> None:
+        since: Dict[str, int] = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            now_peak = torch.cuda.max_memory_allocated(self.device)
+            peak = max(getattr(self, "_cuda_overall", 0), now_peak) - self._start
+            since = {k: max(v, now_peak) - self._start for k, v in self._cuda_peaks.items()}
             net = torch.cuda.memory_allocated(self.device) - self._start
         else:
             self._prof.__exit__(*exc)
-            peak, net = cpu_peak_from_events(self._prof)
+            peak, net, since = cpu_peak_from_events(self._prof)
             self._prof = None
-        self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net))
+        self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()})
 
     @property
     def peak_bytes(self) -> int:
@@ -74,15 +94,25 @@ class MemoryMeter:
         return self.report.peak_bytes
 
 
-def cpu_peak_from_events(prof) -> Tuple[int, int]:
-    """(peak, net) of the running sum of CPU ``[memory]`` events of a finished profiler."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
-    events.sort(key=lambda e: e.start_ns())
+def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int]]:
+    """(peak, net, peak after each mark) of the running sum of CPU ``[memory]`` events."""
+    events = list(prof.profiler.kineto_results.events())
+    marks = sorted((e.start_ns(), e.name()[len(MARK_PREFIX):]) for e in events if e.name().startswith(MARK_PREFIX))
+    mem = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"), key=lambda x: x[0])
     live = peak = 0
-    for e in events:
-        live += e.nbytes()
+    since: Dict[str, int] = {}
+    mi = 0
+    for ts, nbytes in mem:
+        while mi < len(marks) and marks[mi][0] <= ts:
+            since[marks[mi][1]] = live
+            mi += 1
+        live += nbytes
         peak = max(peak, live)
-    return peak, live
+        for k in since:
+            since[k] = max(since[k], live)
+    for _, name in marks[mi:]:
+        since[name] = live
+    return peak, live, since
 
 
 def measure_peak(fn: Callable[[], T], device: Union[str, torch.device, None] = None) -> Tuple[T, MemoryReport]:

@@ -1,0 +1,73 @@
+"""Named policies and how they map to pre-forward plans and post-forward actions.
+
+``no-gc`` (store everything, no engine) and ``gc`` (HF decoder-layer checkpointing, what
+OpenRLHF runs) are baselines applied to the model itself; ``all-h``, ``all-l``, ``all-r`` and
+explicit maps run through the engine.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple, Union
+
+from .state import ACTIONS, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLANS, H, L, R
+
+ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-r": (CHECKPOINT, R)}
+BASELINES = ("no-gc", "gc")
+PLAN_FOR_ACTION = {H: EXACT, L: COMPRESSED, R: CHECKPOINT}
+
+
+def _check_names(mapping: Dict[str, str], unit_names) -> None:
+    unknown = sorted(set(mapping) - set(unit_names))
+    if unknown:
+        raise ValueError(f"unknown unit(s) {unknown}; units are e.g. {list(unit_names)[:4]}")
+
+
+def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Dict[str, str], Union[str, Dict[str, str], None]]:
+    """(plan per unit, default actions) for ``engine.step(plan)``."""
+    if plan is None:
+        return {n: EXACT for n in unit_names}, None
+    if isinstance(plan, str):
+        if plan in BASELINES:
+            raise ValueError(f"{plan!r} is a baseline applied to the model (see hilore_actor.recovery.apply_baseline), not an engine policy")
+        if plan not in ENGINE_POLICIES:
+            raise ValueError(f"unknown policy {plan!r}; engine policies: {sorted(ENGINE_POLICIES)}")
+        p, a = ENGINE_POLICIES[plan]
+        return {n: p for n in unit_names}, {n: a for n in unit_names}
+    _check_names(plan, unit_names)
+    values = set(plan.values())
+    if values <= set(PLANS):
+        return {n: plan.get(n, EXACT) for n in unit_names}, None
+    if values <= set(ACTIONS):
+        return {n: PLAN_FOR_ACTION[plan.get(n, H)] for n in unit_names}, {n: plan.get(n, H) for n in unit_names}
+    raise ValueError(f"a plan maps units to one of {PLANS} (or actions {ACTIONS}), got {sorted(values)}")
+
+
+def resolve_actions(actions: Union[str, Dict[str, str], None], plans: Dict[str, str]) -> Dict[str, str]:
+    """Actions per unit: a policy name, a partial ``{unit: H|L|R}`` map, or None (defaults)."""
+    if actions is None:
+        return {n: DEFAULT_ACTION[p] for n, p in plans.items()}
+    if isinstance(actions, str):
+        if actions not in ENGINE_POLICIES:
+            raise ValueError(f"unknown policy {actions!r}; engine policies: {sorted(ENGINE_POLICIES)}")
+        return {n: ENGINE_POLICIES[actions][1] for n in plans}
+    _check_names(actions, plans)
+    bad = {a for a in actions.values() if a not in ACTIONS}
+    if bad:
+        raise ValueError(f"actions must be one of {ACTIONS}, got {sorted(bad)}")
+    return {n: actions.get(n, DEFAULT_ACTION[p]) for n, p in plans.items()}
+
+
+def apply_baseline(model, name: str) -> None:
+    """``gc``: HF gradient checkpointing on every decoder layer (non-reentrant, as OpenRLHF
+    uses it); ``no-gc``: off."""
+    # transformers >= 5.2x renamed the methods (activation_checkpointing_*); 5.15 (OpenRLHF
+    # 0.11.2's pin) has gradient_checkpointing_*. Same mechanism either way.
+    kwargs = {"use_reentrant": False}
+    if name == "gc":
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif name == "no-gc":
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    else:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")

@@ -1,0 +1,134 @@
+"""Per-step state of the recovery engine: what each unit kept, and how to rebuild it.
+
+The engine's mechanism (``engine.py``) fills these records during forward and drains them
+during backward; this module only holds data and accounting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+import torch
+
+from .codecs import Payload
+from .units import LayerSpec, UnitSpec
+
+H, L, R = "H", "L", "R"
+EXACT, COMPRESSED, CHECKPOINT = "exact", "compressed", "checkpoint"
+PLANS = (EXACT, COMPRESSED, CHECKPOINT)
+ACTIONS = (H, L, R)
+ALLOWED = {EXACT: (H, L, R), COMPRESSED: (L, R), CHECKPOINT: (R,)}
+DEFAULT_ACTION = {EXACT: H, COMPRESSED: L, CHECKPOINT: R}
+
+
+class Link:
+    """An argument that was produced by an earlier module call of the same unit."""
+
+    __slots__ = ("call", "index")
+
+    def __init__(self, call: int, index: Optional[int]):
+        self.call, self.index = call, index
+
+
+@dataclass
+class Call:
+    module: torch.nn.Module
+    args: Any  # structure of tensors (checkpoint inputs), Links and plain values
+    kwargs: Any
+
+
+@dataclass
+class Replay:
+    """How to re-run a forward exactly: module calls plus RNG and autocast state."""
+
+    calls: List[Call] = field(default_factory=list)
+    rng: Any = None
+    autocast: Any = None
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@dataclass(eq=False)
+class UnitState:
+    spec: UnitSpec
+    plan: str = EXACT
+    action: Optional[str] = None
+    entries: Dict[int, Any] = field(default_factory=dict)  # idx -> Tensor | Payload | None
+    external: Set[int] = field(default_factory=set)  # idx of checkpoint-input tensors (kept exact)
+    ext_keys: Set[int] = field(default_factory=set)  # storages of the unit's checkpoint inputs
+    n_saved: int = 0
+    replay: Replay = field(default_factory=Replay)
+    recomputed: Dict[int, torch.Tensor] = field(default_factory=dict)
+    replayed: bool = False
+    capture_count: int = 0
+    err_sq: float = 0.0  # L reconstruction: sum of squared errors and of squared values
+    norm_sq: float = 0.0
+    outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(eq=False)
+class LayerState:
+    spec: LayerSpec
+    units: List[UnitState]
+    replay: Replay = field(default_factory=Replay)
+    joint: bool = False  # every unit is R: one layer replay serves them all (shared recompute)
+
+
+def unit_bytes(layers: List[LayerState]) -> Dict[str, Dict[str, int]]:
+    """Bytes each unit holds now, by representation. A storage is counted once, for the first
+    unit that holds it; parameters are never in ``entries``. A layer's own checkpoint input
+    (kept for a joint replay) is counted with its first unit."""
+    seen: Set[int] = set()
+    out = {}
+
+    def add(b, kind, key, n):
+        if key not in seen:
+            seen.add(key)
+            b[kind] += n
+
+    for layer in layers:
+        for j, u in enumerate(layer.units):
+            b = {"exact": 0, "compressed": 0, "checkpoint": 0}
+            for idx, v in u.entries.items():
+                if isinstance(v, Payload):
+                    add(b, "compressed", id(v), v.nbytes)
+                elif isinstance(v, torch.Tensor):
+                    add(b, "checkpoint" if idx in u.external else "exact", storage_key(v), storage_bytes(v))
+            calls = u.replay.calls + (layer.replay.calls if j == 0 else [])
+            for t in iter_tensors([(c.args, c.kwargs) for c in calls]):
+                add(b, "checkpoint", storage_key(t), storage_bytes(t))
+            out[u.name] = b
+    return out
+
+
+def iter_tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from iter_tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from iter_tensors(o)
+
+
+def map_structure(obj, fn):
+    if isinstance(obj, (torch.Tensor, Link)):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_structure(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [map_structure(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        return {k: map_structure(v, fn) for k, v in obj.items()}
+    return obj
