@@ -34,6 +34,7 @@ from .codecs import Payload, get_codec
 from .state import (ALLOWED, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLANS, R, Call, LayerState, Link,
                     Replay, UnitState, iter_tensors, map_structure, storage_key, unit_bytes, L)
 from .units import discover_units
+from .zero3 import gathered_alias, is_partitioned, residency_preserved
 
 MIN_COMPRESS_NUMEL = 1024  # smaller or non-float saved tensors stay exact under L
 
@@ -177,7 +178,7 @@ class RecoveryEngine:
 
     def _unpack(self, h):
         if isinstance(h, torch.Tensor):
-            return h
+            return gathered_alias(h) if is_partitioned(h) else h
         st = self._step
         if st is None:
             raise RuntimeError("hilore: backward ran after its engine step ended; call loss.backward() inside `with engine.step():`")
@@ -230,6 +231,7 @@ class RecoveryEngine:
                 for dev, enabled, dtype in replay.autocast:
                     if dev == "cpu" or torch.cuda.is_available():
                         stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+                stack.enter_context(residency_preserved([c.module for c in replay.calls]))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(partial(self._capture, st), lambda x: x))
                 for call in replay.calls:

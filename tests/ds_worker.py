@@ -1,0 +1,63 @@
+"""Worker for test_distributed.py: 2 CPU ranks over gloo, a DeepSpeed ZeRO engine around a tiny
+LoRA model, gradients of no-gc vs engine policies. Launched with torchrun; rank 0 prints JSON."""
+import json
+import os
+import sys
+
+import torch
+
+
+def main():
+    stage, dtype_name = int(sys.argv[1]), sys.argv[2]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import grpo_loss, packed_microbatch
+    from hilore_actor.models import LoraSpec, build_model, tiny_config
+    from hilore_actor.recovery import RecoveryEngine, apply_baseline
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    ids, pos = packed_microbatch(96, 128, n_seqs=3, seed=100 + rank)  # each rank its own data
+    results = {}
+    methods = sys.argv[3].split(",") if len(sys.argv) > 3 else ["no-gc", "gc", "all-r", "all-h", "mixed"]
+    for method in methods:
+        model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8, 0.1), seed=0)
+        if method == "gc":
+            apply_baseline(model, "gc")
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": dtype == torch.bfloat16},
+        }
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        engine_ds, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        engine_ds.train()
+        torch.manual_seed(7 + rank)
+        if method in ("no-gc", "gc"):
+            engine_ds.backward(grpo_loss(engine_ds, ids, pos))
+        else:
+            rec = RecoveryEngine(engine_ds)
+            plan = method if method != "mixed" else {n: "HR"[i % 2] for i, n in enumerate(rec.unit_names)}
+            with rec.step(plan):
+                engine_ds.backward(grpo_loss(engine_ds, ids, pos))
+            rec.detach()
+            results["units"] = rec.unit_names
+        grads = {n: safe_get_full_grad(p) for n, p in engine_ds.module.named_parameters() if p.requires_grad}
+        results[method] = {n: g.float() for n, g in grads.items() if g is not None}
+    out = {"units": results.get("units")}
+    ref = results["no-gc"]
+    out["n_grads"] = len(ref)
+    for m in methods[1:]:
+        out[m] = all(torch.equal(results[m][n], ref[n]) for n in ref) and set(results[m]) == set(ref)
+    out["grad_norm"] = float(torch.cat([g.flatten() for g in ref.values()]).norm())
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
