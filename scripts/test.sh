@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+"${VENV:-.venv}/bin/ruff" check --select F,E9 hilore_actor tests  # undefined names, unused imports, syntax
 exec "${VENV:-.venv}/bin/python" -m pytest -q "$@"

@@ -23,7 +23,6 @@ H and R therefore give bitwise the gradients of plain autograd; only L approxima
 from __future__ import annotations
 
 import contextlib
-import weakref
 from functools import partial
 from typing import Dict, List, Optional, Union
 
@@ -31,12 +30,12 @@ import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .codecs import Payload, get_codec
-from .state import (ALLOWED, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLANS, R, Call, LayerState, Link,
-                    Replay, UnitState, iter_tensors, map_structure, storage_key, unit_bytes, L)
+from .state import CHECKPOINT, COMPRESSED, R, Call, Link, Replay, UnitState, iter_tensors, map_structure, storage_key
+from .step import Step
 from .units import discover_units
 from .zero3 import gathered_alias, is_partitioned, residency_preserved
 
-MIN_COMPRESS_NUMEL = 1024  # smaller or non-float saved tensors stay exact under L
+
 
 
 class _Handle:
@@ -83,6 +82,8 @@ class RecoveryEngine:
     def step(
         self, plan: Union[str, Dict[str, str], None] = None, actions: Union[str, Dict[str, str], None] = None,
         track_error: bool = True,
+        track_tokens: bool = False,
+        profile: bool = False,
     ) -> "Step":
         """One microbatch. ``plan``: a policy name (``all-h``, ``all-l``, ``all-r``), a
         ``{unit: exact|compressed|checkpoint}`` map, or an ``{unit: H|L|R}`` action map (then
@@ -92,7 +93,7 @@ class RecoveryEngine:
         from .policies import resolve_plan
 
         plans, default_actions = resolve_plan(plan, self.unit_names)
-        return Step(self, plans, actions if actions is not None else default_actions, track_error)
+        return Step(self, plans, actions if actions is not None else default_actions, track_error, track_tokens, profile)
 
     # ---- forward hooks -------------------------------------------------------------------
     def _active(self) -> Optional["Step"]:
@@ -116,10 +117,16 @@ class RecoveryEngine:
         if st.mode == "replay":
             if k == 0:
                 st.capture = u if u in st.targets else None
+                if st.profile:
+                    u.timer = st.clock()
             return
         if k == 0:
             st.current = u
             u.outputs.clear()
+            if st.track_tokens:
+                x = next(iter_tensors((args, kwargs)), None)
+                if x is not None and x.dim() >= 2:
+                    u.token_norms = x.detach().float().norm(dim=-1)
             if st.layer_joint_plan[li]:
                 return
             u.replay = Replay([], _rng_state((args, kwargs)), _autocast_state())
@@ -143,6 +150,9 @@ class RecoveryEngine:
         if st.mode == "replay":
             if last:
                 st.capture = None
+                if st.profile and u.timer is not None:
+                    u.replay_seconds += st.clock() - u.timer
+                    u.timer = None
             return
         if isinstance(output, torch.Tensor):
             u.outputs[id(output)] = (k, None)
@@ -191,7 +201,13 @@ class RecoveryEngine:
         if idx not in u.entries:
             raise RuntimeError(f"hilore: saved tensor {idx} of {u.name} was already used; one backward per engine step")
         v = u.entries.pop(idx)
-        return self.codec.decode(v) if isinstance(v, Payload) else v
+        if not isinstance(v, Payload):
+            return v
+        t0 = st.clock() if st.profile else 0.0
+        out = self.codec.decode(v)
+        if st.profile:
+            u.codec_seconds += st.clock() - t0
+        return out
 
     # ---- recomputation -------------------------------------------------------------------
     def _recompute(self, st: "Step", u: UnitState) -> None:
@@ -247,114 +263,4 @@ class RecoveryEngine:
         return None
 
 
-class Step:
-    """One microbatch under the engine: ``with engine.step(...) as step:`` forward, loss,
-    ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
-
-    def __init__(self, engine: RecoveryEngine, plans: Dict[str, str], actions, track_error: bool = True):
-        self.engine = engine
-        self.track_error = track_error
-        self.plans = plans
-        self._pending_actions = actions
-        self.layers = [
-            LayerState(spec, [UnitState(u, plan=plans[u.name]) for u in spec.units]) for spec in engine.layer_specs
-        ]
-        self.units = [u for ls in self.layers for u in ls.units]
-        self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
-        self.layer_joint_plan = [all(u.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
-        self.mode = "forward"
-        self.current: Optional[UnitState] = None
-        self.capture: Optional[UnitState] = None
-        self.targets: set = set()
-        self.actions_set = False
-        self._compressed: Dict[int, tuple] = {}
-        self._hooks_ctx = None
-
-    def __enter__(self) -> "Step":
-        if self.engine._step is not None:
-            raise RuntimeError("hilore: an engine step is already active; steps do not nest")
-        self.param_keys = {storage_key(p) for p in self.engine.model.parameters() if p.numel() > 0}
-        self.engine._step = self
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.engine._pack, self.engine._unpack)
-        self._hooks_ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks_ctx.__exit__(*exc)
-        self.engine._step = None
-        for u in self.units:  # release whatever backward did not consume
-            u.entries.clear()
-            u.recomputed.clear()
-            u.replay = Replay()
-        for ls in self.layers:
-            ls.replay = Replay()
-
-    def compress(self, t: torch.Tensor, unit: UnitState):
-        """The L representation of one saved tensor (or ``t`` itself when it cannot be scaled)."""
-        if not t.is_floating_point() or t.numel() < MIN_COMPRESS_NUMEL:
-            return t
-        # Dedup a tensor saved several times by its identity (a weak reference proves it is
-        # still the same live tensor: addresses and ids are reused once a tensor is freed).
-        hit = self._compressed.get(id(t))
-        if hit is not None and hit[0]() is t:
-            return hit[1]
-        p = self.engine.codec.encode(t)
-        # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
-        out = p if bool(torch.isfinite(p.scale).all()) else t
-        self._compressed[id(t)] = (weakref.ref(t), out)
-        if self.track_error and out is p:
-            x = t.detach().float()
-            unit.err_sq += float((self.engine.codec.decode(p).float() - x).pow(2).sum())
-            unit.norm_sq += float(x.pow(2).sum())
-        return out
-
-    def reconstruction_errors(self) -> Dict[str, float]:
-        """``||z^ - z|| / (||z|| + eps)`` over each compressed unit's bundle (section 4's e_u)."""
-        return {u.name: u.err_sq**0.5 / (u.norm_sq**0.5 + 1e-12) for u in self.units if u.norm_sq > 0}
-
-    def set_actions(self, actions: Union[str, Dict[str, str], None] = None) -> None:
-        """Choose H/L/R per unit after forward (a policy name or ``{unit: action}``; units not
-        named take their plan's default). Memory of downgraded bundles is released here."""
-        from .policies import resolve_actions
-
-        if self.actions_set:
-            raise RuntimeError("hilore: actions were already set for this step")
-        chosen = resolve_actions(actions, self.plans)
-        for u in self.units:
-            a = chosen[u.name]
-            if a not in ALLOWED[u.plan]:
-                raise ValueError(f"{u.name}: action {a} is not available for a {u.plan!r} bundle (allowed: {ALLOWED[u.plan]})")
-            u.action = a
-            if a == R:
-                u.entries.clear()
-            elif a == L and u.plan == EXACT:
-                for idx, v in list(u.entries.items()):
-                    if isinstance(v, torch.Tensor) and idx not in u.external:
-                        u.entries[idx] = self.compress(v, u)
-        for ls in self.layers:
-            ls.joint = all(u.action == R for u in ls.units)
-            if ls.joint:
-                for u in ls.units:
-                    u.replay = Replay()  # the layer replay rebuilds every unit: drop their own inputs
-            else:
-                ls.replay = Replay()
-                for u in ls.units:
-                    if u.action != R:
-                        u.replay = Replay()
-        self._compressed.clear()
-        self.actions_set = True
-
-    def ensure_actions(self) -> None:
-        if not self.actions_set:
-            self.set_actions(self._pending_actions)
-
-    def bytes_by_unit(self) -> Dict[str, Dict[str, int]]:
-        """Bytes held per unit now: ``exact``, ``compressed`` and ``checkpoint`` (inputs kept for
-        recomputation), each storage counted once."""
-        return unit_bytes(self.layers)
-
-    def actions(self) -> Dict[str, str]:
-        return {u.name: u.action for u in self.units}
-
-
-__all__ = ["RecoveryEngine", "Step", "PLANS", "DEFAULT_ACTION"]
+__all__ = ["RecoveryEngine", "Step"]

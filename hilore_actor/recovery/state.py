@@ -69,6 +69,10 @@ class UnitState:
     capture_count: int = 0
     err_sq: float = 0.0  # L reconstruction: sum of squared errors and of squared values
     norm_sq: float = 0.0
+    token_norms: Optional[torch.Tensor] = None  # [B, T] input norms, for exposure weights
+    replay_seconds: float = 0.0  # profiling: time spent re-running this unit in backward
+    codec_seconds: float = 0.0  # profiling: L encode + decode time
+    timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
 
     @property

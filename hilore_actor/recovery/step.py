@@ -1,0 +1,152 @@
+"""One microbatch under the recovery engine: plans in, actions set, memory and timings out.
+
+``Step`` owns the per-step state (``state.py``) and the decisions: compressing for L,
+dropping for R, and accounting. The mechanism that fills and drains it lives in ``engine.py``.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING, Dict, Optional, Union
+
+import torch
+
+from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, LayerState, Replay, UnitState, storage_key,
+                    unit_bytes)
+
+if TYPE_CHECKING:
+    from .engine import RecoveryEngine
+
+MIN_COMPRESS_NUMEL = 1024  # smaller or non-float saved tensors stay exact under L
+
+
+class Step:
+    """One microbatch under the engine: ``with engine.step(...) as step:`` forward, loss,
+    ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
+
+    def __init__(self, engine: "RecoveryEngine", plans: Dict[str, str], actions, track_error: bool = True,
+                 track_tokens: bool = False, profile: bool = False):
+        self.engine = engine
+        self.track_error = track_error
+        self.track_tokens = track_tokens  # per-token input norms per unit (exposure weights, Eq. 7)
+        self.profile = profile  # per-unit recompute and encode/decode seconds (utility, Eq. 9)
+        self._device = next((p.device for p in engine.model.parameters()), torch.device("cpu"))
+        self.plans = plans
+        self._pending_actions = actions
+        self.layers = [
+            LayerState(spec, [UnitState(u, plan=plans[u.name]) for u in spec.units]) for spec in engine.layer_specs
+        ]
+        self.units = [u for ls in self.layers for u in ls.units]
+        self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
+        self.layer_joint_plan = [all(u.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
+        self.mode = "forward"
+        self.current: Optional[UnitState] = None
+        self.capture: Optional[UnitState] = None
+        self.targets: set = set()
+        self.actions_set = False
+        self._compressed: Dict[int, tuple] = {}
+        self._hooks_ctx = None
+
+    def __enter__(self) -> "Step":
+        if self.engine._step is not None:
+            raise RuntimeError("hilore: an engine step is already active; steps do not nest")
+        self.param_keys = {storage_key(p) for p in self.engine.model.parameters() if p.numel() > 0}
+        self.engine._step = self
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.engine._pack, self.engine._unpack)
+        self._hooks_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks_ctx.__exit__(*exc)
+        self.engine._step = None
+        for u in self.units:  # release whatever backward did not consume
+            u.entries.clear()
+            u.recomputed.clear()
+            u.replay = Replay()
+        for ls in self.layers:
+            ls.replay = Replay()
+
+    def compress(self, t: torch.Tensor, unit: UnitState):
+        """The L representation of one saved tensor (or ``t`` itself when it cannot be scaled)."""
+        if not t.is_floating_point() or t.numel() < MIN_COMPRESS_NUMEL:
+            return t
+        # Dedup a tensor saved several times by its identity (a weak reference proves it is
+        # still the same live tensor: addresses and ids are reused once a tensor is freed).
+        hit = self._compressed.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        t0 = self.clock() if self.profile else 0.0
+        p = self.engine.codec.encode(t)
+        if self.profile:
+            unit.codec_seconds += self.clock() - t0
+        # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
+        out = p if bool(torch.isfinite(p.scale).all()) else t
+        self._compressed[id(t)] = (weakref.ref(t), out)
+        if self.track_error and out is p:
+            x = t.detach().float()
+            unit.err_sq += float((self.engine.codec.decode(p).float() - x).pow(2).sum())
+            unit.norm_sq += float(x.pow(2).sum())
+        return out
+
+    def reconstruction_errors(self) -> Dict[str, float]:
+        """``||z^ - z|| / (||z|| + eps)`` over each compressed unit's bundle (section 4's e_u)."""
+        return {u.name: u.err_sq**0.5 / (u.norm_sq**0.5 + 1e-12) for u in self.units if u.norm_sq > 0}
+
+    def set_actions(self, actions: Union[str, Dict[str, str], None] = None) -> None:
+        """Choose H/L/R per unit after forward (a policy name or ``{unit: action}``; units not
+        named take their plan's default). Memory of downgraded bundles is released here."""
+        from .policies import resolve_actions
+
+        if self.actions_set:
+            raise RuntimeError("hilore: actions were already set for this step")
+        chosen = resolve_actions(actions, self.plans)
+        for u in self.units:
+            a = chosen[u.name]
+            if a not in ALLOWED[u.plan]:
+                raise ValueError(f"{u.name}: action {a} is not available for a {u.plan!r} bundle (allowed: {ALLOWED[u.plan]})")
+            u.action = a
+            if a == R:
+                u.entries.clear()
+            elif a == L and u.plan == EXACT:
+                for idx, v in list(u.entries.items()):
+                    if isinstance(v, torch.Tensor) and idx not in u.external:
+                        u.entries[idx] = self.compress(v, u)
+        for ls in self.layers:
+            ls.joint = all(u.action == R for u in ls.units)
+            if ls.joint:
+                for u in ls.units:
+                    u.replay = Replay()  # the layer replay rebuilds every unit: drop their own inputs
+            else:
+                ls.replay = Replay()
+                for u in ls.units:
+                    if u.action != R:
+                        u.replay = Replay()
+        self._compressed.clear()
+        self.actions_set = True
+
+    def clock(self) -> float:
+        """Wall time, synchronised with the device so per-unit timings are real on CUDA."""
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def unit_seconds(self) -> Dict[str, Dict[str, float]]:
+        """Measured per unit (``profile=True``): ``recompute`` (forward replay in backward) and
+        ``codec`` (L encode + decode) seconds."""
+        return {u.name: {"recompute": u.replay_seconds, "codec": u.codec_seconds} for u in self.units}
+
+    def token_norms(self) -> Dict[str, torch.Tensor]:
+        """Per-token L2 norm of each unit's input hidden state (``track_tokens=True``)."""
+        return {u.name: u.token_norms for u in self.units if u.token_norms is not None}
+
+    def ensure_actions(self) -> None:
+        if not self.actions_set:
+            self.set_actions(self._pending_actions)
+
+    def bytes_by_unit(self) -> Dict[str, Dict[str, int]]:
+        """Bytes held per unit now: ``exact``, ``compressed`` and ``checkpoint`` (inputs kept for
+        recomputation), each storage counted once."""
+        return unit_bytes(self.layers)
+
+    def actions(self) -> Dict[str, str]:
+        return {u.name: u.action for u in self.units}
