@@ -38,6 +38,11 @@ from .zero3 import gathered_alias, is_partitioned, residency_preserved
 
 
 
+class _ReplayDone(Exception):
+    """Raised from the capture hook once every target's bundle is rebuilt (as
+    ``torch.utils.checkpoint`` stops early): the replay's remaining ops are never run."""
+
+
 class _Handle:
     __slots__ = ("unit", "idx")
 
@@ -252,7 +257,15 @@ class RecoveryEngine:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(partial(self._capture, st), lambda x: x))
                 for call in replay.calls:
                     outs.append(call.module(*map_structure(call.args, resolve), **map_structure(call.kwargs, resolve)))
+        except _ReplayDone:
+            pass
         finally:
+            if st.profile:
+                now = st.clock()
+                for x in targets:
+                    if x.timer is not None:
+                        x.replay_seconds += now - x.timer
+                        x.timer = None
             st.mode, st.targets, st.capture = prev_mode, set(), None
 
     def _capture(self, st: "Step", t: torch.Tensor):
@@ -260,6 +273,8 @@ class RecoveryEngine:
         if u is not None and not self._is_param(t, st):
             u.recomputed[u.capture_count] = t
             u.capture_count += 1
+            if u.capture_count == u.n_saved and all(x.capture_count == x.n_saved for x in st.targets):
+                raise _ReplayDone  # everything backward needs exists: skip the rest of the forward
         return None
 
 
