@@ -1,0 +1,107 @@
+"""Calibrated risk of L (HILORE.md section 4).
+
+On C independent microbatches, for each L-eligible unit u: two passes that differ only in u's
+recovery (u -> L, every other unit H) give the reconstruction error ``e_ub``, the gradient
+error ``y_ub = ||g_L - g_ex|| / (||g_ex|| + eps)`` and ``x_ub = E_ub * e_ub``. Per
+state/layer group c (unit kind x depth third) the susceptibility is the least-squares slope
+through the origin ``kappa_c = sum x y / sum x^2``. At training time the risk of L is
+``psi_u = kappa_c(u) * E_u * e_bar_u``. Calibration is saved as JSON next to the run and
+reused on restart.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from .exposure import unit_exposure
+
+EPS_NUM = 1e-12
+
+
+def unit_group(name: str, n_layers: int, layer: int, kind: str) -> str:
+    third = ("early", "middle", "late")[min(2, 3 * layer // max(1, n_layers))]
+    return f"{kind}:{third}"
+
+
+@dataclass
+class Calibration:
+    codec: str
+    kappa: Dict[str, float]  # group -> susceptibility
+    e_bar: Dict[str, float]  # unit -> mean reconstruction error
+    exposure_mean: Dict[str, float]  # unit -> mean exposure over the calibration batches
+    groups: Dict[str, str]  # unit -> group
+    samples: List[dict] = field(default_factory=list)  # (unit, batch, E, e, y) records
+
+    def risk(self, unit: str, exposure: float) -> float:
+        """``psi_u = kappa_c(u) * E_u * e_bar_u``."""
+        return self.kappa.get(self.groups[unit], 0.0) * exposure * self.e_bar[unit]
+
+    def static_risk(self, unit: str) -> float:
+        """Risk at the calibration-mean exposure (``hilore-static``)."""
+        return self.risk(unit, self.exposure_mean[unit])
+
+    def save(self, path) -> None:
+        """Atomic write (temp file + rename): a crash never leaves a half-written file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path}: not a hilore calibration file ({e})") from None
+
+
+def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
+    """Least squares through the origin per group: ``kappa = sum x y / sum x^2``."""
+    sxy: Dict[str, float] = {}
+    sxx: Dict[str, float] = {}
+    for s in samples:
+        x = s["exposure"] * s["recon"]
+        sxy[s["group"]] = sxy.get(s["group"], 0.0) + x * s["grad_err"]
+        sxx[s["group"]] = sxx.get(s["group"], 0.0) + x * x
+    return {g: (sxy[g] / sxx[g] if sxx[g] > 0 else 0.0) for g in sxy}
+
+
+def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=None) -> Calibration:
+    """Single-unit L interventions on ``batches`` (see module docstring). ``runner`` is an
+    ``allocation.runner.Runner``; ``progress`` an optional callable(done, total)."""
+    engine = runner.engine
+    names = list(units or engine.unit_names)
+    specs = {u.name: u for layer in engine.layer_specs for u in layer.units}
+    n_layers = len(engine.layer_specs)
+    groups = {n: unit_group(n, n_layers, specs[n].layer, specs[n].kind) for n in engine.unit_names}
+    samples, done, total = [], 0, len(batches) * (len(names) + 1)
+    for b, mb in enumerate(batches):
+        ref = runner.run(mb, "all-h", grads=True, track_tokens=True, seed=b)
+        done += 1
+        gnorm = float(ref.grad.norm())
+        for name in names:
+            res = runner.run(mb, {name: "L"}, grads=True, track_error=True, seed=b)
+            e = res.reconstruction.get(name, 0.0)
+            y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
+            E = unit_exposure(ref.omega, ref.token_norms[name], ref.mask)
+            samples.append({"unit": name, "batch": b, "group": groups[name], "exposure": E, "recon": e, "grad_err": y})
+            done += 1
+            if progress:
+                progress(done, total)
+    kappa = fit_kappa(samples)
+    by_unit = {n: [s for s in samples if s["unit"] == n] for n in names}
+    return Calibration(
+        codec=engine.codec.name,
+        kappa=kappa,
+        e_bar={n: statistics.fmean(s["recon"] for s in v) for n, v in by_unit.items()},
+        exposure_mean={n: statistics.fmean(s["exposure"] for s in v) for n, v in by_unit.items()},
+        groups=groups,
+        samples=samples,
+    )

@@ -1,0 +1,117 @@
+"""Runs one microbatch (forward, GRPO loss, backward) under a method, and measures it.
+
+Every allocation measurement goes through here so that all methods see the same inputs,
+the same RNG seed and the same bookkeeping: baselines (``no-gc``, ``gc``), engine policies
+and plans, and HiLoRe's online choice (a callable that picks actions after the loss).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Union
+
+import torch
+
+from ..grpo.microbatch import LossOutput, Microbatch, microbatch_loss
+from ..recovery import RecoveryEngine, apply_baseline
+from ..recovery.policies import BASELINES
+from ..runtime import MemoryMeter
+
+ActionChooser = Callable[[object, LossOutput], Dict[str, str]]
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    cpu_seconds: float
+    peak_bytes: Optional[int] = None
+    grad: Optional[torch.Tensor] = None  # flat float32 gradient of the trainable parameters
+    loss: float = 0.0
+    actions: Dict[str, str] = field(default_factory=dict)
+    bytes_by_unit: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    unit_seconds: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    token_norms: Dict[str, torch.Tensor] = field(default_factory=dict)
+    reconstruction: Dict[str, float] = field(default_factory=dict)
+    omega: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+    choose_seconds: float = 0.0  # time spent in the online chooser (HiLoRe's overhead)
+
+
+class Runner:
+    def __init__(self, model, engine: Optional[RecoveryEngine] = None, loss_fn=microbatch_loss):
+        self.model = model
+        self.engine = engine if engine is not None else RecoveryEngine(model)
+        self.loss_fn = loss_fn
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(
+        self,
+        mb: Microbatch,
+        method: Union[str, Dict[str, str], None],
+        actions: Union[str, Dict[str, str], ActionChooser, None] = None,
+        *,
+        grads: bool = False,
+        measure_peak: bool = False,
+        profile: bool = False,
+        track_tokens: bool = False,
+        track_error: bool = False,
+        seed: int = 0,
+    ) -> RunResult:
+        """``method``: a baseline name, an engine policy name, or a plan / action map.
+        ``actions``: fixed actions, or a callable ``(step, loss_output) -> actions``."""
+        for p in self.params:
+            p.grad = None
+        torch.manual_seed(seed)
+        meter = MemoryMeter(self.device) if measure_peak else None
+        info: Dict = {}
+        self._sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with meter if meter is not None else _null():
+            if isinstance(method, str) and method in BASELINES:
+                apply_baseline(self.model, method)
+                try:
+                    out = self.loss_fn(self.model, mb)
+                    out.loss.backward()
+                finally:
+                    if method == "gc":
+                        apply_baseline(self.model, "no-gc")
+            else:
+                with self.engine.step(method, track_error=track_error, track_tokens=track_tokens, profile=profile) as step:
+                    out = self.loss_fn(self.model, mb)
+                    if callable(actions):
+                        c = time.perf_counter()
+                        chosen = actions(step, out)
+                        info["choose_seconds"] = time.perf_counter() - c
+                        step.set_actions(chosen)
+                    elif actions is not None:
+                        step.set_actions(actions)
+                    else:
+                        step.ensure_actions()
+                    info["bytes_by_unit"] = step.bytes_by_unit()
+                    info["token_norms"] = step.token_norms()
+                    out.loss.backward()
+                    info["actions"] = step.actions()
+                    info["unit_seconds"] = step.unit_seconds()
+                    info["reconstruction"] = step.reconstruction_errors()
+            self._sync()
+        res = RunResult(time.perf_counter() - t0, time.process_time() - c0, loss=float(out.loss.detach()),
+                        omega=out.omega, mask=out.mask, **info)
+        if meter is not None:
+            res.peak_bytes = meter.report.peak_bytes
+        if grads:
+            res.grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+                                  for p in self.params])
+        return res
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,208 @@
+"""HiLoRe's schedule: a pre-forward plan per shape class, validated, and online actions.
+
+``prepare`` (once per shape class, on development microbatches):
+  1. profile utility and memory (Eq. 9) and the all-R base peak;
+  2. candidate plans: the knapsack (Eq. 13) with calibration-mean risks at several risk
+     budgets (``plan_risk_scales`` x delta; 0 gives H/R only). A larger risk budget captures
+     more units compressed, which the online step may send back to R when a microbatch's
+     exposure is high;
+  3. measure every candidate's complete update (plan + online choice) and keep the fastest
+     whose measured peak is within B;
+  4. validate it: the measured peak on every development microbatch <= B (else shrink the
+     memory budget by the overshoot and re-plan), the accumulated relative gradient error over
+     them <= ``tolerance`` (else halve the risk budget), and drop each non-R action whose
+     leave-one-out utility (time with it minus time without it, paired) is <= 0.
+Online (``choose``), per microbatch or every ``refresh_every``: omega -> exposure (Eq. 7) ->
+risk psi_u -> knapsack restricted to each unit's planned representation -> actions.
+Modes: ``hilore``; ``hilore-hr`` (delta = 0: H/R only); ``hilore-static`` (the plan's own
+actions, risk from calibration means, no refresh).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT
+from .calibration import Calibration
+from .exposure import exposures
+from .knapsack import Option, solve
+from .profiling import UnitCosts, profile_units, shape_class
+
+MODES = ("hilore", "hilore-hr", "hilore-static")
+PLAN_OF = {"H": EXACT, "L": COMPRESSED, "R": CHECKPOINT}
+ALLOWED = {EXACT: ("R", "H", "L"), COMPRESSED: ("R", "L"), CHECKPOINT: ("R",)}
+
+
+@dataclass
+class ShapePlan:
+    shape: str
+    costs: UnitCosts
+    plan: Dict[str, str]
+    memory_budget: float  # bytes above the all-R peak the actions may add
+    risk_budget: float  # online, per microbatch (delta)
+    plan_risk_budget: float  # what the plan was solved with (scale x delta)
+    report: Dict = field(default_factory=dict)
+
+
+class HiLoRe:
+    def __init__(
+        self,
+        runner,
+        budget_bytes: int,
+        calibration: Optional[Calibration],
+        mode: str = "hilore",
+        delta: float = 0.015,
+        tolerance: float = 0.015,
+        grid: int = 128,
+        refresh_every: int = 1,
+        plan_risk_scales: Sequence[float] = (0.0, 1.0, 2.0, 4.0),
+        profile_repeats: int = 3,
+        loo: bool = True,
+        log=print,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown HiLoRe mode {mode!r}; choose one of {MODES}")
+        if mode != "hilore-hr" and calibration is None:
+            raise ValueError(f"{mode} needs a calibration (risk of L); hilore-hr does not")
+        self.runner, self.engine = runner, runner.engine
+        self.budget = int(budget_bytes)
+        self.calibration = calibration
+        self.mode = mode
+        self.delta = 0.0 if mode == "hilore-hr" else delta
+        self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
+        # static has no online trimming, so its plan may not take more risk than delta
+        self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
+            mode, tuple(plan_risk_scales))
+        self.profile_repeats, self.loo, self.log = profile_repeats, loo, log
+        self.plans: Dict[str, ShapePlan] = {}
+        self._calls = 0
+        self._last: Optional[Dict[str, str]] = None
+
+    # ---- allocation -----------------------------------------------------------------------
+    def _options(self, sp_costs: UnitCosts, unit: str, allowed, risk: float) -> List[Option]:
+        opts = [Option("R", 0.0, 0.0, 0.0)]
+        if "H" in allowed:
+            opts.append(Option("H", sp_costs.dtau[unit]["H"], sp_costs.dm[unit]["H"], 0.0))
+        if "L" in allowed and self.delta > 0:
+            opts.append(Option("L", sp_costs.dtau[unit]["L"], sp_costs.dm[unit]["L"], risk))
+        return opts
+
+    def allocate(self, costs: UnitCosts, risks: Dict[str, float], memory_budget: float, risk_budget: float,
+                 plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        names = self.engine.unit_names
+        items = [self._options(costs, n, ALLOWED[plan[n]] if plan else ("R", "H", "L"), risks.get(n, 0.0)) for n in names]
+        picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
+        return {n: items[i][picks[i]].action for i, n in enumerate(names)}
+
+    def static_risks(self) -> Dict[str, float]:
+        if self.calibration is None:
+            return {}
+        return {n: self.calibration.static_risk(n) for n in self.engine.unit_names}
+
+    # ---- preparation ----------------------------------------------------------------------
+    def prepare(self, dev: Sequence, accumulate: int = 2) -> ShapePlan:
+        """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
+        shape = shape_class(dev[0])
+        costs = profile_units(self.runner, dev[0], self.profile_repeats)
+        mem = float(self.budget - costs.base_peak)
+        if mem < 0:
+            raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
+        risks = self.static_risks()
+        best = None
+        for scale in self.scales:
+            actions = self.allocate(costs, risks, mem, self.delta * scale)
+            sp = ShapePlan(shape, costs, {n: PLAN_OF[a] for n, a in actions.items()}, mem, self.delta, self.delta * scale)
+            t, peak = self._measure(sp, dev[:1])
+            self.log(f"[hilore] plan at risk scale {scale}: H {sum(a == 'H' for a in actions.values())}, "
+                     f"L {sum(a == 'L' for a in actions.values())}; {t:.3f}s, peak {peak / self.budget:.3f} B")
+            if peak <= self.budget and (best is None or t < best[0]):
+                best = (t, sp, scale)
+        if best is None:  # nothing fitted: start from all-R and let validation grow nothing
+            best = (0.0, ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0), 0.0)
+        sp = self._validate(best[1], dev, accumulate)
+        sp.report["plan_risk_scale"] = best[2]
+        self.plans[shape] = sp
+        return sp
+
+    def _measure(self, sp: ShapePlan, batches, repeats: int = 1):
+        times, peak = [], 0
+        for mb in batches:
+            for _ in range(repeats):
+                times.append(self._run(sp, mb).seconds)
+            peak = max(peak, self._run(sp, mb, measure_peak=True).peak_bytes)
+        return statistics.median(times), peak
+
+    def _validate(self, sp: ShapePlan, dev, accumulate: int) -> ShapePlan:
+        for _ in range(6):
+            peak = max(self._run(sp, mb, measure_peak=True).peak_bytes for mb in dev)
+            err = self.accumulated_error(sp, dev, accumulate)
+            sp.report.update(peak_over_budget=peak / self.budget, grad_err=err)
+            if peak <= self.budget and err <= self.tolerance:
+                break
+            self.log(f"[hilore] validation: peak {peak / self.budget:.3f} B, gradient error {err:.4f}; re-planning")
+            if peak > self.budget:
+                sp.memory_budget = max(0.0, sp.memory_budget - (peak - self.budget) * 1.05)
+            if err > self.tolerance:
+                sp.risk_budget /= 2
+                sp.plan_risk_budget /= 2
+            actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget)
+            sp.plan = {n: PLAN_OF[a] for n, a in actions.items()}
+        else:
+            raise RuntimeError(f"hilore: could not validate a schedule within B and tolerance: {sp.report}")
+        if self.loo:
+            self._drop_useless(sp, dev[0])
+        return sp
+
+    def accumulated_error(self, sp: ShapePlan, dev, accumulate: int) -> float:
+        """Relative error of the gradient summed over each ``accumulate`` microbatches (an
+        update), against exact (all-H) gradients on the same inputs; the worst update."""
+        worst = 0.0
+        for i in range(0, len(dev), accumulate):
+            g = g_ex = None
+            for j, mb in enumerate(dev[i:i + accumulate]):
+                a = self._run(sp, mb, grads=True, seed=j).grad
+                b = self.runner.run(mb, "all-h", grads=True, seed=j).grad
+                g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
+            worst = max(worst, float((g - g_ex).norm() / g_ex.norm().clamp(min=1e-30)))
+        return worst
+
+    def _drop_useless(self, sp: ShapePlan, mb, repeats: int = 3) -> None:
+        for n in [n for n, q in sp.plan.items() if q != CHECKPOINT]:
+            without = dict(sp.plan, **{n: CHECKPOINT})
+            diffs = []
+            alt = ShapePlan(sp.shape, sp.costs, without, sp.memory_budget, sp.risk_budget, sp.plan_risk_budget)
+            for _ in range(repeats):  # paired: with, without, interleaved
+                diffs.append(self._run(alt, mb).seconds - self._run(sp, mb).seconds)
+            if statistics.median(diffs) <= 0:
+                sp.plan[n] = CHECKPOINT
+                self.log(f"[hilore] leave-one-out: {n} saves no time ({statistics.median(diffs) * 1e3:.1f} ms); recompute it")
+
+    # ---- online -------------------------------------------------------------------------------
+    def plan_for(self, mb) -> ShapePlan:
+        shape = shape_class(mb)
+        if shape not in self.plans:
+            raise KeyError(f"no plan for shape class {shape}; call prepare() with microbatches of that shape")
+        return self.plans[shape]
+
+    def _chooser_for(self, sp: ShapePlan):
+        if self.mode != "hilore":
+            return None  # the plan's own actions (H for exact, L for compressed, R)
+
+        def choose(step, out) -> Dict[str, str]:
+            self._calls += 1
+            if self._last is not None and (self._calls - 1) % self.refresh_every:
+                return {n: a if a in ALLOWED[sp.plan[n]] else "R" for n, a in self._last.items()}
+            E = exposures(out.omega, step.token_norms(), out.mask)
+            risks = {n: self.calibration.risk(n, e) for n, e in E.items()}
+            self._last = self.allocate(sp.costs, risks, sp.memory_budget, sp.risk_budget, plan=sp.plan)
+            return self._last
+
+        return choose
+
+    def _run(self, sp: ShapePlan, mb, **kw):
+        return self.runner.run(mb, sp.plan, self._chooser_for(sp), track_tokens=self.mode == "hilore", **kw)
+
+    def run(self, mb, **kw):
+        """One microbatch under HiLoRe (the plan for its shape class + online actions)."""
+        return self._run(self.plan_for(mb), mb, **kw)

@@ -1,0 +1,67 @@
+"""The Eq. 13 knapsack against brute force on the same grid."""
+import itertools
+import random
+
+import pytest
+
+from hilore_actor.allocation.knapsack import Option, grid_cost, solve
+
+
+def brute_force(items, mem_budget, risk_budget, kb, kd):
+    """Best (value, -risk cells, -memory cells) over all assignments feasible on the grid."""
+    kd = kd if risk_budget > 0 else 0
+    best = None
+    for combo in itertools.product(*[range(len(o)) for o in items]):
+        mem = sum(grid_cost(items[i][j].memory, mem_budget, kb) for i, j in enumerate(combo))
+        risk = sum(grid_cost(items[i][j].risk, risk_budget, kd) for i, j in enumerate(combo))
+        if mem > kb or risk > kd:
+            continue
+        key = (round(sum(items[i][j].value for i, j in enumerate(combo)), 9), -risk, -mem)
+        if best is None or key > best[0]:
+            best = (key, combo)
+    return best
+
+
+def random_items(rng, n):
+    items = []
+    for _ in range(n):
+        opts = [Option("R", 0.0, 0.0, 0.0)]
+        if rng.random() < 0.9:
+            opts.append(Option("H", rng.uniform(0, 1), rng.uniform(0, 60), 0.0))
+        if rng.random() < 0.8:
+            opts.append(Option("L", rng.uniform(0, 1), rng.uniform(0, 20), rng.uniform(0, 0.02)))
+        if rng.random() < 0.1:  # exact ties in value
+            opts.append(Option("H", opts[-1].value, rng.uniform(0, 60), 0.0))
+        items.append(opts)
+    return items
+
+
+@pytest.mark.parametrize("trial", range(60))
+def test_dp_matches_brute_force(trial):
+    rng = random.Random(random.randrange(2**31))
+    items = random_items(rng, rng.randint(1, 6))
+    mem_budget = rng.choice([0.0, rng.uniform(5, 150)])
+    risk_budget = rng.choice([0.0, rng.uniform(0.001, 0.05)])
+    kb, kd = rng.choice([(8, 8), (16, 4), (128, 128)])
+    picks = solve(items, mem_budget, risk_budget, kb, kd)
+    mem = sum(grid_cost(items[i][j].memory, mem_budget, kb) for i, j in enumerate(picks))
+    risk = sum(grid_cost(items[i][j].risk, risk_budget, kd if risk_budget > 0 else 0) for i, j in enumerate(picks))
+    assert mem <= kb and risk <= (kd if risk_budget > 0 else 0), "infeasible on the grid"
+    assert mem_budget > 0 or all(items[i][j].memory == 0 for i, j in enumerate(picks))
+    (value, neg_risk, neg_mem), _ = brute_force(items, mem_budget, risk_budget, kb, kd)
+    got = sum(items[i][j].value for i, j in enumerate(picks))
+    assert got == pytest.approx(value, rel=1e-6, abs=1e-6)
+    if abs(got - value) < 1e-9:  # same optimum: ties resolved to the least risk, then memory
+        assert (risk, mem) == (-neg_risk, -neg_mem)
+
+
+def test_costs_round_up_never_overspend():
+    items = [[Option("R", 0, 0), Option("H", 1.0, 10.01)] for _ in range(10)]
+    picks = solve(items, 100.0, 0.0, grid_memory=10)
+    assert sum(items[i][j].memory for i, j in enumerate(picks)) <= 100.0
+    assert sum(picks) == 5  # 10.01 B rounds up to 2 cells of 10 B: five fit, not nine
+
+
+def test_item_without_free_option_is_refused():
+    with pytest.raises(ValueError, match="free option"):
+        solve([[Option("H", 1.0, 5.0)]], 10.0, 0.0)
