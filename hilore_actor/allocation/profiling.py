@@ -6,7 +6,8 @@ difference is measured *in place*, paired within one run: under all-R the engine
 unit's forward replay in backward (exactly the time H removes), and under all-L it times
 each unit's encode + decode (what L adds back). Runs are warmed up and repeated; medians are
 kept. Memory: the bytes each unit's bundle holds after forward, exact (H) or compressed (L),
-from the engine's allocator-level accounting, plus, for an attention unit, the MLP input
+from the engine's allocator-level accounting, counted as if the unit were the only one kept
+(a storage shared by several units, such as an attention mask, is charged to each), plus, for an attention unit, the MLP input
 that must then be kept for the MLP's own replay. Schedule validation (``schedule.py``)
 measures the joint effect: real peak, and leave-one-out utility.
 """
@@ -49,8 +50,8 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3) -> UnitCosts:
         l_run = runner.run(mb, "all-l", profile=True)
         for n in names:
             codec[n].append(l_run.unit_seconds[n]["codec"])
-    exact = runner.run(mb, "all-h").bytes_by_unit
-    comp = l_run.bytes_by_unit
+    exact = runner.run(mb, "all-h").bytes_alone
+    comp = l_run.bytes_alone
     peak = runner.run(mb, "all-r", measure_peak=True).peak_bytes
     # keeping a layer's attention while its MLP is R breaks the shared layer replay: the MLP
     # then needs its own input kept (one hidden-state tensor)

@@ -29,6 +29,7 @@ class RunResult:
     loss: float = 0.0
     actions: Dict[str, str] = field(default_factory=dict)
     bytes_by_unit: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    bytes_alone: Dict[str, Dict[str, int]] = field(default_factory=dict)  # each unit as if held alone
     unit_seconds: Dict[str, Dict[str, float]] = field(default_factory=dict)
     token_norms: Dict[str, torch.Tensor] = field(default_factory=dict)
     reconstruction: Dict[str, float] = field(default_factory=dict)
@@ -93,6 +94,7 @@ class Runner:
                     else:
                         step.ensure_actions()
                     info["bytes_by_unit"] = step.bytes_by_unit()
+                    info["bytes_alone"] = step.bytes_by_unit(shared=False)
                     info["token_norms"] = step.token_norms()
                     out.loss.backward()
                     info["actions"] = step.actions()

@@ -108,14 +108,12 @@ class HiLoRe:
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
             raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
-        risks = self.static_risks()
         best = None
         for scale in self.scales:
-            actions = self.allocate(costs, risks, mem, self.delta * scale)
-            sp = ShapePlan(shape, costs, {n: PLAN_OF[a] for n, a in actions.items()}, mem, self.delta, self.delta * scale)
-            t, peak = self._measure(sp, dev[:1])
-            self.log(f"[hilore] plan at risk scale {scale}: H {sum(a == 'H' for a in actions.values())}, "
-                     f"L {sum(a == 'L' for a in actions.values())}; {t:.3f}s, peak {peak / self.budget:.3f} B")
+            sp, t, peak = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
+            n = {q: sum(v == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED)}
+            self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[COMPRESSED]} compressed; "
+                     f"{t:.3f}s, peak {peak / self.budget:.3f} B")
             if peak <= self.budget and (best is None or t < best[0]):
                 best = (t, sp, scale)
         if best is None:  # nothing fitted: start from all-R and let validation grow nothing
@@ -124,6 +122,25 @@ class HiLoRe:
         sp.report["plan_risk_scale"] = best[2]
         self.plans[shape] = sp
         return sp
+
+    def replan(self, sp: ShapePlan) -> None:
+        actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget)
+        sp.plan = {n: PLAN_OF[a] for n, a in actions.items()}
+
+    def _fit(self, sp: ShapePlan, mb, attempts: int = 4):
+        """Plan, measure the real peak, and shrink the memory budget by the measured ratio of
+        real to predicted peak increase until the plan fits B (allocator and transient costs
+        that per-unit accounting cannot see)."""
+        base = sp.costs.base_peak
+        for _ in range(attempts):
+            self.replan(sp)
+            t, peak = self._measure(sp, [mb])
+            if peak <= self.budget or all(q == CHECKPOINT for q in sp.plan.values()):
+                break
+            predicted = sum(sp.costs.dm[n]["H" if q == EXACT else "L"] for n, q in sp.plan.items() if q != CHECKPOINT)
+            ratio = max(1.0, (peak - base) / max(predicted, 1))
+            sp.memory_budget = min(sp.memory_budget * 0.95, (self.budget - base) / ratio * 0.99)
+        return sp, t, peak
 
     def _measure(self, sp: ShapePlan, batches, repeats: int = 1):
         times, peak = [], 0
@@ -146,8 +163,7 @@ class HiLoRe:
             if err > self.tolerance:
                 sp.risk_budget /= 2
                 sp.plan_risk_budget /= 2
-            actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget)
-            sp.plan = {n: PLAN_OF[a] for n, a in actions.items()}
+            self.replan(sp)
         else:
             raise RuntimeError(f"hilore: could not validate a schedule within B and tolerance: {sp.report}")
         if self.loo:
@@ -167,7 +183,7 @@ class HiLoRe:
             worst = max(worst, float((g - g_ex).norm() / g_ex.norm().clamp(min=1e-30)))
         return worst
 
-    def _drop_useless(self, sp: ShapePlan, mb, repeats: int = 3) -> None:
+    def _drop_useless(self, sp: ShapePlan, mb, repeats: int = 5) -> None:
         for n in [n for n, q in sp.plan.items() if q != CHECKPOINT]:
             without = dict(sp.plan, **{n: CHECKPOINT})
             diffs = []

@@ -188,7 +188,7 @@ class RecoveryEngine:
         elif u.plan == COMPRESSED and not ext:
             u.entries[idx] = st.compress(t, u)
         else:
-            u.entries[idx] = t
+            u.entries[idx] = st.canonical(t)
         return _Handle(u, idx)
 
     def _unpack(self, h):

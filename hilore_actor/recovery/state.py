@@ -88,10 +88,12 @@ class LayerState:
     joint: bool = False  # every unit is R: one layer replay serves them all (shared recompute)
 
 
-def unit_bytes(layers: List[LayerState]) -> Dict[str, Dict[str, int]]:
-    """Bytes each unit holds now, by representation. A storage is counted once, for the first
-    unit that holds it; parameters are never in ``entries``. A layer's own checkpoint input
-    (kept for a joint replay) is counted with its first unit."""
+def unit_bytes(layers: List[LayerState], shared: bool = True) -> Dict[str, Dict[str, int]]:
+    """Bytes each unit holds now, by representation. With ``shared`` a storage is counted
+    once, for the first unit that holds it (the totals are real bytes); without, each unit is
+    counted as if it were the only one held (what keeping just that unit would cost).
+    Parameters are never in ``entries``. A layer's own checkpoint input (kept for a joint
+    replay) is counted with its first unit."""
     seen: Set[int] = set()
     out = {}
 
@@ -102,6 +104,8 @@ def unit_bytes(layers: List[LayerState]) -> Dict[str, Dict[str, int]]:
 
     for layer in layers:
         for j, u in enumerate(layer.units):
+            if not shared:
+                seen = set()
             b = {"exact": 0, "compressed": 0, "checkpoint": 0}
             for idx, v in u.entries.items():
                 if isinstance(v, Payload):

@@ -45,6 +45,7 @@ class Step:
         self.targets: set = set()
         self.actions_set = False
         self._compressed: Dict[int, tuple] = {}
+        self._masks: Dict[tuple, torch.Tensor] = {}
         self._hooks_ctx = None
 
     def __enter__(self) -> "Step":
@@ -65,6 +66,21 @@ class Step:
             u.replay = Replay()
         for ls in self.layers:
             ls.replay = Replay()
+        self._masks.clear()
+
+    def canonical(self, t: torch.Tensor) -> torch.Tensor:
+        """One shared copy of equal attention masks. SDPA turns the boolean (packed-sequence)
+        mask into an additive float ``[B, 1, T, T]`` mask in every layer and saves it; the
+        copies are equal, so every layer can keep the first one (exact: same values). Only
+        mask-shaped tensors are compared."""
+        if t.dim() != 4 or t.shape[1] != 1 or t.shape[-1] != t.shape[-2] or not t.is_floating_point():
+            return t
+        key = (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        first = self._masks.get(key)
+        if first is not None and torch.equal(first, t):
+            return first
+        self._masks.setdefault(key, t)
+        return t
 
     def compress(self, t: torch.Tensor, unit: UnitState):
         """The L representation of one saved tensor (or ``t`` itself when it cannot be scaled)."""
@@ -80,7 +96,7 @@ class Step:
         if self.profile:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
-        out = p if bool(torch.isfinite(p.scale).all()) else t
+        out = p if bool(torch.isfinite(p.scale).all()) else self.canonical(t)
         self._compressed[id(t)] = (weakref.ref(t), out)
         if self.track_error and out is p:
             x = t.detach().float()
@@ -143,10 +159,11 @@ class Step:
         if not self.actions_set:
             self.set_actions(self._pending_actions)
 
-    def bytes_by_unit(self) -> Dict[str, Dict[str, int]]:
+    def bytes_by_unit(self, shared: bool = True) -> Dict[str, Dict[str, int]]:
         """Bytes held per unit now: ``exact``, ``compressed`` and ``checkpoint`` (inputs kept for
-        recomputation), each storage counted once."""
-        return unit_bytes(self.layers)
+        recomputation). ``shared=True``: each storage counted once overall; ``False``: each
+        unit alone (see ``state.unit_bytes``)."""
+        return unit_bytes(self.layers, shared)
 
     def actions(self) -> Dict[str, str]:
         return {u.name: u.action for u in self.units}
