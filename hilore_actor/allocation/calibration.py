@@ -91,7 +91,9 @@ def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=N
             e = res.reconstruction.get(name, 0.0)
             y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
             E = unit_exposure(ref.omega, ref.token_norms[name], ref.mask)
-            samples.append({"unit": name, "batch": b, "group": groups[name], "exposure": E, "recon": e, "grad_err": y})
+            E_adv = unit_exposure(mb.advantages, ref.token_norms[name], ref.mask)  # advantage-only proxy
+            samples.append({"unit": name, "batch": b, "group": groups[name], "exposure": E, "adv_exposure": E_adv,
+                            "recon": e, "grad_err": y})
             done += 1
             if progress:
                 progress(done, total)
