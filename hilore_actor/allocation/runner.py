@@ -56,6 +56,7 @@ class Runner:
         method: Union[str, Dict[str, str], None],
         actions: Union[str, Dict[str, str], ActionChooser, None] = None,
         *,
+        loss_fn=None,
         grads: bool = False,
         measure_peak: bool = False,
         profile: bool = False,
@@ -63,8 +64,11 @@ class Runner:
         track_error: bool = False,
         seed: int = 0,
     ) -> RunResult:
-        """``method``: a baseline name, an engine policy name, or a plan / action map.
-        ``actions``: fixed actions, or a callable ``(step, loss_output) -> actions``."""
+        """``method``: a baseline name, ``"as-is"`` (the model as currently configured, e.g. a
+        peer's own checkpointing), an engine policy name, or a plan / action map.
+        ``actions``: fixed actions, or a callable ``(step, loss_output) -> actions``.
+        ``loss_fn`` overrides the runner's (e.g. to call a compiled model)."""
+        loss_fn = loss_fn or self.loss_fn
         for p in self.params:
             p.grad = None
         torch.manual_seed(seed)
@@ -73,17 +77,20 @@ class Runner:
         self._sync()
         t0, c0 = time.perf_counter(), time.process_time()
         with meter if meter is not None else _null():
-            if isinstance(method, str) and method in BASELINES:
+            if method == "as-is":
+                out = loss_fn(self.model, mb)
+                out.loss.backward()
+            elif isinstance(method, str) and method in BASELINES:
                 apply_baseline(self.model, method)
                 try:
-                    out = self.loss_fn(self.model, mb)
+                    out = loss_fn(self.model, mb)
                     out.loss.backward()
                 finally:
                     if method == "gc":
                         apply_baseline(self.model, "no-gc")
             else:
                 with self.engine.step(method, track_error=track_error, track_tokens=track_tokens, profile=profile) as step:
-                    out = self.loss_fn(self.model, mb)
+                    out = loss_fn(self.model, mb)
                     if callable(actions):
                         c = time.perf_counter()
                         chosen = actions(step, out)

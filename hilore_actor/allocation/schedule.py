@@ -59,6 +59,7 @@ class HiLoRe:
         plan_risk_scales: Sequence[float] = (0.0, 1.0, 2.0, 4.0),
         profile_repeats: int = 3,
         loo: bool = True,
+        costs_cache: Optional[Dict[str, UnitCosts]] = None,
         log=print,
     ):
         if mode not in MODES:
@@ -76,6 +77,7 @@ class HiLoRe:
             mode, tuple(plan_risk_scales))
         self.profile_repeats, self.loo, self.log = profile_repeats, loo, log
         self.plans: Dict[str, ShapePlan] = {}
+        self.costs_cache = costs_cache if costs_cache is not None else {}  # shape class -> UnitCosts (share across budgets)
         self._calls = 0
         self._last: Optional[Dict[str, str]] = None
 
@@ -104,7 +106,9 @@ class HiLoRe:
     def prepare(self, dev: Sequence, accumulate: int = 2) -> ShapePlan:
         """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
         shape = shape_class(dev[0])
-        costs = profile_units(self.runner, dev[0], self.profile_repeats)
+        if shape not in self.costs_cache:
+            self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats)
+        costs = self.costs_cache[shape]
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
             raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
@@ -128,19 +132,33 @@ class HiLoRe:
         sp.plan = {n: PLAN_OF[a] for n, a in actions.items()}
 
     def _fit(self, sp: ShapePlan, mb, attempts: int = 4):
-        """Plan, measure the real peak, and shrink the memory budget by the measured ratio of
-        real to predicted peak increase until the plan fits B (allocator and transient costs
-        that per-unit accounting cannot see)."""
+        """Plan, measure the real peak, and rescale the memory budget by the measured ratio of
+        real to predicted peak increase (allocator and transient effects that per-unit
+        accounting cannot see; shared storages that it counts twice), down when the plan
+        overshoots B, up when it leaves room; keep the largest plan that fits."""
         base = sp.costs.base_peak
+        room = self.budget - base
+        best = None
         for _ in range(attempts):
             self.replan(sp)
             t, peak = self._measure(sp, [mb])
-            if peak <= self.budget or all(q == CHECKPOINT for q in sp.plan.values()):
-                break
+            if peak <= self.budget and (best is None or sp.memory_budget > best[0].memory_budget):
+                best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget), t, peak)
             predicted = sum(sp.costs.dm[n]["H" if q == EXACT else "L"] for n, q in sp.plan.items() if q != CHECKPOINT)
-            ratio = max(1.0, (peak - base) / max(predicted, 1))
-            sp.memory_budget = min(sp.memory_budget * 0.95, (self.budget - base) / ratio * 0.99)
-        return sp, t, peak
+            if predicted == 0 or (peak <= self.budget and sp.memory_budget >= self.costs_total(sp.costs)):
+                break
+            ratio = max(peak - base, 1) / predicted  # real bytes per predicted byte
+            target = room / ratio * 0.98
+            if peak <= self.budget and target <= sp.memory_budget * 1.02:
+                break  # fits, and there is no meaningful room left
+            sp.memory_budget = target if peak > self.budget else max(target, sp.memory_budget)
+        if best is None:
+            return sp, t, peak
+        return best
+
+    @staticmethod
+    def costs_total(costs: UnitCosts) -> float:
+        return float(sum(v["H"] for v in costs.dm.values()))
 
     def _measure(self, sp: ShapePlan, batches, repeats: int = 1):
         times, peak = [], 0

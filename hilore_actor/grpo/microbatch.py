@@ -44,12 +44,19 @@ class LossOutput:
     stats: Dict[str, torch.Tensor]
 
 
-def microbatch_loss(model, mb: Microbatch) -> LossOutput:
-    """Forward the packed microbatch, then Eq. 1 and Eq. 4 on its response tokens."""
-    from ..models.logprobs import token_log_probs
+def microbatch_loss(model, mb: Microbatch, lean_head: bool = False) -> LossOutput:
+    """Forward the packed microbatch, then Eq. 1 and Eq. 4 on its response tokens.
+    ``lean_head``: token log-probs through the chunked head (``models/lean_head.py``) instead
+    of the model's full logits."""
+    if lean_head:
+        from ..models.lean_head import lean_token_log_probs
 
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-    logp = token_log_probs(out.logits[:, :-1], mb.input_ids[:, 1:])
+        logp = lean_token_log_probs(model, mb.input_ids, mb.position_ids)
+    else:
+        from ..models.logprobs import token_log_probs
+
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+        logp = token_log_probs(out.logits[:, :-1], mb.input_ids[:, 1:])
     args = (logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs)
     loss, stats = policy_loss(*args, **mb.loss_options)
     omega = token_coefficients(*args, **mb.loss_options)
