@@ -48,20 +48,33 @@ def enable_sac(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def compiled_loss(model, budget: float = 1.0, fp8: bool = False):
-    """A loss function calling ``torch.compile(model)`` under the given partitioner settings.
-    The settings are read at compile time, so each configuration gets its own compiled model."""
+def compiled_runner(runner, budget: float = 1.0, fp8: bool = False):
+    """A ``Runner`` over a private copy of the model, compiled under its own partitioner
+    settings. Dynamo's cache keys on neither these settings nor the module copy, so building one
+    resets it: only one compiled peer may be live at a time (the benchmark measures each in an
+    isolated phase, interleaved with gc). Every call runs inside the settings."""
+    import contextlib
+    import copy
+
     import torch._dynamo
     import torch._functorch.config as fconf
     import torch._inductor.config as iconf
 
-    torch._dynamo.reset()
-    fconf.activation_memory_budget = budget
+    from ..allocation.runner import Runner
+
+    fusion = dict(iconf.post_grad_fusion_options)
     if fp8:
-        iconf.post_grad_fusion_options["activation_quantization_aten_pass"] = {
+        fusion["activation_quantization_aten_pass"] = {
             "allowed_dtypes": "torch.float32;torch.bfloat16", "size_in_mb": 1, "quant_type": "torch.float8_e5m2",
         }
-    else:
-        iconf.post_grad_fusion_options.pop("activation_quantization_aten_pass", None)
+    torch._dynamo.reset()  # compiled graphs do not key on these settings: start clean
+    model = copy.deepcopy(runner.model)
     compiled = torch.compile(model, dynamic=False)
-    return lambda _model, mb: microbatch_loss(compiled, mb)
+
+    def loss(_model, mb):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fconf.patch(activation_memory_budget=budget))
+            stack.enter_context(iconf.patch(post_grad_fusion_options=fusion))
+            return microbatch_loss(compiled, mb)
+
+    return Runner(model, loss_fn=loss)

@@ -44,9 +44,20 @@ def markdown(records: List[Dict], header: Dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _clean(v):
+    """NaN / inf (e.g. a peer whose gradients overflow) become null: strict JSON."""
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    return v
+
+
 def write_json(path, header: Dict, records: List[Dict]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**header, "records": records}, indent=1))
+    Path(path).write_text(json.dumps(_clean({**header, "records": records}), indent=1, allow_nan=False))
 
 
 def plot(path, records: List[Dict], budgets, title: str) -> None:
