@@ -234,6 +234,13 @@ class HiLoRe:
 
         return choose
 
+    def choose(self, mb, step, loss_output) -> Dict[str, str]:
+        """Online actions for a training loop that is not ours: call after the loss, before
+        backward, inside ``engine.step(self.plan_for(mb).plan, track_tokens=True)``."""
+        sp = self.plan_for(mb)
+        chooser = self._chooser_for(sp)
+        return chooser(step, loss_output) if chooser else {n: {EXACT: "H", COMPRESSED: "L", CHECKPOINT: "R"}[q] for n, q in sp.plan.items()}
+
     def _run(self, sp: ShapePlan, mb, **kw):
         return self.runner.run(mb, sp.plan, self._chooser_for(sp), track_tokens=self.mode == "hilore", **kw)
 

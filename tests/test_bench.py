@@ -1,0 +1,40 @@
+"""The benchmark command end to end on a tiny model config: records, JSON fields, plot."""
+import json
+
+import pytest
+
+from hilore_actor.bench.cli import main
+from hilore_actor.bench.report import FIELDS
+from hilore_actor.models import tiny_config
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=2048).to_json_string())
+    return path
+
+
+def test_bench_runs_and_reports(tmp_path, tiny_cfg):
+    out = tmp_path / "r.json"
+    rc = main(["--workload", "cpu-small", "--model-config", str(tiny_cfg), "--methods", "no-gc,gc,all-h,all-r,all-l,hilore-hr",
+               "--budgets", "1.10,1.20", "--repeats", "1", "--updates", "1", "--calib", "1", "--calib-tokens", "256",
+               "--no-loo", "--json", str(out), "--plot", str(tmp_path / "p.png"), "--markdown", str(tmp_path / "t.md")])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["torch"] and data["device"] and data["workload"]["name"] == "cpu-small"
+    recs = {(r["method"], r["budget_ratio"]): r for r in data["records"]}
+    assert set(recs) == {("no-gc", None), ("gc", None), ("all-h", None), ("all-r", None), ("all-l", None),
+                         ("hilore-hr", 1.1), ("hilore-hr", 1.2)}
+    for r in data["records"]:
+        assert set(FIELDS) <= set(r)
+    assert recs[("all-h", None)]["grad_rel_err_max"] == 0.0 and recs[("all-r", None)]["grad_rel_err_max"] == 0.0
+    assert recs[("all-l", None)]["grad_rel_err_max"] > 0.0
+    assert recs[("hilore-hr", 1.1)]["peak_over_gc"] <= 1.1
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert "| method |" in (tmp_path / "t.md").read_text()
+
+
+def test_unknown_method_is_a_clear_error(tiny_cfg, capsys):
+    assert main(["--model-config", str(tiny_cfg), "--methods", "magic", "--repeats", "1"]) == 2
+    assert "unknown method 'magic'" in capsys.readouterr().err
