@@ -1,14 +1,18 @@
-"""One real GRPO learner step on the bundled SmolLM2-135M-Instruct (CPU default).
+"""One real GRPO learner step on the bundled SmolLM2-135M-Instruct (CPU default), gc vs HiLoRe.
 
 Until the Ray training job lands this is the package's main command: sample G responses per
 arithmetic prompt with HF generate, score them with the task's verifier, compute group
-advantages, run the learner forward, the GRPO loss (Eq. 1) and its exact token coefficients
-(Eq. 4), then backward with the peak memory measured. Everything printed is measured.
+advantages, pack the responses into a learner microbatch, then run the learner update (forward,
+GRPO loss Eq. 1, exact token coefficients Eq. 4, backward) under gradient checkpointing and
+under HiLoRe (H/R, no approximation) at a budget of 1.10 x the measured gc peak, interleaved.
+Everything printed is measured.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -26,18 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--kl_coef", type=float, default=0.001)
+    p.add_argument("--budget", default="1.10", help="HiLoRe memory budget: ratio of the measured gc peak, or a size")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats per method")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from hilore_actor.allocation import HiLoRe, Runner, resolve_budget
     from hilore_actor.data import load_task
-    from hilore_actor.grpo import group_advantages, policy_loss, token_coefficients
+    from hilore_actor.grpo import group_advantages
+    from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.models import LoraSpec, apply_lora, load_smollm2
-    from hilore_actor.models.logprobs import sequence_log_probs
-    from hilore_actor.rollout import generate_groups
-    from hilore_actor.runtime import MemoryMeter
+    from hilore_actor.rollout import generate_groups, pack_rollout
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -53,35 +59,44 @@ def main(argv=None) -> int:
     rollout_s = time.perf_counter() - t0
     rewards = torch.tensor([task.score(text, examples[i // args.group_size]) for i, text in enumerate(roll.texts)])
     adv = group_advantages(rewards, args.group_size)
-    mask = roll.action_mask()
 
-    with torch.no_grad():
-        old = sequence_log_probs(model, roll.sequences)
-        with model.disable_adapter():
-            ref = sequence_log_probs(model, roll.sequences)
+    mbs = pack_rollout(model, roll, adv, max_tokens=4096, loss_options=dict(kl_coef=args.kl_coef, kl_estimator="k3"))
+    mb = mbs[0]
     model.train()
-    opts = dict(kl_coef=args.kl_coef, kl_estimator="k3")
+    runner = Runner(model, loss_fn=partial(microbatch_loss, lean_head=True))
+    plain = Runner(model, runner.engine)
+    ref = plain.run(mb, "no-gc", grads=True)
+    gc_peak = plain.run(mb, "gc", measure_peak=True).peak_bytes
+    budget = resolve_budget(args.budget, gc_peak, gc_peak)
     t0 = time.perf_counter()
-    with MemoryMeter("cpu") as meter:
-        logp = sequence_log_probs(model, roll.sequences)
-        loss, stats = policy_loss(logp, old, adv, mask, ref, **opts)
-        omega = token_coefficients(logp, old, adv, mask, ref, **opts)
-        loss.backward()
-    update_s = time.perf_counter() - t0  # includes the profiler's overhead
+    hl = HiLoRe(runner, budget, None, mode="hilore-hr", loo=False, profile_repeats=1, log=lambda *_: None)
+    sp = hl.prepare([mb])
+    prep_s = time.perf_counter() - t0
+    times = {"gc": [], "hilore-hr": []}
+    for _ in range(args.repeats):
+        times["gc"].append(plain.run(mb, "gc").seconds)
+        times["hilore-hr"].append(hl.run(mb).seconds)
+    res = hl.run(mb, grads=True, measure_peak=True)
+    err = float((res.grad - ref.grad).norm() / ref.grad.norm())
 
-    resp = mask.bool()
+    omega, resp = ref.omega, ref.mask.bool()
     mag = omega[resp].abs().sort(descending=True).values
     top = mag[: max(1, len(mag) // 10)].sum() / mag.sum().clamp(min=1e-30)
     print(f"[demo] rollout: {len(roll.texts)} responses in {rollout_s:.1f}s, mean length {sum(roll.response_lens) / len(roll.response_lens):.1f} tokens")
     for i, ex in enumerate(examples):
         print(f"  prompt {i}: answer {ex.answer!r}; rewards {rewards[i * args.group_size:(i + 1) * args.group_size].tolist()}")
         print(f"    sample: {roll.texts[i * args.group_size].strip()[:80]!r}")
-    print(f"[demo] reward mean {rewards.mean():.3f}; advantages {['%.2f' % a for a in adv.tolist()]}")
-    print(f"[demo] loss {loss.item():.5f} (policy {stats['policy_loss']:.5f}, kl {stats['kl_loss']:.6f}), clip fraction {stats['clip_fraction']:.3f}")
-    print(f"[demo] omega: {(omega[resp] == 0).float().mean():.1%} of response tokens have omega = 0 (policy part is 0 for zero-advantage groups; KL keeps a small term);"
-          f" top 10% of tokens carry {top:.1%} of |omega|")
-    print(f"[demo] learner fwd+bwd {mask.shape[0]}x{mask.shape[1]} tokens: {update_s:.1f}s, measured peak {meter.report.peak_bytes / 2**20:.1f} MiB (no checkpointing)")
-    print("[demo] this is the foundation's demo; the Ray GRPO job (train_grpo) and the HiLoRe engine are listed in the README status table")
+    print(f"[demo] reward mean {rewards.mean():.3f}, accuracy {(rewards == 1).float().mean():.3f}; advantages {['%.2f' % a for a in adv.tolist()]}")
+    print(f"[demo] loss {ref.loss:.5f}; omega: {(omega[resp] == 0).float().mean():.1%} of response tokens have omega = 0; "
+          f"top 10% of tokens carry {top:.1%} of |omega|")
+    n_exact = sum(q == "exact" for q in sp.plan.values())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"[demo] learner update, {mb.num_tokens} packed tokens, budget {budget / 2**20:.0f} MiB = {args.budget} x gc peak "
+          f"({gc_peak / 2**20:.0f} MiB); HiLoRe planned in {prep_s:.0f}s: {n_exact} of {len(sp.plan)} units kept exactly")
+    print(f"[demo]   gc        {med['gc']:.2f}s   peak {gc_peak / 2**20:.0f} MiB")
+    print(f"[demo]   hilore-hr {med['hilore-hr']:.2f}s   peak {res.peak_bytes / 2**20:.0f} MiB   "
+          f"speed x{med['gc'] / med['hilore-hr']:.3f} vs gc; gradient rel. error vs no-gc {err:.1e} (chunked head: float rounding)")
+    print("[demo] this is the foundation's demo; the Ray GRPO job (train_grpo) is listed in the README status table")
     return 0
 
 

@@ -12,6 +12,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError('blocked for this test: ' + name)
 sys.meta_path.insert(0, Block())
 import hilore_actor, hilore_actor.grpo, hilore_actor.runtime, hilore_actor.models, hilore_actor.data, hilore_actor.rollout
+import hilore_actor.recovery, hilore_actor.workloads
 import hilore_actor.grpo as g, torch
 s = torch.randn(2, 3, requires_grad=True)
 loss, _ = g.policy_loss(s, s.detach(), torch.ones(2))

@@ -214,9 +214,12 @@ class HiLoRe:
 
     # ---- online -------------------------------------------------------------------------------
     def plan_for(self, mb) -> ShapePlan:
+        """The plan of ``mb``'s shape class; a new shape class is profiled and planned on the
+        spot, with ``mb`` as its development microbatch."""
         shape = shape_class(mb)
         if shape not in self.plans:
-            raise KeyError(f"no plan for shape class {shape}; call prepare() with microbatches of that shape")
+            self.log(f"[hilore] new shape class {shape}: profiling and planning")
+            self.prepare([mb])
         return self.plans[shape]
 
     def _chooser_for(self, sp: ShapePlan):

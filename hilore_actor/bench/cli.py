@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 import sys
 import time
 from collections import Counter
@@ -22,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="1.10", help="comma list of budgets as ratios of the measured gc peak")
     p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats per method (>= 7 on noisy CPUs)")
     p.add_argument("--updates", type=int, default=2, help="distinct replayed updates (each = the workload's microbatches)")
-    p.add_argument("--calib", type=int, default=4, help="calibration microbatches for HiLoRe's risk (C)")
+    p.add_argument("--calib", type=int, default=16, help="calibration microbatches for HiLoRe's risk (C)")
+    p.add_argument("--calibration", default=None, help="calibration JSON: reused when it exists, written after calibrating")
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
     p.add_argument("--codec", default="int8", help="L codec: int8, fp8-e4m3, fp8-e5m2")
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
 def run(args, argv) -> int:
     import torch
 
-    from ..allocation import Runner, calibrate
+    from ..allocation import Calibration, Runner, calibrate
     from ..models import LoraSpec, build_model, load_model, tiny_config
     from ..recovery import RecoveryEngine
     from ..workloads import replayed_microbatches
@@ -86,11 +88,16 @@ def run(args, argv) -> int:
     log(f"[bench] {wl.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, gc peak {gc_peak / 2**20:.1f} MiB")
     ctx = {"gc_peak": gc_peak, "costs_cache": {}, "dev": dev, "log": log, "loo": not args.no_loo, "calibration": None,
            "lean_runner": lean_runner, "ours_lean": not args.std_head}
-    if any(m.startswith("hilore") for m in methods):
+    if any(m.startswith("hilore") for m in methods) and args.calibration and Path(args.calibration).is_file():
+        ctx["calibration"] = Calibration.load(args.calibration)
+        log(f"[bench] calibration reused from {args.calibration}")
+    elif any(m.startswith("hilore") for m in methods):
         t = time.perf_counter()
         cal_mbs = replayed_microbatches(model, args.calib, args.calib_tokens or wl.tokens, seed=args.seed + 1, loss_options=loss_opts)
         ctx["calibration"] = calibrate(runner if args.std_head else lean_runner, cal_mbs, progress=lambda d, n: log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
         log(f"[bench] calibrated on {args.calib} microbatches in {time.perf_counter() - t:.0f}s")
+        if args.calibration:
+            ctx["calibration"].save(args.calibration)
 
     entries, unavailable = [], []
     for name in methods:
@@ -181,7 +188,6 @@ def run(args, argv) -> int:
     if args.json:
         report.write_json(args.json, header, records)
     if args.markdown:
-        from pathlib import Path
         Path(args.markdown).write_text(report.markdown(records, header))
     if args.plot:
         report.plot(args.plot, records, budgets, f"{wl.name}: throughput vs peak memory, relative to gc")

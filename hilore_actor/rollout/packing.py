@@ -1,0 +1,47 @@
+"""Rollouts -> packed learner microbatches (the layout of ``grpo.microbatch``)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ..grpo.microbatch import Microbatch
+from ..models.logprobs import sequence_log_probs
+from .hf_generate import Rollout
+
+
+@torch.no_grad()
+def pack_rollout(model, rollout: Rollout, advantages: torch.Tensor, max_tokens: int, ref_model=None,
+                 loss_options=None) -> List[Microbatch]:
+    """Pack the rollout's sequences (padding dropped) into rows of at most ``max_tokens``;
+    old log-probs from ``model`` (the behaviour policy), reference log-probs from
+    ``ref_model`` (or ``model`` with its LoRA adapters disabled)."""
+    seqs = []
+    for i in range(rollout.sequences.shape[0]):
+        n = rollout.prompt_lens[i] + rollout.response_lens[i]
+        if n > max_tokens:
+            raise ValueError(f"sequence {i} has {n} tokens, more than a microbatch of {max_tokens}")
+        seqs.append((rollout.sequences[i, :n], rollout.prompt_lens[i], float(advantages[i])))
+    rows, cur = [], []
+    for s in seqs:
+        if sum(len(x[0]) for x in cur) + len(s[0]) > max_tokens:
+            rows.append(cur)
+            cur = []
+        cur.append(s)
+    rows.append(cur)
+    out = []
+    for row in rows:
+        ids = torch.cat([s[0] for s in row])[None]
+        pos = torch.cat([torch.arange(len(s[0])) for s in row])[None]
+        mask = torch.cat([torch.cat([torch.zeros(p - 1), torch.ones(len(t) - p), torch.zeros(1)]) for t, p, _ in row])[None, :-1]
+        adv = torch.cat([torch.full((len(t),), a) for t, _, a in row])[None, :-1]
+        old = sequence_log_probs(model, ids, position_ids=pos).float()
+        if ref_model is not None:
+            ref = sequence_log_probs(ref_model, ids, position_ids=pos).float()
+        elif hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                ref = sequence_log_probs(model, ids, position_ids=pos).float()
+        else:
+            ref = old.clone()
+        out.append(Microbatch(ids, pos, old, ref, adv, mask, loss_options=dict(loss_options or {})))
+    return out
