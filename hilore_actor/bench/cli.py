@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=2, help="distinct replayed updates (each = the workload's microbatches)")
     p.add_argument("--calib", type=int, default=16, help="calibration microbatches for HiLoRe's risk (C)")
     p.add_argument("--calibration", default=None, help="calibration JSON: reused when it exists, written after calibrating")
-    p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
+    p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's calib_tokens)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
     p.add_argument("--codec", default="int8", help="L codec: int8, fp8-e4m3, fp8-e5m2")
     p.add_argument("--std-head", action="store_true",
@@ -93,7 +93,7 @@ def run(args, argv) -> int:
         log(f"[bench] calibration reused from {args.calibration}")
     elif any(m.startswith("hilore") for m in methods):
         t = time.perf_counter()
-        cal_mbs = replayed_microbatches(model, args.calib, args.calib_tokens or wl.tokens, seed=args.seed + 1, loss_options=loss_opts)
+        cal_mbs = replayed_microbatches(model, args.calib, args.calib_tokens or wl.calib_tokens, seed=args.seed + 1, loss_options=loss_opts)
         ctx["calibration"] = calibrate(runner if args.std_head else lean_runner, cal_mbs, progress=lambda d, n: log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
         log(f"[bench] calibrated on {args.calib} microbatches in {time.perf_counter() - t:.0f}s")
         if args.calibration:

@@ -21,6 +21,7 @@ class Workload:
     lora_alpha: int = 32
     kl_coef: float = 0.001
     kl_estimator: str = "k3"
+    calib_tokens: int = 512  # calibration microbatches may be shorter: kappa and e_bar are ratios
     note: str = ""
 
     def describe(self) -> Dict:
@@ -41,12 +42,12 @@ WORKLOADS = {
         "cpu-ref", "qwen2",
         dict(hidden_size=512, intermediate_size=2816, num_layers=12, num_heads=8, num_kv_heads=2, vocab_size=32768,
              tie_word_embeddings=False),
-        tokens=2048, note="the reference on CPU",
+        tokens=2048, calib_tokens=1024, note="the reference on CPU",
     ),
     "gpu-ref": Workload(
         "gpu-ref", "qwen2",
         dict(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2, vocab_size=151936,
              tie_word_embeddings=True, max_position_embeddings=32768),
-        dtype="bfloat16", microbatches=4, tokens=4096, note="Qwen2.5-3B shape, random weights, for one GPU",
+        dtype="bfloat16", microbatches=4, tokens=4096, calib_tokens=1024, note="Qwen2.5-3B shape, random weights, for one GPU",
     ),
 }
