@@ -95,7 +95,7 @@ def main(argv=None) -> int:
           f"({gc_peak / 2**20:.0f} MiB); HiLoRe planned in {prep_s:.0f}s: {n_exact} of {len(sp.plan)} units kept exactly")
     print(f"[demo]   gc        {med['gc']:.2f}s   peak {gc_peak / 2**20:.0f} MiB")
     print(f"[demo]   hilore-hr {med['hilore-hr']:.2f}s   peak {res.peak_bytes / 2**20:.0f} MiB   "
-          f"speed x{med['gc'] / med['hilore-hr']:.3f} vs gc; gradient rel. error vs no-gc {err:.1e} (chunked head: float rounding)")
+          f"speed x{med['gc'] / med['hilore-hr']:.3f} vs gc; gradient rel. error vs no-gc {err:.1e}")
     print("[demo] this is the foundation's demo; the Ray GRPO job (train_grpo) is listed in the README status table")
     return 0
 
