@@ -6,6 +6,7 @@ and plans, and HiLoRe's online choice (a callable that picks actions after the l
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Union
@@ -76,7 +77,7 @@ class Runner:
         info: Dict = {}
         self._sync()
         t0, c0 = time.perf_counter(), time.process_time()
-        with meter if meter is not None else _null():
+        with meter if meter is not None else contextlib.nullcontext():
             if method == "as-is":
                 out = loss_fn(self.model, mb)
                 out.loss.backward()
@@ -117,10 +118,3 @@ class Runner:
                                   for p in self.params])
         return res
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -17,14 +17,6 @@ class Rollout:
     texts: List[str]  # decoded responses
     group_size: int
 
-    def action_mask(self) -> torch.Tensor:
-        """``[B, L-1]`` mask over next-token positions: 1 where the predicted token is a response token."""
-        B, L = self.sequences.shape
-        pos = torch.arange(1, L)[None, :]
-        start = torch.tensor(self.prompt_lens)[:, None]
-        end = start + torch.tensor(self.response_lens)[:, None]
-        return ((pos >= start) & (pos < end)).float()
-
 
 def apply_chat(tokenizer, prompt: str) -> List[int]:
     if getattr(tokenizer, "chat_template", None):
