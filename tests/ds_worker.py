@@ -57,6 +57,8 @@ def main():
     out["grad_norm"] = float(torch.cat([g.flatten() for g in ref.values()]).norm())
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # orderly shutdown: an implicit one at exit can abort
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The engine inside DeepSpeed ZeRO-2/3 engines on 2 CPU ranks (gloo): H/R gradients equal no-gc."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -9,11 +10,17 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize("stage,dtype", [(3, "fp32"), (3, "bf16"), (2, "fp32")])
 def test_zero_engine_gradients_match_no_gc(stage, dtype, tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={29500 + stage * 10 + len(dtype)}", os.path.join(HERE, "ds_worker.py"), str(stage), dtype]
+           f"--master_port={free_port()}", os.path.join(HERE, "ds_worker.py"), str(stage), dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
