@@ -59,7 +59,7 @@ def run(args, argv) -> int:
     from functools import partial
 
     from ..grpo.microbatch import microbatch_loss
-    from .methods import is_budgeted, make_method, median
+    from .methods import OURS, is_budgeted, make_method, median
     from .peers import PeerUnavailable
 
     wl = WORKLOADS[args.workload]
@@ -173,7 +173,7 @@ def run(args, argv) -> int:
             sp = next(iter(m.hilore.plans.values()))
             rec["plan"] = sp.plan
             rec["validation"] = sp.report
-        rec["head"] = "chunked" if (m.name.endswith("+lean") or (m.name in ("hilore", "hilore-hr", "hilore-static") and not args.std_head)) else "full logits"
+        rec["head"] = "chunked" if (m.name.endswith("+lean") or (m.name in OURS and not args.std_head)) else "full logits"
         if gc_time and m.name.startswith("hilore"):
             nogc = next((median(times[id(x)]) for x in entries if x.name == "no-gc"), None)
             if nogc and gc_time > nogc:

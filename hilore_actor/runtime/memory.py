@@ -46,6 +46,7 @@ class MemoryMeter:
         self.report: Optional[MemoryReport] = None
         self._prof = None
         self._cuda_peaks: Dict[str, int] = {}
+        self._cuda_overall = 0  # CUDA: the peak before the last mark reset the counter
 
     def __enter__(self) -> "MemoryMeter":
         if self.device.type == "cuda":
@@ -64,7 +65,7 @@ class MemoryMeter:
         (still measured above the region's start), e.g. the backward after a downgrade."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self._cuda_overall = max(getattr(self, "_cuda_overall", 0), torch.cuda.max_memory_allocated(self.device))
+            self._cuda_overall = max(self._cuda_overall, torch.cuda.max_memory_allocated(self.device))
             for k in self._cuda_peaks:
                 self._cuda_peaks[k] = max(self._cuda_peaks[k], torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -78,7 +79,7 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             now_peak = torch.cuda.max_memory_allocated(self.device)
-            peak = max(getattr(self, "_cuda_overall", 0), now_peak) - self._start
+            peak = max(self._cuda_overall, now_peak) - self._start
             since = {k: max(v, now_peak) - self._start for k, v in self._cuda_peaks.items()}
             net = torch.cuda.memory_allocated(self.device) - self._start
         else:
