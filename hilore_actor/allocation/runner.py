@@ -40,8 +40,11 @@ class RunResult:
 
 
 class Runner:
-    def __init__(self, model, engine: Optional[RecoveryEngine] = None, loss_fn=microbatch_loss):
+    def __init__(self, model, engine: Optional[RecoveryEngine] = None, loss_fn=microbatch_loss, backward=None):
+        """``backward(loss)`` replaces ``loss.backward()``, e.g. ``torch.autograd.grad`` for
+        timing passes that must not reach an optimizer's gradient hooks (DeepSpeed ZeRO)."""
         self.model = model
+        self.backward = backward or (lambda loss: loss.backward())
         self.engine = engine if engine is not None else RecoveryEngine(model)
         self.loss_fn = loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -80,12 +83,12 @@ class Runner:
         with meter if meter is not None else contextlib.nullcontext():
             if method == "as-is":
                 out = loss_fn(self.model, mb)
-                out.loss.backward()
+                self.backward(out.loss)
             elif isinstance(method, str) and method in BASELINES:
                 apply_baseline(self.model, method)
                 try:
                     out = loss_fn(self.model, mb)
-                    out.loss.backward()
+                    self.backward(out.loss)
                 finally:
                     if method == "gc":
                         apply_baseline(self.model, "no-gc")
@@ -104,7 +107,7 @@ class Runner:
                     info["bytes_by_unit"] = step.bytes_by_unit()
                     info["bytes_alone"] = step.bytes_by_unit(shared=False)
                     info["token_norms"] = step.token_norms()
-                    out.loss.backward()
+                    self.backward(out.loss)
                     info["actions"] = step.actions()
                     info["unit_seconds"] = step.unit_seconds()
                     info["reconstruction"] = step.reconstruction_errors()

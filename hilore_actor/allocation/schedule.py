@@ -20,7 +20,7 @@ actions, risk from calibration means, no refresh).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT
@@ -43,6 +43,14 @@ class ShapePlan:
     risk_budget: float  # online, per microbatch (delta)
     plan_risk_budget: float  # what the plan was solved with (scale x delta)
     report: Dict = field(default_factory=dict)
+
+    def to_dict(self) -> Dict:
+        """JSON-ready (checkpoints keep the plan, so a resumed run does not re-profile)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict) -> "ShapePlan":
+        return cls(**dict(d, costs=UnitCosts(**d["costs"])))
 
 
 class HiLoRe:
@@ -222,7 +230,9 @@ class HiLoRe:
             self.prepare([mb])
         return self.plans[shape]
 
-    def _chooser_for(self, sp: ShapePlan):
+    def chooser_for(self, sp: ShapePlan):
+        """The online action chooser ``(step, loss_output) -> actions`` of a plan, or None
+        when the plan's own actions apply (hilore-hr, hilore-static)."""
         if self.mode != "hilore":
             return None  # the plan's own actions (H for exact, L for compressed, R)
 
@@ -241,11 +251,11 @@ class HiLoRe:
         """Online actions for a training loop that is not ours: call after the loss, before
         backward, inside ``engine.step(self.plan_for(mb).plan, track_tokens=True)``."""
         sp = self.plan_for(mb)
-        chooser = self._chooser_for(sp)
+        chooser = self.chooser_for(sp)
         return chooser(step, loss_output) if chooser else {n: {EXACT: "H", COMPRESSED: "L", CHECKPOINT: "R"}[q] for n, q in sp.plan.items()}
 
     def _run(self, sp: ShapePlan, mb, **kw):
-        return self.runner.run(mb, sp.plan, self._chooser_for(sp), track_tokens=self.mode == "hilore", **kw)
+        return self.runner.run(mb, sp.plan, self.chooser_for(sp), track_tokens=self.mode == "hilore", **kw)
 
     def run(self, mb, **kw):
         """One microbatch under HiLoRe (the plan for its shape class + online actions)."""

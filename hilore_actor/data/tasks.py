@@ -90,6 +90,22 @@ def jsonl_task(path, prompt_key: str = "prompt", answer_key: str = "answer", ins
     return Task(name=str(p), examples=examples, scorer=lambda response, ex: math_verify_reward(response, ex.answer))
 
 
+def vowels_task(size: int = 256, seed: int = 0) -> Task:
+    """``toy:vowels``: reward = the share of vowels among the response's letters. A shaping
+    task for tests and the ``tiny`` preset: a random model's outputs already get graded
+    rewards, so groups have reward variance and the learner sees non-zero advantages."""
+    import random
+
+    rng = random.Random(seed)
+    examples = [Example(prompt=f"Write words with many vowels. {rng.randrange(10**6)}", answer="") for _ in range(size)]
+
+    def score(response: str, ex: Example) -> float:
+        letters = [c for c in response.lower() if c.isalpha() and c.isascii()]
+        return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+    return Task(name="toy:vowels", examples=examples, scorer=score)
+
+
 def load_task(
     spec: str, size: int = 256, seed: int = 0, options: Optional[Dict[str, Any]] = None, instruction: Optional[str] = None
 ) -> Task:
@@ -98,6 +114,8 @@ def load_task(
     if spec.startswith("rg:"):
         instr = ANSWER_FORMAT if instruction is None else instruction
         return reasoning_gym_task(spec[3:], size=size, seed=seed, instruction=instr, **(options or {}))
+    if spec == "toy:vowels":
+        return vowels_task(size=size, seed=seed)
     if spec.endswith(".jsonl") or Path(spec).exists():
         return jsonl_task(spec, instruction=instruction or "")
-    raise DatasetError(f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic) or a .jsonl path")
+    raise DatasetError(f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic), toy:vowels or a .jsonl path")

@@ -26,7 +26,8 @@ def apply_chat(tokenizer, prompt: str) -> List[int]:
 
 @torch.no_grad()
 def generate_groups(
-    model, tokenizer, prompts: Sequence[str], group_size: int, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0
+    model, tokenizer, prompts: Sequence[str], group_size: int, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
+    top_p: float = 1.0,
 ) -> Rollout:
     """Sample ``group_size`` responses for every prompt (group-contiguous order)."""
     torch.manual_seed(seed)
@@ -37,7 +38,7 @@ def generate_groups(
     for prompt in prompts:
         ids = torch.tensor([apply_chat(tokenizer, prompt)])
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, num_return_sequences=group_size, pad_token_id=pad,
         )
         for row in out:

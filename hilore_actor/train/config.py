@@ -1,0 +1,287 @@
+"""Flags, YAML config and presets of the GRPO training job (``python -m hilore_actor.train_grpo``).
+
+Flag names follow OpenRLHF 0.11's dotted style where the concept exists there, so recipes port
+(``--actor.model_name_or_path`` or ``--pretrain``, ``--rollout.n_samples_per_prompt``,
+``--algo.advantage.estimator``, ``--ds.zero_stage`` ...). The learner backend is
+``--actor_backend hilore|gc|none`` (also ``--actor.backend``); HiLoRe's own knobs live under
+``--hilore.*``. Precedence: defaults < ``--preset`` < ``--config`` YAML < command line.
+The parsed config is a nested namespace (``cfg.rollout.n_samples_per_prompt``), as OpenRLHF's
+``hierarchize`` builds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence
+
+BACKENDS = ("hilore", "gc", "none")
+
+
+class ConfigError(ValueError):
+    """A bad flag value or an inconsistent combination; the message says which and why."""
+
+
+# (flag, type, default, help); type "flag" is a store_true switch.
+FLAGS = [
+    # model and data
+    ("actor.model_name_or_path", str, None, "policy model: a local HF directory, a config.json, a .gguf file, "
+     "'smollm2' (the bundled SmolLM2-135M-Instruct) or 'tiny:<qwen2|llama|phi3>' (a tiny random model)"),
+    ("data.prompt_dataset", str, "rg:basic_arithmetic", "task: rg:<reasoning-gym name>, toy:vowels, or a .jsonl file "
+     "with prompt/answer fields"),
+    ("data.input_key", str, "prompt", "JSONL field holding the prompt"),
+    ("data.label_key", str, "answer", "JSONL field holding the reference answer"),
+    ("data.max_samples", int, 1024, "prompts drawn from the task (procedural tasks generate this many)"),
+    ("data.prompt_max_len", int, 256, "prompts longer than this (in tokens) are an error"),
+    ("data.instruction", str, None, "text appended to every prompt (default: the task's answer-format line)"),
+    ("data.task_options", str, None, "reasoning-gym dataset options as JSON, e.g. '{\"max_digits\": 1}'"),
+    # rollout
+    ("rollout.batch_size", int, 4, "prompts per training step"),
+    ("rollout.n_samples_per_prompt", int, 4, "responses sampled per prompt (the GRPO group size G)"),
+    ("rollout.max_new_tokens", int, 64, "response length limit"),
+    ("rollout.temperature", float, 1.0, "sampling temperature"),
+    ("rollout.top_p", float, 1.0, "nucleus sampling"),
+    ("rollout.num_workers", int, 1, "HF generate rollout workers (CPU, or GPU without vLLM)"),
+    ("rollout.num_gpus", float, 1.0, "GPUs per HF rollout worker on CUDA (a fraction shares a GPU)"),
+    ("ref.num_gpus", float, 1.0, "GPUs of the reference worker on CUDA (a fraction shares a GPU)"),
+    ("vllm.num_engines", int, 0, "vLLM engines (GPU; 0 = HF generate workers)"),
+    ("vllm.tensor_parallel_size", int, 1, "GPUs per vLLM engine"),
+    ("vllm.gpu_memory_utilization", float, 0.5, "vLLM's share of its GPU"),
+    # algorithm
+    ("algo.advantage.estimator", str, "group_norm", "group_norm (GRPO), dr_grpo or rloo"),
+    ("algo.kl.estimator", str, "k3", "KL estimator: k1, k2 or k3"),
+    ("algo.kl.use_loss", "flag", False, "add the KL to the reference model as a loss term (GRPO)"),
+    ("algo.kl.init_coef", float, 0.001, "KL loss coefficient"),
+    ("actor.eps_clip", float, 0.2, "PPO clip range"),
+    ("actor.eps_clip_low_high", float, None, "asymmetric clip: LOW HIGH", 2),
+    ("actor.dual_clip", float, None, "dual-clip constant c > 1 (off by default)"),
+    ("actor.loss_agg_mode", str, "token-mean", "token-mean, seq-mean-token-sum or seq-mean-token-mean"),
+    ("actor.adam.lr", float, 1e-6, "learning rate"),
+    ("actor.adam.betas", float, (0.9, 0.95), "AdamW betas", 2),
+    ("actor.adam.weight_decay", float, 0.0, "AdamW weight decay"),
+    ("actor.lr_scheduler", str, "constant_with_warmup", "transformers scheduler name (constant_with_warmup, cosine, ...)"),
+    ("actor.lr_warmup_ratio", float, 0.0, "warmup share of the steps"),
+    ("actor.max_norm", float, 1.0, "gradient clipping norm"),
+    ("actor.num_nodes", int, 1, "learner nodes"),
+    ("actor.num_gpus_per_node", int, 1, "learner ranks per node (processes on CPU, GPUs on CUDA)"),
+    ("actor.backend", str, "hilore", "learner backend: hilore (store/compress/recompute per unit under --hilore.budget), "
+     "gc (gradient checkpointing on every layer) or none (store everything); also --actor_backend"),
+    # training
+    ("train.batch_size", int, 16, "sequences per optimizer update, over all ranks"),
+    ("train.micro_batch_size", int, 4, "sequences per packed learner microbatch, per rank"),
+    ("train.seed", int, 42, "seed of prompt order, sampling, LoRA dropout and initialisation"),
+    ("max_steps", int, 1, "training steps (one rollout batch each, then its updates)"),
+    ("ds.zero_stage", int, 2, "DeepSpeed ZeRO stage (2 or 3; 0 = plain data parallel)"),
+    ("ds.param_dtype", str, "fp32", "fp32 or bf16"),
+    ("ds.lora.rank", int, 16, "LoRA rank (0 = train all weights)"),
+    ("ds.lora.alpha", float, 32.0, "LoRA alpha"),
+    ("ds.lora.dropout", float, 0.0, "LoRA dropout"),
+    ("ds.lora.target_modules", str, "all-linear", "LoRA targets: all-linear or comma-separated module names"),
+    ("threads", int, None, "torch threads per worker on CPU (default: the cores divided among learner ranks)"),
+    # output
+    ("save_path", str, "runs/grpo", "output folder: metrics.jsonl, TensorBoard events, final weights (alias --ckpt.output_dir)"),
+    ("ckpt.path", str, None, "checkpoint folder (default <save_path>/checkpoints)"),
+    ("ckpt.save_steps", int, 1, "checkpoint every N steps (-1: only at the end)"),
+    ("ckpt.max_num", int, 2, "complete checkpoints kept"),
+    ("ckpt.load_enable", "flag", False, "resume from the last checkpoint (alias --resume)"),
+    ("logger.tensorboard_dir", str, None, "TensorBoard folder (default <save_path>/tensorboard)"),
+    ("compare_gc", "flag", False, "after every update, time gc and the backend on the same microbatches, "
+     "interleaved (no optimizer step), and report the ratio"),
+    ("log_workers", "flag", False, "show the workers' own output (planning messages, warnings) on the driver"),
+    # HiLoRe
+    ("hilore.budget", str, "1.10", "memory budget B per rank: a ratio of the gc peak (1.10) or a size (6GiB); "
+     "it bounds each microbatch's peak above the memory held when the microbatch starts"),
+    ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
+    ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
+    ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
+    ("hilore.refresh_every", int, 1, "recompute online actions every N microbatches"),
+    ("hilore.calibration_batches", int, 4, "synthetic microbatches for the risk calibration (mode hilore)"),
+    ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
+    ("hilore.codec", str, "int8", "low-precision codec for L: int8, fp8-e4m3 or fp8-e5m2"),
+    ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: the largest microbatch the "
+     "flags allow); smaller microbatches use the same plan, which only holds less"),
+    ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
+]
+ALIASES = {"pretrain": "actor.model_name_or_path", "actor_backend": "actor.backend", "resume": "ckpt.load_enable",
+           "ckpt.output_dir": "save_path", "prompt_data": "data.prompt_dataset"}
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # The README's main command: a real model on a small arithmetic task, in minutes on 2 cores.
+    "cpu-demo": {
+        "actor.model_name_or_path": "smollm2", "data.prompt_dataset": "rg:basic_arithmetic",
+        "data.task_options": '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}',
+        "data.instruction": " Answer with the number only.", "rollout.batch_size": 4, "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 32, "train.batch_size": 16, "train.micro_batch_size": 8, "actor.adam.lr": 2e-4,
+        "algo.kl.use_loss": True, "max_steps": 5, "hilore.mode": "hilore-hr", "hilore.profile_repeats": 1,
+        "compare_gc": True, "save_path": "runs/cpu-demo", "ckpt.save_steps": -1,
+    },
+    # Tests: a tiny random model, a reward a random model already varies on, seconds per step.
+    "tiny": {
+        "actor.model_name_or_path": "tiny:qwen2", "data.prompt_dataset": "toy:vowels", "rollout.batch_size": 2,
+        "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 16, "train.batch_size": 8,
+        "train.micro_batch_size": 2, "actor.adam.lr": 1e-3, "data.prompt_max_len": 48, "ds.lora.rank": 8, "algo.kl.use_loss": True,
+        "actor.num_gpus_per_node": 2, "max_steps": 2, "hilore.calibration_batches": 2, "hilore.profile_repeats": 1,
+        "save_path": "runs/tiny",
+    },
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hilore_actor.train_grpo",
+        description="GRPO training on Ray with a HiLoRe learner: rollout workers -> rewards and group advantages -> "
+        "reference log-probs -> N DeepSpeed learner ranks whose activations are stored, compressed or recomputed "
+        "per unit under a memory budget that a coordinator enforces.",
+        epilog="Flags follow OpenRLHF 0.11's dotted names. Aliases: " + ", ".join(f"--{a} = --{t}" for a, t in ALIASES.items()),
+        argument_default=argparse.SUPPRESS,  # unset flags stay absent, so presets and YAML can fill them
+    )
+    p.add_argument("--config", help="YAML file of flags (dotted keys or nested mappings); the command line overrides it")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named set of defaults: " + "; ".join(
+        f"{k}: {', '.join(f'{a}={b}' for a, b in list(v.items())[:3])}, ..." for k, v in PRESETS.items()))
+    rev = {}
+    for a, t in ALIASES.items():
+        rev.setdefault(t, []).append(a)
+    for spec in FLAGS:
+        name, typ, default, help_ = spec[:4]
+        names = ["--" + name] + ["--" + a for a in rev.get(name, [])]
+        shown = f"{help_} (default: {default})"
+        if typ == "flag":
+            p.add_argument(*names, dest=name, action="store_true", help=help_)
+        else:
+            nargs = spec[4] if len(spec) > 4 else None
+            p.add_argument(*names, dest=name, type=typ, nargs=nargs, metavar=name.split(".")[-1].upper(), help=shown)
+    return p
+
+
+DEFAULTS = {spec[0]: spec[2] for spec in FLAGS}
+
+
+def _flatten(d: Dict, prefix: str = "") -> Dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flags, got {type(raw).__name__}")
+    flat = _flatten(raw)
+    out = {}
+    for k, v in flat.items():
+        k = ALIASES.get(k, k)
+        if k not in DEFAULTS:
+            raise ConfigError(f"--config {path}: unknown key {k!r} (see --help for the flags)")
+        out[k] = v
+    return out
+
+
+def hierarchize(flat: Dict[str, Any]) -> SimpleNamespace:
+    """``{"a.b": 1}`` -> ``ns.a.b == 1`` (what OpenRLHF's ``hierarchize`` does)."""
+    root: Dict[str, Any] = {}
+    for k, v in flat.items():
+        node = root
+        *parents, leaf = k.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = v
+
+    def build(x):
+        return SimpleNamespace(**{k: build(v) for k, v in x.items()}) if isinstance(x, dict) else x
+
+    return build(root)
+
+
+def flatten_ns(ns: SimpleNamespace, prefix: str = "") -> Dict[str, Any]:
+    out = {}
+    for k, v in vars(ns).items():
+        if isinstance(v, SimpleNamespace):
+            out.update(flatten_ns(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> SimpleNamespace:
+    """Parse flags (defaults < preset < YAML < command line), validate, return a namespace."""
+    args = vars(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
+    flat = dict(DEFAULTS)
+    if "preset" in args:
+        flat.update(PRESETS[args["preset"]])
+    if "config" in args:
+        flat.update(load_yaml(args["config"]))
+    flat.update({k: v for k, v in args.items() if k not in ("config", "preset")})
+    flat["preset"] = args.get("preset")
+    for k in ("actor.adam.betas", "actor.eps_clip_low_high"):
+        if flat[k] is not None:
+            flat[k] = tuple(float(x) for x in flat[k])
+    cfg = hierarchize(flat)
+    validate(cfg)
+    return cfg
+
+
+def world_size(cfg) -> int:
+    return cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
+
+
+def validate(cfg) -> None:
+    """Inconsistent flags fail here, before Ray starts, with the numbers that disagree."""
+    from ..allocation.budget import BudgetError, parse_budget
+
+    errors: List[str] = []
+    if cfg.actor.model_name_or_path is None:
+        errors.append("no model: pass --pretrain PATH (or --actor.model_name_or_path), or --preset cpu-demo|tiny")
+    if cfg.actor.backend not in BACKENDS:
+        errors.append(f"--actor_backend {cfg.actor.backend!r}: choose one of {', '.join(BACKENDS)}")
+    G, world = cfg.rollout.n_samples_per_prompt, world_size(cfg)
+    seqs = cfg.rollout.batch_size * G
+    for name, v in (("rollout.batch_size", cfg.rollout.batch_size), ("rollout.n_samples_per_prompt", G),
+                    ("train.batch_size", cfg.train.batch_size), ("train.micro_batch_size", cfg.train.micro_batch_size),
+                    ("rollout.max_new_tokens", cfg.rollout.max_new_tokens), ("rollout.num_workers", cfg.rollout.num_workers),
+                    ("actor.num_gpus_per_node", cfg.actor.num_gpus_per_node), ("max_steps", cfg.max_steps)):
+        if v is None or v < 1:
+            errors.append(f"--{name} must be >= 1, got {v}")
+    if not errors:
+        if cfg.train.batch_size % G:
+            errors.append(f"the group size --rollout.n_samples_per_prompt {G} does not divide --train.batch_size "
+                          f"{cfg.train.batch_size}: an update must hold whole groups")
+        if seqs % cfg.train.batch_size:
+            errors.append(f"--train.batch_size {cfg.train.batch_size} does not divide the {seqs} sequences of a rollout "
+                          f"batch (--rollout.batch_size {cfg.rollout.batch_size} x --rollout.n_samples_per_prompt {G})")
+        if cfg.train.batch_size % (world * cfg.train.micro_batch_size):
+            errors.append(f"--train.batch_size {cfg.train.batch_size} is not a multiple of ranks x micro batch = "
+                          f"{world} x {cfg.train.micro_batch_size}")
+    if cfg.algo.advantage.estimator in ("group_norm", "rloo") and G < 2:
+        errors.append(f"--algo.advantage.estimator {cfg.algo.advantage.estimator} needs --rollout.n_samples_per_prompt > 1")
+    if cfg.actor.num_nodes != 1:
+        errors.append("--actor.num_nodes > 1 is not supported yet: the learner group is formed on one node")
+    if cfg.vllm.tensor_parallel_size != 1:
+        errors.append("--vllm.tensor_parallel_size > 1 is not supported yet")
+    if cfg.ds.zero_stage not in (0, 1, 2, 3):
+        errors.append(f"--ds.zero_stage must be 0, 1, 2 or 3, got {cfg.ds.zero_stage}")
+    if cfg.ds.param_dtype not in ("fp32", "bf16"):
+        errors.append(f"--ds.param_dtype must be fp32 or bf16, got {cfg.ds.param_dtype!r}")
+    if cfg.hilore.mode not in ("hilore", "hilore-hr", "hilore-static"):
+        errors.append(f"--hilore.mode {cfg.hilore.mode!r}: choose hilore, hilore-hr or hilore-static")
+    if cfg.compare_gc and cfg.ds.zero_stage == 3:
+        errors.append("--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2")
+    try:
+        parse_budget(cfg.hilore.budget)
+    except BudgetError as e:
+        errors.append(f"--hilore.budget: {e}")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -1,0 +1,60 @@
+"""The budget coordinator: one Ray actor that every learner rank reports to.
+
+Each rank measures its peak memory per microbatch (above the memory held when the microbatch
+starts; ``runtime.memory``) and reports it. The coordinator holds every rank's budget B and
+answers each report: ``ok``, or ``tighten`` with the overshoot in bytes, after which the rank
+shrinks its own allocation budget by that much (plus a margin) and re-plans before its next
+microbatch. It keeps a per-step record (per rank: max peak / B, reports, tightenings) that the
+driver puts into the metrics. Plain Python: ``ray.remote(BudgetCoordinator)`` makes the actor,
+and tests use the class directly.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+
+class BudgetCoordinator:
+    def __init__(self, margin: float = 0.05):
+        self.margin = margin  # tighten by overshoot x (1 + margin)
+        self.budgets: Dict[int, int] = {}
+        self.steps: Dict[int, Dict[int, dict]] = {}  # step -> rank -> record
+
+    def register(self, rank: int, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"rank {rank}: budget must be positive, got {budget_bytes}")
+        self.budgets[int(rank)] = int(budget_bytes)
+
+    def budget(self, rank: int) -> int:
+        return self.budgets[int(rank)]
+
+    def report(self, rank: int, step: int, microbatch: int, peak_bytes: int, actions: Optional[Dict[str, int]] = None) -> dict:
+        """Record one microbatch's measured peak; return the directive for the rank's next one."""
+        rank = int(rank)
+        if rank not in self.budgets:
+            raise KeyError(f"rank {rank} reported before registering its budget")
+        B = self.budgets[rank]
+        rec = self.steps.setdefault(int(step), {}).setdefault(rank, {"max_peak": 0, "microbatches": 0, "tightened": [],
+                                                                     "actions": {}, "peaks": []})
+        rec["max_peak"] = max(rec["max_peak"], int(peak_bytes))
+        rec["microbatches"] += 1
+        rec["peaks"].append(int(peak_bytes))
+        for k, v in (actions or {}).items():
+            rec["actions"][k] = rec["actions"].get(k, 0) + int(v)
+        if peak_bytes > B:
+            over = int((peak_bytes - B) * (1 + self.margin))
+            rec["tightened"].append({"microbatch": int(microbatch), "peak_over_budget": peak_bytes / B, "by_bytes": over})
+            return {"action": "tighten", "by_bytes": over, "peak_over_budget": peak_bytes / B}
+        return {"action": "ok", "peak_over_budget": peak_bytes / B}
+
+    def step_record(self, step: int) -> Dict[str, dict]:
+        """Per rank: ``peak_over_budget`` (max peak / B), microbatches, tightenings, action counts."""
+        out = {}
+        for rank, rec in sorted(self.steps.get(int(step), {}).items()):
+            out[str(rank)] = {"peak_over_budget": rec["max_peak"] / self.budgets[rank], "max_peak_bytes": rec["max_peak"],
+                              "budget_bytes": self.budgets[rank], "microbatches": rec["microbatches"],
+                              "tightened": list(rec["tightened"]), "actions": dict(rec["actions"]),
+                              "peaks_over_budget": [p / self.budgets[rank] for p in rec["peaks"]]}
+        return out
+
+    def over_budget_ranks(self, step: int) -> List[int]:
+        return [int(r) for r, rec in self.step_record(step).items() if rec["peak_over_budget"] > 1.0]

@@ -1,0 +1,362 @@
+"""One learner rank: a DeepSpeed ZeRO engine whose backward runs under HiLoRe (or gc / none).
+
+Lifecycle (the driver calls these on every rank; ``ray.remote(Learner)`` makes the actor):
+
+1. ``__init__``: join the process group (gloo on CPU, NCCL on CUDA), load the policy (+ LoRA).
+   Before DeepSpeed wraps the model, plan on the bare model: synthetic GRPO microbatches of
+   the largest shape the flags allow (``workloads.replayed_microbatches``) give the gc peak
+   (for a budget given as a ratio), the calibration (mode ``hilore``) and the validated plan.
+   Planning runs many extra forward/backward passes whose count depends on measurements; it
+   must happen before ZeRO, whose gradient hooks and parameter gathers need every rank in
+   lockstep. A smaller microbatch uses the same plan: each unit then holds fewer bytes.
+   Then ``deepspeed.initialize`` and attach the recovery engine to the DeepSpeed module.
+2. ``set_batch``: this rank's packed rows of the step; old log-probs with the current weights.
+3. ``update``: the rows of one optimizer update, microbatch by microbatch: forward, loss
+   (Eq. 1), online actions from omega (Eq. 4 -> Eq. 7 -> Eq. 13), ``engine.backward``; the
+   measured peak goes to the budget coordinator, which may answer ``tighten``: shrink the
+   plan's memory budget by the overshoot and re-plan before the next microbatch.
+4. ``export_weights`` for rollout workers; ``save`` / ``load`` checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from .config import hierarchize, world_size
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _fault(point: str, rank: int, step: int) -> None:
+    """Fault injection for tests: ``HILORE_FAULT=learner:<rank>:<step>`` kills that rank
+    (a hard exit, as a crashed worker) when it starts that step's update."""
+    spec = os.environ.get("HILORE_FAULT", "")
+    if spec == f"{point}:{rank}:{step}":
+        os._exit(17)
+
+
+class Learner:
+    def __init__(self, flat_cfg: Dict, rank: int, master_addr: str, master_port: int, coordinator=None,
+                 resume_dir: Optional[str] = None):
+        cfg = self.cfg = hierarchize(flat_cfg)
+        self.rank, self.world = rank, world_size(cfg)
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        self.device = _device()
+        if self.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        from ..models.factory import LoraSpec
+        from ..models.source import load_policy
+
+        self.dtype = torch.bfloat16 if cfg.ds.param_dtype == "bf16" else torch.float32
+        lora = None
+        if cfg.ds.lora.rank > 0:
+            targets = cfg.ds.lora.target_modules
+            lora = LoraSpec(cfg.ds.lora.rank, cfg.ds.lora.alpha, cfg.ds.lora.dropout,
+                            targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
+        model, _ = load_policy(cfg.actor.model_name_or_path, dtype=self.dtype, lora=lora, seed=cfg.train.seed)
+        model.to(self.device)
+        self.backend = cfg.actor.backend
+        self.lean = self.backend == "hilore" and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
+        self.plan_info = self._plan(model, resume_dir)
+        if self.backend == "gc":
+            from ..recovery import apply_baseline
+
+            apply_baseline(model, "gc")
+        self.ds = self._deepspeed(model)
+        self.rec = None
+        if self.backend == "hilore":
+            from ..recovery import RecoveryEngine
+
+            self.rec = RecoveryEngine(self.ds, codec=cfg.hilore.codec)
+        self.coordinator = coordinator
+        if coordinator is not None:
+            self._call(coordinator.register, rank, self.budget)
+        self.rows: List[Dict] = []
+        torch.manual_seed(cfg.train.seed + 1000 * rank)
+
+    # ---- setup ------------------------------------------------------------------------------
+    @staticmethod
+    def _call(method, *args):
+        """A coordinator method: a Ray actor handle in the job, a plain object in tests."""
+        if hasattr(method, "remote"):
+            import ray
+
+            return ray.get(method.remote(*args))
+        return method(*args)
+
+    def plan_tokens(self) -> int:
+        cfg = self.cfg
+        if cfg.hilore.plan_tokens:
+            return cfg.hilore.plan_tokens
+        longest = cfg.data.prompt_max_len + cfg.rollout.max_new_tokens
+        return -(-cfg.train.micro_batch_size * longest // 256) * 256
+
+    def loss_fn(self, model, mb):
+        from ..grpo.microbatch import microbatch_loss
+
+        return microbatch_loss(model, mb, lean_head=self.lean)
+
+    def loss_options(self) -> Dict:
+        cfg = self.cfg
+        low_high = cfg.actor.eps_clip_low_high or (cfg.actor.eps_clip, cfg.actor.eps_clip)
+        return dict(clip_eps_low=low_high[0], clip_eps_high=low_high[1], dual_clip=cfg.actor.dual_clip,
+                    kl_coef=cfg.algo.kl.init_coef if cfg.algo.kl.use_loss else 0.0, kl_estimator=cfg.algo.kl.estimator,
+                    loss_agg_mode=cfg.actor.loss_agg_mode)
+
+    def _plan(self, model, resume_dir: Optional[str]) -> Dict:
+        """gc peak -> B; for hilore: calibration and the validated plan (see module doc)."""
+        from ..allocation import HiLoRe, Runner, ShapePlan, calibrate, resolve_budget
+        from ..allocation.calibration import Calibration
+        from ..workloads import replayed_microbatches
+
+        cfg, hcfg = self.cfg, self.cfg.hilore
+        saved = Path(resume_dir) / f"hilore_rank{self.rank}.json" if resume_dir else None
+        if saved is not None and saved.is_file():  # resume: same budget and plan, no re-profiling
+            state = json.loads(saved.read_text())
+            self.budget = state["budget"]
+            if self.backend == "hilore":
+                cal = Calibration(**state["calibration"]) if state.get("calibration") else None
+                self.hl = HiLoRe(Runner(model, loss_fn=self.loss_fn), self.budget, cal, mode=hcfg.mode, delta=hcfg.delta,
+                                 tolerance=hcfg.tolerance, refresh_every=hcfg.refresh_every, log=self._log)
+                self.hl.runner.engine.detach()
+                self.sp = ShapePlan.from_dict(state["plan"])
+            return state["info"]
+        tokens = self.plan_tokens()
+        t0 = time.perf_counter()
+        dev = replayed_microbatches(model, 1 + hcfg.calibration_batches, tokens, group_size=cfg.rollout.n_samples_per_prompt,
+                                    mean_len=max(8, tokens // cfg.train.micro_batch_size), seed=cfg.train.seed + 7,
+                                    loss_options=self.loss_options())
+        dev = [mb.to(self.device) for mb in dev]
+        runner = Runner(model, loss_fn=self.loss_fn)
+        gc_peak = runner.run(dev[0], "gc", measure_peak=True).peak_bytes
+        self.budget = resolve_budget(hcfg.budget, gc_peak, gc_peak)
+        info = {"plan_tokens": tokens, "gc_peak_bytes": gc_peak, "budget_bytes": self.budget}
+        self.calibration = None
+        if self.backend == "hilore":
+            cal = None
+            if hcfg.mode != "hilore-hr":
+                if hcfg.calibration and Path(hcfg.calibration).is_file():
+                    cal = Calibration.load(hcfg.calibration)
+                else:
+                    cal = calibrate(runner, dev[1:])
+                    if hcfg.calibration and self.rank == 0:
+                        cal.save(hcfg.calibration)
+            self.calibration = cal
+            self.hl = HiLoRe(runner, self.budget, cal, mode=hcfg.mode, delta=hcfg.delta, tolerance=hcfg.tolerance,
+                             refresh_every=hcfg.refresh_every, profile_repeats=hcfg.profile_repeats, loo=False, log=self._log)
+            self.sp = self.hl.prepare(dev[:1], accumulate=1)
+            runner.engine.detach()
+            n = {q: sum(v == q for v in self.sp.plan.values()) for q in ("exact", "compressed", "checkpoint")}
+            info.update(plan=n, plan_report=self.sp.report)
+        info["plan_seconds"] = time.perf_counter() - t0
+        return info
+
+    def _log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def _deepspeed(self, model):
+        import deepspeed
+        import transformers
+
+        cfg = self.cfg
+        params = [p for p in model.parameters() if p.requires_grad]
+        bucket = int(min(5e8, max(2**20, sum(p.numel() for p in params))))
+        opt = torch.optim.AdamW(params, lr=cfg.actor.adam.lr, betas=tuple(cfg.actor.adam.betas),
+                                weight_decay=cfg.actor.adam.weight_decay)
+        seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+        self.updates_per_step = seqs // cfg.train.batch_size
+        self.gas = cfg.train.batch_size // (self.world * cfg.train.micro_batch_size)
+        total = max(1, cfg.max_steps * self.updates_per_step)
+        sched = transformers.get_scheduler(cfg.actor.lr_scheduler, opt, num_warmup_steps=int(cfg.actor.lr_warmup_ratio * total),
+                                           num_training_steps=total)
+        ds_cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": self.gas,
+            "gradient_clipping": cfg.actor.max_norm,
+            # ZeRO-2 allocates a reduce bucket of this many elements in every backward (DeepSpeed's
+            # default, 5e8, is 2 GB in fp32): with LoRA the trainable parameters need far less
+            "zero_optimization": {"stage": cfg.ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg)
+        engine.train()
+        return engine
+
+    # ---- training ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def set_batch(self, step: int, rows: List[Dict]) -> int:
+        """Keep this rank's rows of the step and add old log-probs (the behaviour policy)."""
+        from ..models.logprobs import sequence_log_probs
+
+        self.step_index = step
+        self.ds.eval()
+        for r in rows:
+            r["old_log_probs"] = sequence_log_probs(self.ds, r["input_ids"].to(self.device),
+                                                    position_ids=r["position_ids"].to(self.device)).float()
+        self.ds.train()
+        self.rows = rows
+        return len(rows)
+
+    def _microbatch(self, r: Dict):
+        from ..grpo.microbatch import Microbatch
+
+        return Microbatch(r["input_ids"], r["position_ids"], r["old_log_probs"], r["ref_log_probs"], r["advantages"],
+                          r["action_mask"], loss_options=self.loss_options()).to(self.device)
+
+    def _actions(self, st, out) -> Dict[str, str]:
+        chooser = self.hl.chooser_for(self.sp)
+        if chooser is not None:
+            return chooser(st, out)
+        return {n: {"exact": "H", "compressed": "L", "checkpoint": "R"}[q] for n, q in self.sp.plan.items()}
+
+    def _tighten(self, by_bytes: int) -> None:
+        self.sp.memory_budget = max(0.0, self.sp.memory_budget - by_bytes)
+        self.hl.replan(self.sp)
+        self._log(f"[learner {self.rank}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
+
+    def update(self, step: int, u: int) -> Dict:
+        """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
+        from ..runtime import MemoryMeter
+
+        _fault("learner", self.rank, step)
+        rows = self.rows[u * self.gas:(u + 1) * self.gas]
+        stats: Dict[str, List[float]] = {}
+        counts = {"H": 0, "L": 0, "R": 0}
+        peaks, t0, tokens = [], time.perf_counter(), 0
+        for i, r in enumerate(rows):
+            mb = self._microbatch(r)
+            tokens += mb.num_tokens
+            meter = MemoryMeter(self.device)
+            acts: Dict[str, str] = {}
+            with meter:
+                if self.rec is not None:
+                    with self.rec.step(self.sp.plan, track_tokens=self.hl.mode == "hilore", track_error=False) as st:
+                        out = self.loss_fn(self.ds, mb)
+                        st.set_actions(self._actions(st, out))
+                        self.ds.backward(out.loss)
+                        acts = st.actions()
+                else:
+                    out = self.loss_fn(self.ds, mb)
+                    self.ds.backward(out.loss)
+            self.ds.step()
+            for a in acts.values():
+                counts[a] += 1
+            peak = meter.report.peak_bytes
+            peaks.append(peak)
+            for k, v in dict(out.stats, loss=out.loss.detach()).items():
+                stats.setdefault(k, []).append(float(v))
+            if self.coordinator is not None:
+                d = self._call(self.coordinator.report, self.rank, step, i + u * self.gas, peak,
+                               {k: v for k, v in ((a, sum(x == a for x in acts.values())) for a in "HLR")})
+                if d["action"] == "tighten" and self.rec is not None:
+                    self._tighten(d["by_bytes"])
+        seconds = time.perf_counter() - t0
+        grad_norm = self.ds.get_global_grad_norm()
+        total = max(1, sum(counts.values()))
+        return {"rank": self.rank, "update_seconds": seconds, "tokens": tokens,
+                **{k: statistics.fmean(v) for k, v in stats.items()},
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
+                "fraction_H": counts["H"] / total, "fraction_L": counts["L"] / total, "fraction_R": counts["R"] / total,
+                "lr": self.ds.get_lr()[0]}
+
+    def compare(self, repeats: int = 1) -> Dict[str, float]:
+        """Time gc and this rank's backend on the step's microbatches, interleaved, outside the
+        optimizer's gradient path (``torch.autograd.grad``; no step). Seconds per update."""
+        from ..allocation import Runner
+
+        module = self.ds.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        back = lambda loss: torch.autograd.grad(loss, params)  # noqa: E731
+        gc = Runner(module, self.rec or _NoEngine(), loss_fn=lambda m, mb: self._std_loss(m, mb), backward=back)
+        ours = Runner(module, self.rec or _NoEngine(), loss_fn=self.loss_fn, backward=back)
+        mbs = [self._microbatch(r) for r in self.rows[: self.gas]]
+        times = {"gc": [], self.backend: []}
+        for _ in range(repeats):
+            for name in times:
+                t = 0.0
+                for mb in mbs:
+                    if name == "gc":
+                        t += gc.run(mb, "gc").seconds
+                    elif name == "hilore":
+                        t += ours.run(mb, self.sp.plan, self._actions, track_tokens=self.hl.mode == "hilore").seconds
+                    else:
+                        t += ours.run(mb, "as-is" if name == "none" else "gc").seconds
+                times[name].append(t)
+        return {f"compare_{k}_seconds": statistics.median(v) for k, v in times.items()}
+
+    def _std_loss(self, model, mb):
+        from ..grpo.microbatch import microbatch_loss
+
+        return microbatch_loss(model, mb)
+
+    # ---- weights and checkpoints -------------------------------------------------------------
+    def export_weights(self, kind: str) -> Optional[Dict[str, torch.Tensor]]:
+        """Every rank must call this (ZeRO-3 gathers parameters); rank 0 returns the weights."""
+        from ..models.weights import export_weights
+
+        module = self.ds.module
+        if self.cfg.ds.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                w = export_weights(module, kind) if self.rank == 0 else None
+        else:
+            w = export_weights(module, kind) if self.rank == 0 else None
+        return w
+
+    def save(self, path: str) -> None:
+        """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""
+        p = Path(path)
+        self.ds.save_checkpoint(str(p), tag="ds", save_latest=False)
+        torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   p / f"rng_rank{self.rank}.pt")
+        state = {"budget": self.budget, "info": self.plan_info}
+        if self.backend == "hilore":
+            from dataclasses import asdict
+
+            state.update(plan=self.sp.to_dict(), calibration=asdict(self.hl.calibration) if self.hl.calibration else None)
+        (p / f"hilore_rank{self.rank}.json").write_text(json.dumps(state))
+
+    def load(self, path: str) -> None:
+        p = Path(path)
+        load_path, _ = self.ds.load_checkpoint(str(p), tag="ds")
+        if load_path is None:
+            raise FileNotFoundError(f"{p}: no DeepSpeed checkpoint for rank {self.rank}")
+        rng = torch.load(p / f"rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def save_hf(self, path: str) -> Optional[str]:
+        """Final weights in HF format: the LoRA adapter (peft) or the full model (rank 0 writes)."""
+        w = self.export_weights("adapter" if hasattr(self.ds.module, "peft_config") else "full")
+        if self.rank == 0:
+            self.ds.module.save_pretrained(path, state_dict=w)
+            return path
+        return None
+
+    def info(self) -> Dict:
+        return dict(self.plan_info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step)
+
+
+class _NoEngine:
+    """Stands in for a recovery engine where a backend has none (Runner needs ``engine``)."""
+
+    unit_names: List[str] = []

@@ -1,0 +1,138 @@
+"""Rollout and reference workers of the training job (``ray.remote`` wraps these classes).
+
+- ``HFRolloutWorker``: HF ``generate`` (CPU, or GPU without vLLM); holds the same peft model
+  as the learner and receives the adapter (or full weights) after every update.
+- ``VLLMRolloutWorker``: a vLLM engine (GPU); receives merged weights. vLLM is imported here,
+  when the worker starts, never at module level.
+- ``ReferenceWorker``: the frozen base model; reference log-probs for the KL term.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+import torch
+
+from .config import hierarchize
+
+
+def _threads(cfg) -> None:
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+
+
+def _lora(cfg):
+    from ..models.factory import LoraSpec
+
+    if cfg.ds.lora.rank <= 0:
+        return None
+    t = cfg.ds.lora.target_modules
+    return LoraSpec(cfg.ds.lora.rank, cfg.ds.lora.alpha, 0.0, t if t == "all-linear" else [x.strip() for x in t.split(",")])
+
+
+def _dtype(cfg):
+    return torch.bfloat16 if cfg.ds.param_dtype == "bf16" else torch.float32
+
+
+class HFRolloutWorker:
+    weight_kind_lora, weight_kind_full = "adapter", "full"
+
+    def __init__(self, flat_cfg: Dict, index: int):
+        from ..models.source import load_policy
+
+        self.cfg = hierarchize(flat_cfg)
+        _threads(self.cfg)
+        self.index = index
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.model, self.tok = load_policy(self.cfg.actor.model_name_or_path, dtype=_dtype(self.cfg), lora=_lora(self.cfg),
+                                           seed=self.cfg.train.seed)
+        self.model.to(self.device).eval()
+
+    def weight_kind(self) -> str:
+        return self.weight_kind_lora if self.cfg.ds.lora.rank > 0 else self.weight_kind_full
+
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        from ..models.weights import load_weights
+
+        load_weights(self.model, {k: v.to(self.device) for k, v in weights.items()}, self.weight_kind())
+
+    def generate(self, prompts: Sequence[str], seed: int) -> Dict:
+        from ..rollout.hf_generate import generate_groups
+
+        c = self.cfg.rollout
+        r = generate_groups(self.model, self.tok, prompts, c.n_samples_per_prompt, c.max_new_tokens, c.temperature, seed, c.top_p)
+        return {"sequences": r.sequences.cpu(), "prompt_lens": r.prompt_lens, "response_lens": r.response_lens,
+                "texts": r.texts}
+
+
+class VLLMRolloutWorker:
+    """A vLLM engine. Weight sync loads merged HF-named tensors into the engine's model.
+    Not exercised on CPU (vLLM's kernels are CUDA-only); see the README's status table."""
+
+    def __init__(self, flat_cfg: Dict, index: int):
+        try:
+            import vllm
+        except ImportError as e:
+            raise RuntimeError(f"--vllm.num_engines > 0 needs vllm (pip install 'hilore-actor[gpu]'): {e}") from None
+        from ..models.smollm2 import convert_smollm2
+
+        self.cfg = hierarchize(flat_cfg)
+        spec = self.cfg.actor.model_name_or_path
+        path = str(convert_smollm2()) if spec == "smollm2" else spec
+        self.llm = vllm.LLM(model=path, tensor_parallel_size=self.cfg.vllm.tensor_parallel_size, seed=self.cfg.train.seed,
+                            gpu_memory_utilization=self.cfg.vllm.gpu_memory_utilization, dtype="bfloat16"
+                            if self.cfg.ds.param_dtype == "bf16" else "auto", enable_prefix_caching=True)
+        self.tok = self.llm.get_tokenizer()
+
+    def weight_kind(self) -> str:
+        return "merged" if self.cfg.ds.lora.rank > 0 else "full"
+
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        items = list(weights.items())
+        self.llm.apply_model(lambda model: model.load_weights(items))
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: Sequence[str], seed: int) -> Dict:
+        import vllm
+
+        from ..rollout.hf_generate import apply_chat
+
+        c = self.cfg.rollout
+        ids = [apply_chat(self.tok, p) for p in prompts]
+        params = vllm.SamplingParams(n=c.n_samples_per_prompt, temperature=c.temperature, top_p=c.top_p,
+                                     max_tokens=c.max_new_tokens, seed=seed)
+        outs = self.llm.generate([vllm.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
+        seqs, plens, rlens, texts = [], [], [], []
+        for p_ids, o in zip(ids, outs):
+            for comp in o.outputs:
+                resp = list(comp.token_ids)
+                seqs.append(torch.tensor(p_ids + resp))
+                plens.append(len(p_ids))
+                rlens.append(len(resp))
+                texts.append(comp.text)
+        L = max(len(s) for s in seqs)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        padded = torch.full((len(seqs), L), pad, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            padded[i, : len(s)] = s
+        return {"sequences": padded, "prompt_lens": plens, "response_lens": rlens, "texts": texts}
+
+
+class ReferenceWorker:
+    def __init__(self, flat_cfg: Dict):
+        from ..models.source import load_policy
+
+        self.cfg = hierarchize(flat_cfg)
+        _threads(self.cfg)
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.model, _ = load_policy(self.cfg.actor.model_name_or_path, dtype=_dtype(self.cfg), seed=self.cfg.train.seed)
+        self.model.to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def log_probs(self, rows: List[Dict]) -> List[torch.Tensor]:
+        from ..models.logprobs import sequence_log_probs
+
+        return [sequence_log_probs(self.model, r["input_ids"].to(self.device), position_ids=r["position_ids"].to(self.device))
+                .float().cpu() for r in rows]

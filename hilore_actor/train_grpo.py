@@ -1,0 +1,302 @@
+"""GRPO training on Ray with a HiLoRe learner: the package's main job.
+
+    python -m hilore_actor.train_grpo --preset cpu-demo
+    ray job submit -- python -m hilore_actor.train_grpo --preset tiny
+
+One controller (this process) drives, per step:
+
+    prompts -> rollout workers (vLLM or HF generate) -> verifier rewards -> group advantages
+      -> packed rows -> reference worker (KL log-probs) -> learner ranks (old log-probs, then
+      HiLoRe updates under DeepSpeed; peaks to the budget coordinator) -> weights to rollout
+      workers -> metrics, checkpoint
+
+The pieces live in ``hilore_actor/train/`` (config, learner, workers, coordinator,
+checkpoint, metrics); this file is the recipe. Flags: ``--help``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from hilore_actor.train.config import ConfigError, flatten_ns, parse_config, world_size
+
+# environment the workers need to see (Ray workers do not inherit the driver's environment)
+PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
+            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class JobError(RuntimeError):
+    """A failure the user can act on; ``main`` prints it without a traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_prompts(cfg):
+    """The task, checked before any worker starts (a malformed dataset fails here)."""
+    from hilore_actor.data import load_task
+
+    options = json.loads(cfg.data.task_options) if cfg.data.task_options else None
+    return load_task(cfg.data.prompt_dataset, size=cfg.data.max_samples, seed=cfg.train.seed, options=options,
+                     instruction=cfg.data.instruction)
+
+
+def step_prompts(task, cfg, step: int):
+    """The step's prompts: a fixed shuffle per epoch, so a resumed run draws the same ones."""
+    n, bs = len(task.examples), cfg.rollout.batch_size
+    out = []
+    for k in range(step * bs, (step + 1) * bs):
+        epoch, i = divmod(k, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch)).tolist()
+        out.append(task.examples[order[i]])
+    return out
+
+
+def shard_rows(seqs, cfg) -> List[List[Dict]]:
+    """Sequences -> per rank, the packed rows of every update of the step, in update order."""
+    from hilore_actor.rollout.packing import pack_row
+
+    world, tb, micro = world_size(cfg), cfg.train.batch_size, cfg.train.micro_batch_size
+    per_rank = tb // world
+    ranks: List[List[Dict]] = [[] for _ in range(world)]
+    for u in range(len(seqs) // tb):
+        for r in range(world):
+            mine = seqs[u * tb + r * per_rank: u * tb + (r + 1) * per_rank]
+            ranks[r].extend(pack_row(mine[i:i + micro]) for i in range(0, len(mine), micro))
+    return ranks
+
+
+class Job:
+    """The Ray actors of one run and the calls the recipe makes on them."""
+
+    def __init__(self, cfg, resume_dir: Optional[str]):
+        import ray
+
+        from hilore_actor.train.coordinator import BudgetCoordinator
+        from hilore_actor.train.learner import Learner
+        from hilore_actor.train.workers import HFRolloutWorker, ReferenceWorker, VLLMRolloutWorker
+
+        self.ray, self.cfg = ray, cfg
+        flat = flatten_ns(cfg)
+        cuda = torch.cuda.is_available()
+        env = {"runtime_env": {"env_vars": {k: os.environ[k] for k in PASS_ENV if k in os.environ}}}
+        self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, **env).remote()
+        port = _free_port()
+        lopts = dict(num_cpus=0, num_gpus=1 if cuda else 0, **env)
+        self.learners = [ray.remote(Learner).options(**lopts).remote(flat, r, "127.0.0.1", port, self.coordinator, resume_dir)
+                         for r in range(world_size(cfg))]
+        if cfg.vllm.num_engines > 0:
+            if not cuda:
+                raise JobError("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
+            self.rollout = [ray.remote(VLLMRolloutWorker).options(num_cpus=0, num_gpus=cfg.vllm.tensor_parallel_size, **env)
+                            .remote(flat, i) for i in range(cfg.vllm.num_engines)]
+        else:
+            self.rollout = [ray.remote(HFRolloutWorker).options(num_cpus=0, num_gpus=cfg.rollout.num_gpus if cuda else 0, **env)
+                            .remote(flat, i) for i in range(cfg.rollout.num_workers)]
+        self.ref = ray.remote(ReferenceWorker).options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env).remote(flat)
+        self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
+        self.weight_kind = self.get(self.rollout[0].weight_kind.remote())
+
+    def get(self, refs):
+        return self.ray.get(refs)
+
+    def sync_weights(self) -> None:
+        w = self.get([l.export_weights.remote(self.weight_kind) for l in self.learners])[0]
+        ref = self.ray.put(w)
+        self.get([r.load_weights.remote(ref) for r in self.rollout])
+
+    def generate(self, prompts: List[str], step: int) -> Dict:
+        k = len(self.rollout)
+        chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
+        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i)
+                         for i, (w, c) in enumerate(zip(self.rollout, chunks)) if c])
+        seqs, texts = [], []
+        for o in outs:
+            for i in range(len(o["texts"])):
+                n = o["prompt_lens"][i] + o["response_lens"][i]
+                seqs.append([o["sequences"][i, :n], o["prompt_lens"][i], o["response_lens"][i]])
+                texts.append(o["texts"][i])
+        return {"seqs": seqs, "texts": texts}
+
+
+def run(cfg) -> int:
+    from tqdm import tqdm
+
+    from hilore_actor.grpo import group_advantages
+    from hilore_actor.models.source import check_model_spec, load_tokenizer
+    from hilore_actor.train.checkpoint import CheckpointDir
+    from hilore_actor.train.metrics import MetricsLog, summary
+
+    check_model_spec(cfg.actor.model_name_or_path)
+    task = load_prompts(cfg)
+    tok = load_tokenizer(cfg.actor.model_name_or_path)
+    from hilore_actor.rollout.hf_generate import apply_chat
+
+    longest = max(len(apply_chat(tok, e.prompt)) for e in task.examples)
+    if longest > cfg.data.prompt_max_len:
+        raise JobError(f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
+                       f"{cfg.data.prompt_max_len}; raise it or shorten the prompts")
+    ckpts = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
+    start, resume_dir = 0, None
+    if cfg.ckpt.load_enable:
+        last = ckpts.latest()
+        if last is None:
+            raise JobError(f"--resume: no complete checkpoint under {ckpts.root}")
+        start, resume_dir = CheckpointDir.meta(last)["step"], str(last)
+        print(f"[train] resuming from {last} (after step {start})", flush=True)
+    if start >= cfg.max_steps:
+        print(f"[train] nothing to do: the checkpoint is at step {start} and --max_steps is {cfg.max_steps}")
+        return 0
+
+    import ray
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=cfg.log_workers)  # inside `ray job submit`, or an explicit cluster
+        else:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=cfg.log_workers)
+    t0 = time.perf_counter()
+    job = Job(cfg, resume_dir)
+    if resume_dir:
+        job.get([l.load.remote(resume_dir) for l in job.learners])
+    info = job.infos[0]
+    print(f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
+          f"{info['budget_bytes'] / 2**20:.0f} MiB ({cfg.hilore.budget} x gc peak {info['gc_peak_bytes'] / 2**20:.0f} MiB "
+          f"on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; ready in {time.perf_counter() - t0:.0f}s",
+          flush=True)
+    log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None)
+    G = cfg.rollout.n_samples_per_prompt
+    bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
+               file=sys.stdout, dynamic_ncols=True)
+    job.sync_weights()
+    for step in bar:
+        examples = step_prompts(task, cfg, step)
+        t = time.perf_counter()
+        out = job.generate([e.prompt for e in examples], step)
+        rollout_s = time.perf_counter() - t
+        rewards = torch.tensor([task.score(txt, examples[i // G]) for i, txt in enumerate(out["texts"])], dtype=torch.float32)
+        adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
+        seqs = [(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)]
+        ranks = shard_rows(seqs, cfg)
+        t = time.perf_counter()
+        refs = job.get(job.ref.log_probs.remote([r for rows in ranks for r in rows]))
+        ref_s = time.perf_counter() - t
+        k = 0
+        for rows in ranks:
+            for r in rows:
+                r["ref_log_probs"], k = refs[k], k + 1
+        job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
+        per_update = []
+        for u in range(info["updates_per_step"]):
+            per_update.append(job.get([l.update.remote(step, u) for l in job.learners]))
+            job.sync_weights()
+        m = step_metrics(rewards, out, per_update, rollout_s, ref_s, job.get(job.coordinator.step_record.remote(step)))
+        if cfg.compare_gc:
+            cmp = job.get([l.compare.remote() for l in job.learners])
+            for key in cmp[0]:
+                m[key] = max(c[key] for c in cmp)
+            m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
+        log.log(step + 1, m)
+        bar.set_postfix_str(summary(m))
+        tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
+        if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps:
+            stage = ckpts.staging(step + 1)
+            job.get([l.save.remote(str(stage)) for l in job.learners])
+            ckpts.commit(stage, step + 1, {"metrics": m}, keep=cfg.ckpt.max_num)
+    bar.close()
+    log.close()
+    path = job.get([l.save_hf.remote(os.path.join(cfg.save_path, "final")) for l in job.learners])[0]
+    print(f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}", flush=True)
+    print_report(log.path, cfg)
+    return 0
+
+
+def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
+    last = per_update[-1]
+    update_s = sum(max(r["update_seconds"] for r in upd) for upd in per_update)
+    tokens = sum(r["tokens"] for upd in per_update for r in upd)
+    mean = lambda key: statistics.fmean(r[key] for r in last if r.get(key) is not None)  # noqa: E731
+    return {
+        "reward_mean": float(rewards.mean()), "accuracy": float((rewards == 1).float().mean()),
+        "response_length": statistics.fmean(s[2] for s in out["seqs"]),
+        "loss": mean("loss"), "policy_loss": mean("policy_loss"), "kl": mean("kl_mean"), "clip_fraction": mean("clip_fraction"),
+        "grad_norm": last[0]["grad_norm"], "lr": last[0]["lr"],
+        "update_seconds": update_s, "rollout_seconds": rollout_s, "ref_seconds": ref_s,
+        "tokens_per_second": tokens / max(update_s, 1e-9),
+        "peak_over_budget": {str(r["rank"]): max(u[i]["peak_over_budget"] for u in per_update) for i, r in enumerate(last)},
+        "peak_over_budget_max": max(r["peak_over_budget"] for u in per_update for r in u),
+        "fraction_H": mean("fraction_H"), "fraction_L": mean("fraction_L"), "fraction_R": mean("fraction_R"),
+        "coordinator": record,
+    }
+
+
+def print_report(path, cfg) -> None:
+    """The reward curve and, with --compare_gc, the update time against gc, from metrics.jsonl."""
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    print("\nstep  reward  accuracy  resp.len  loss       update s  peak/B" + ("  gc s    " + cfg.actor.backend + " s  speed" if cfg.compare_gc else ""))
+    for r in rows:
+        line = (f"{r['step']:>4}  {r['reward_mean']:.3f}   {r['accuracy']:.3f}     {r['response_length']:>6.1f}  "
+                f"{r['loss']:+.5f}  {r['update_seconds']:>7.2f}  {r['peak_over_budget_max']:.3f}")
+        if "compare_speedup_vs_gc" in r:
+            line += f"  {r['compare_gc_seconds']:>6.2f}  {r['compare_' + cfg.actor.backend + '_seconds']:>8.2f}  x{r['compare_speedup_vs_gc']:.3f}"
+        print(line)
+    if rows and "compare_speedup_vs_gc" in rows[0]:
+        gc = sum(r["compare_gc_seconds"] for r in rows)
+        ours = sum(r[f"compare_{cfg.actor.backend}_seconds"] for r in rows)
+        print(f"update time on the same microbatches, all steps: gc {gc:.1f}s, {cfg.actor.backend} {ours:.1f}s (x{gc / ours:.3f})")
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(cfg)
+    except (JobError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # Ray wraps worker failures
+        return _worker_failure(e, cfg)
+
+
+USER_ERRORS = ("BudgetError", "DatasetError", "ConfigError", "ValueError", "FileNotFoundError")
+
+
+def _worker_failure(e: Exception, cfg) -> int:
+    """A worker's exception (raised in a task, or in an actor's ``__init__``) or a dead worker:
+    one message that says what failed and where the last checkpoint is; exit 2 for bad input
+    a worker detected (e.g. a budget below the minimum), 1 otherwise."""
+    import re
+
+    import ray.exceptions as rex
+
+    from hilore_actor.train.checkpoint import CheckpointDir
+
+    if not isinstance(e, (rex.RayTaskError, rex.RayActorError)):
+        raise e
+    last = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints")).latest()
+    where = f"the last checkpoint is {last}; rerun with --resume to continue from it" if last else "no checkpoint was written yet"
+    found = re.findall(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", str(e), flags=re.M)
+    if found and (isinstance(e, rex.RayTaskError) or getattr(e, "actor_init_failed", False)):
+        name, msg = found[-1]
+        print(f"error: {name}: {msg}\n({where})", file=sys.stderr)
+        return 2 if name in USER_ERRORS else 1
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"error: a Ray worker died during training ({type(e).__name__}: {first}); {where}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""The GRPO training job end to end on CPU through Ray (tiny preset: 2 learner ranks under
+DeepSpeed ZeRO-2, 1 HF rollout worker, a reference worker, the budget coordinator), its
+checkpoints and resume, and its answers to bad input and a dying worker."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hilore_actor.train.config import ConfigError, parse_config
+
+TINY = ["--preset", "tiny", "--hilore.mode", "hilore-hr"]  # H/R only: gradients exact, so runs compare bitwise
+
+
+def job(tmp, *args, env=None, timeout=420):
+    e = dict(os.environ, DS_ACCELERATOR="cpu")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "hilore_actor.train_grpo", *TINY, "--save_path", str(tmp), *args],
+                          capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def metrics(path):
+    return [json.loads(ln) for ln in (Path(path) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    r = job(out, "--max_steps", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r
+
+
+def test_three_steps_write_metrics_checkpoints_and_weights(uninterrupted):
+    out, r = uninterrupted
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for m in rows:
+        assert 0.0 <= m["reward_mean"] <= 1.0 and m["update_seconds"] > 0 and m["tokens_per_second"] > 0
+        assert set(m["peak_over_budget"]) == {"0", "1"}  # both ranks reported to the coordinator
+        assert m["coordinator"]["0"]["microbatches"] == 2 and m["coordinator"]["1"]["microbatches"] == 2
+        assert m["fraction_H"] + m["fraction_L"] + m["fraction_R"] == pytest.approx(1.0)
+        assert m["grad_norm"] > 0
+    assert any(m["reward_mean"] != rows[0]["reward_mean"] for m in rows)  # fresh rollouts every step
+    ck = out / "checkpoints"
+    assert (ck / "latest").read_text() == "step_3"
+    for name in ("meta.json", "rng_rank0.pt", "rng_rank1.pt", "hilore_rank0.json", "hilore_rank1.json", "ds"):
+        assert (ck / "step_3" / name).exists(), name
+    assert not list(ck.glob(".*tmp"))
+    assert (out / "final" / "adapter_config.json").is_file()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert "step  reward" in r.stdout  # the reward table
+
+
+def test_resume_reproduces_step_three(uninterrupted, tmp_path):
+    full, _ = uninterrupted
+    r = job(tmp_path, "--max_steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = metrics(tmp_path)
+    assert [m["step"] for m in two] == [1, 2]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
+    r = job(tmp_path, "--max_steps", "3", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout
+    resumed, ref = metrics(tmp_path), metrics(full)
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for key in ("loss", "policy_loss", "kl", "grad_norm", "reward_mean", "response_length"):
+        assert resumed[2][key] == ref[2][key], key
+
+
+def test_dead_worker_fails_cleanly_and_resumes(tmp_path):
+    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "learner:1:2"})  # rank 1 dies in step 3 (index 2)
+    assert r.returncode == 1
+    assert "a Ray worker died" in r.stderr and "--resume" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    r = job(tmp_path, "--max_steps", "3", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_budget_below_minimum_is_a_clear_error(tmp_path):
+    r = job(tmp_path, "--hilore.budget", "0.5")
+    assert r.returncode == 2
+    assert "below what gradient checkpointing needs" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pretrain", "/nonexistent/model"], "no such file or directory"),
+    (["--train.batch_size", "6"], "does not divide --train.batch_size"),
+    (["--actor_backend", "fast"], "choose one of hilore, gc, none"),
+    (["--hilore.budget", "lots"], "cannot read budget"),
+])
+def test_bad_input_fails_before_ray(tmp_path, args, message):
+    r = job(tmp_path, *args, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_dataset(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2",\n')
+    r = job(tmp_path, "--data.prompt_dataset", str(data), timeout=120)
+    assert r.returncode == 2 and "bad.jsonl:2: malformed JSON" in r.stderr
+    r = job(tmp_path, "--resume", timeout=120)
+    assert r.returncode == 2 and "no complete checkpoint" in r.stderr
+
+
+def test_flags_aliases_and_yaml(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("rollout:\n  n_samples_per_prompt: 2\n  batch_size: 4\nhilore.budget: 1.3\nactor_backend: gc\n")
+    cfg = parse_config(["--preset", "tiny", "--config", str(y), "--actor.eps_clip", "0.3", "--pretrain", "tiny:llama"])
+    assert cfg.rollout.n_samples_per_prompt == 2 and cfg.hilore.budget == 1.3 and cfg.actor.backend == "gc"
+    assert cfg.actor.eps_clip == 0.3 and cfg.actor.model_name_or_path == "tiny:llama"
+    assert parse_config(["--preset", "tiny", "--actor.backend", "none"]).actor.backend == "none"
+    y.write_text("rollout:\n  n_sample: 2\n")
+    with pytest.raises(ConfigError, match="unknown key 'rollout.n_sample'"):
+        parse_config(["--preset", "tiny", "--config", str(y)])
+
+
+def test_help_documents_every_flag():
+    from hilore_actor.train.config import FLAGS, build_parser
+
+    text = build_parser().format_help()
+    for spec in FLAGS:
+        assert "--" + spec[0] in text
+    assert "--actor_backend" in text and "--pretrain" in text and "--resume" in text
