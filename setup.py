@@ -46,5 +46,5 @@ setup(
     packages=find_packages(include=["hilore_actor", "hilore_actor.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["hilore-demo=hilore_actor.demo:main"]},
+    entry_points={"console_scripts": ["hilore-train-grpo=hilore_actor.train_grpo:main"]},
 )

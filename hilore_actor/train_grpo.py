@@ -146,6 +146,8 @@ def run(cfg) -> int:
     if longest > cfg.data.prompt_max_len:
         raise JobError(f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
                        f"{cfg.data.prompt_max_len}; raise it or shorten the prompts")
+    if not cfg.hilore.plan_tokens:  # the largest microbatch these prompts and flags can make
+        cfg.hilore.plan_tokens = -(-cfg.train.micro_batch_size * (longest + cfg.rollout.max_new_tokens) // 64) * 64
     ckpts = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
     start, resume_dir = 0, None
     if cfg.ckpt.load_enable:

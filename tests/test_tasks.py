@@ -65,3 +65,16 @@ def test_extract_answer_precedence():
     assert extract_answer("so \\boxed{7}") == "7"
     assert extract_answer("line1\n\n 42 \n") == "42"
     assert extract_answer("   ") is None
+
+
+def test_toy_vowels_reward_against_a_direct_count():
+    import random
+
+    task = load_task("toy:vowels", size=8, seed=3)
+    assert len(task) == 8 and task.examples == load_task("toy:vowels", size=8, seed=3).examples
+    rng = random.Random()
+    for _ in range(50):
+        text = "".join(rng.choice("abcdefghiou XYZ12!é") for _ in range(rng.randrange(0, 30)))
+        letters = [c for c in text.lower() if c in "abcdefghijklmnopqrstuvwxyz"]
+        want = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+        assert task.score(text, task.examples[0]) == want

@@ -99,8 +99,8 @@ FLAGS = [
     ("hilore.calibration_batches", int, 4, "synthetic microbatches for the risk calibration (mode hilore)"),
     ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
     ("hilore.codec", str, "int8", "low-precision codec for L: int8, fp8-e4m3 or fp8-e5m2"),
-    ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: the largest microbatch the "
-     "flags allow); smaller microbatches use the same plan, which only holds less"),
+    ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
+     "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
     ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
 ]
 ALIASES = {"pretrain": "actor.model_name_or_path", "actor_backend": "actor.backend", "resume": "ckpt.load_enable",

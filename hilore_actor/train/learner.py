@@ -141,7 +141,8 @@ class Learner:
                                     loss_options=self.loss_options())
         dev = [mb.to(self.device) for mb in dev]
         runner = Runner(model, loss_fn=self.loss_fn)
-        gc_peak = runner.run(dev[0], "gc", measure_peak=True).peak_bytes
+        # B is relative to gradient checkpointing as users run it today: HF gc, full logits
+        gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=self._std_loss).peak_bytes
         self.budget = resolve_budget(hcfg.budget, gc_peak, gc_peak)
         info = {"plan_tokens": tokens, "gc_peak_bytes": gc_peak, "budget_bytes": self.budget}
         self.calibration = None
