@@ -69,13 +69,13 @@ def test_rank_forced_over_budget_tightens_and_recovers(monkeypatch):
         rows = [dict(input_ids=m.input_ids, position_ids=m.position_ids, action_mask=m.action_mask,
                      advantages=m.advantages, ref_log_probs=m.ref_log_probs) for m in mbs]
         # force a plan that keeps every unit exactly, and measure its peak and the all-R peak
-        names = list(learner.sp.plan)
+        names = list(learner.plan.sp.plan)
         co.register(0, 10**12)  # no directive while measuring
-        learner.sp.plan = {n: "checkpoint" for n in names}
+        learner.plan.sp.plan = {n: "checkpoint" for n in names}
         learner.set_batch(0, rows)
         peak_r = learner.update(0, 0)["peak_bytes"]
-        learner.sp.plan = {n: "exact" for n in names}
-        learner.sp.memory_budget = float(sum(learner.sp.costs.dm[n]["H"] for n in names))
+        learner.plan.sp.plan = {n: "exact" for n in names}
+        learner.plan.sp.memory_budget = float(sum(learner.plan.sp.costs.dm[n]["H"] for n in names))
         peak_h = learner.update(1, 0)["peak_bytes"]
         assert peak_h > peak_r
         low = (peak_r + peak_h) // 2
@@ -86,7 +86,7 @@ def test_rank_forced_over_budget_tightens_and_recovers(monkeypatch):
         assert rec["tightened"] and rec["tightened"][0]["microbatch"] == 0
         assert rec["peaks_over_budget"][0] > 1.0
         assert rec["peaks_over_budget"][-1] <= 1.0, rec
-        assert any(q != "exact" for q in learner.sp.plan.values())
+        assert any(q != "exact" for q in learner.plan.sp.plan.values())
         # the next update stays within the tightened plan
         learner.update(3, 0)
         assert co.step_record(3)["0"]["peak_over_budget"] <= 1.0

@@ -70,7 +70,8 @@ class Learner:
         model.to(self.device)
         self.backend = cfg.actor.backend
         self.lean = self.backend == "hilore" and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
-        self.plan_info = self._plan(model, resume_dir)
+        self.plan = self._plan(model, resume_dir)
+        self.budget = self.plan.budget
         if self.backend == "gc":
             from ..recovery import apply_baseline
 
@@ -116,54 +117,19 @@ class Learner:
                     kl_coef=cfg.algo.kl.init_coef if cfg.algo.kl.use_loss else 0.0, kl_estimator=cfg.algo.kl.estimator,
                     loss_agg_mode=cfg.actor.loss_agg_mode)
 
-    def _plan(self, model, resume_dir: Optional[str]) -> Dict:
-        """gc peak -> B; for hilore: calibration and the validated plan (see module doc)."""
-        from ..allocation import HiLoRe, Runner, ShapePlan, calibrate, resolve_budget
-        from ..allocation.calibration import Calibration
-        from ..workloads import replayed_microbatches
+    def _plan(self, model, resume_dir: Optional[str]):
+        """B, and for hilore the validated plan, before DeepSpeed (``train/planning.py``)."""
+        from .planning import plan_before_wrapping, restore_rank_plan
 
-        cfg, hcfg = self.cfg, self.cfg.hilore
+        cfg = self.cfg
         saved = Path(resume_dir) / f"hilore_rank{self.rank}.json" if resume_dir else None
         if saved is not None and saved.is_file():  # resume: same budget and plan, no re-profiling
-            state = json.loads(saved.read_text())
-            self.budget = state["budget"]
-            if self.backend == "hilore":
-                cal = Calibration(**state["calibration"]) if state.get("calibration") else None
-                self.hl = HiLoRe(Runner(model, loss_fn=self.loss_fn), self.budget, cal, mode=hcfg.mode, delta=hcfg.delta,
-                                 tolerance=hcfg.tolerance, refresh_every=hcfg.refresh_every, log=self._log)
-                self.hl.runner.engine.detach()
-                self.sp = ShapePlan.from_dict(state["plan"])
-            return state["info"]
-        tokens = self.plan_tokens()
-        t0 = time.perf_counter()
-        dev = replayed_microbatches(model, 1 + hcfg.calibration_batches, tokens, group_size=cfg.rollout.n_samples_per_prompt,
-                                    mean_len=max(8, tokens // cfg.train.micro_batch_size), seed=cfg.train.seed + 7,
-                                    loss_options=self.loss_options())
-        dev = [mb.to(self.device) for mb in dev]
-        runner = Runner(model, loss_fn=self.loss_fn)
-        # B is relative to gradient checkpointing as users run it today: HF gc, full logits
-        gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=self._std_loss).peak_bytes
-        self.budget = resolve_budget(hcfg.budget, gc_peak, gc_peak)
-        info = {"plan_tokens": tokens, "gc_peak_bytes": gc_peak, "budget_bytes": self.budget}
-        self.calibration = None
-        if self.backend == "hilore":
-            cal = None
-            if hcfg.mode != "hilore-hr":
-                if hcfg.calibration and Path(hcfg.calibration).is_file():
-                    cal = Calibration.load(hcfg.calibration)
-                else:
-                    cal = calibrate(runner, dev[1:])
-                    if hcfg.calibration and self.rank == 0:
-                        cal.save(hcfg.calibration)
-            self.calibration = cal
-            self.hl = HiLoRe(runner, self.budget, cal, mode=hcfg.mode, delta=hcfg.delta, tolerance=hcfg.tolerance,
-                             refresh_every=hcfg.refresh_every, profile_repeats=hcfg.profile_repeats, loo=False, log=self._log)
-            self.sp = self.hl.prepare(dev[:1], accumulate=1)
-            runner.engine.detach()
-            n = {q: sum(v == q for v in self.sp.plan.values()) for q in ("exact", "compressed", "checkpoint")}
-            info.update(plan=n, plan_report=self.sp.report)
-        info["plan_seconds"] = time.perf_counter() - t0
-        return info
+            return restore_rank_plan(model, json.loads(saved.read_text()), cfg.hilore, self.loss_fn, self.backend, self._log)
+        return plan_before_wrapping(
+            model, cfg.hilore, backend=self.backend, tokens=self.plan_tokens(), seqs_per_microbatch=cfg.train.micro_batch_size,
+            group_size=cfg.rollout.n_samples_per_prompt, loss_options=self.loss_options(), loss_fn=self.loss_fn,
+            std_loss_fn=self._std_loss, device=self.device, seed=cfg.train.seed + 7, write_calibration=self.rank == 0,
+            log=self._log)
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:
@@ -220,17 +186,6 @@ class Learner:
         return Microbatch(r["input_ids"], r["position_ids"], r["old_log_probs"], r["ref_log_probs"], r["advantages"],
                           r["action_mask"], loss_options=self.loss_options()).to(self.device)
 
-    def _actions(self, st, out) -> Dict[str, str]:
-        chooser = self.hl.chooser_for(self.sp)
-        if chooser is not None:
-            return chooser(st, out)
-        return {n: {"exact": "H", "compressed": "L", "checkpoint": "R"}[q] for n, q in self.sp.plan.items()}
-
-    def _tighten(self, by_bytes: int) -> None:
-        self.sp.memory_budget = max(0.0, self.sp.memory_budget - by_bytes)
-        self.hl.replan(self.sp)
-        self._log(f"[learner {self.rank}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
-
     def update(self, step: int, u: int) -> Dict:
         """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
         from ..runtime import MemoryMeter
@@ -247,9 +202,9 @@ class Learner:
             acts: Dict[str, str] = {}
             with meter:
                 if self.rec is not None:
-                    with self.rec.step(self.sp.plan, track_tokens=self.hl.mode == "hilore", track_error=False) as st:
+                    with self.rec.step(self.plan.sp.plan, track_tokens=self.plan.track_tokens, track_error=False) as st:
                         out = self.loss_fn(self.ds, mb)
-                        st.set_actions(self._actions(st, out))
+                        st.set_actions(self.plan.actions(st, out))
                         self.ds.backward(out.loss)
                         acts = st.actions()
                 else:
@@ -265,8 +220,8 @@ class Learner:
             if self.coordinator is not None:
                 d = self._call(self.coordinator.report, self.rank, step, i + u * self.gas, peak,
                                {k: v for k, v in ((a, sum(x == a for x in acts.values())) for a in "HLR")})
-                if d["action"] == "tighten" and self.rec is not None:
-                    self._tighten(d["by_bytes"])
+                if d["action"] == "tighten":
+                    self.plan.tighten(d["by_bytes"], f" rank {self.rank}")
         seconds = time.perf_counter() - t0
         grad_norm = self.ds.get_global_grad_norm()
         total = max(1, sum(counts.values()))
@@ -296,7 +251,7 @@ class Learner:
                     if name == "gc":
                         t += gc.run(mb, "gc").seconds
                     elif name == "hilore":
-                        t += ours.run(mb, self.sp.plan, self._actions, track_tokens=self.hl.mode == "hilore").seconds
+                        t += ours.run(mb, self.plan.sp.plan, self.plan.actions, track_tokens=self.plan.track_tokens).seconds
                     else:
                         t += ours.run(mb, "as-is" if name == "none" else "gc").seconds
                 times[name].append(t)
@@ -328,12 +283,7 @@ class Learner:
         self.ds.save_checkpoint(str(p), tag="ds", save_latest=False)
         torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    p / f"rng_rank{self.rank}.pt")
-        state = {"budget": self.budget, "info": self.plan_info}
-        if self.backend == "hilore":
-            from dataclasses import asdict
-
-            state.update(plan=self.sp.to_dict(), calibration=asdict(self.hl.calibration) if self.hl.calibration else None)
-        (p / f"hilore_rank{self.rank}.json").write_text(json.dumps(state))
+        (p / f"hilore_rank{self.rank}.json").write_text(json.dumps(self.plan.state()))
 
     def load(self, path: str) -> None:
         p = Path(path)
@@ -354,7 +304,7 @@ class Learner:
         return None
 
     def info(self) -> Dict:
-        return dict(self.plan_info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step)
+        return dict(self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step)
 
 
 class _NoEngine:
