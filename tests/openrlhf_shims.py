@@ -2,7 +2,7 @@
 
 OpenRLHF 0.11.2 imports ``vllm`` (``openrlhf.trainer.ray``) and ``flash_attn``
 (``openrlhf.models.ring_attn_utils``) at module top level. Neither installs on a CPU machine.
-``install()`` makes every ``vllm.*`` and ``flash_attn.*`` import succeed with a module whose
+``install()`` makes every ``vllm.*`` import and OpenRLHF's module-level ``flash_attn`` imports succeed with a module whose
 attributes raise when called. The tests run OpenRLHF code that never calls them: ``Actor``
 without sample packing (packing is what uses flash_attn's unpad helpers), ``PolicyLoss``,
 ``compute_approx_kl``, ``ActorPPOTrainer.training_step`` (no vLLM weight sync) and the
@@ -14,6 +14,10 @@ import sys
 import types
 
 SHIMMED = ("vllm", "flash_attn")
+# flash_attn: only what OpenRLHF imports at module level. Its lazy `flash_attn.ops...` import
+# (the fused cross-entropy in log_probs_from_logits) must fail, so OpenRLHF takes its own
+# torch fallback, as it does on any machine without flash-attn.
+FLASH_ATTN_MODULES = {"flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed"}
 
 
 class _Shim(types.ModuleType):
@@ -32,7 +36,7 @@ class _Shim(types.ModuleType):
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in SHIMMED:
+        if fullname.split(".")[0] == "vllm" or fullname in FLASH_ATTN_MODULES:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -49,3 +53,10 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install():
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+
+
+def uninstall():
+    """Remove the finder and the shim modules (other tests then see vllm/flash_attn as absent)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
+    for name in [n for n in sys.modules if n.split(".")[0] in SHIMMED]:
+        del sys.modules[name]

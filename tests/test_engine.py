@@ -1,4 +1,5 @@
 """The recovery engine against plain autograd (no-gc): H and R bitwise, L close."""
+import contextlib
 import warnings
 
 import pytest
@@ -195,3 +196,35 @@ def test_clear_errors_for_bad_plans_and_actions():
         with engine.step():
             with engine.step():
                 pass
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_batch_with_kv_cache_is_bitwise_no_gc(arch):
+    """A padded [B, T] batch (left and right padding, an attention mask, as OpenRLHF feeds
+    its Actor) with the model's default use_cache=True: replays must not append to the KV
+    cache a second time."""
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    model = tiny(arch, "lora", layers=3)
+    B, T = 4, 32
+    ids = torch.randint(3, model.config.vocab_size, (B, T), generator=g)
+    att = torch.ones(B, T, dtype=torch.long)
+    for b in range(B):
+        att[b, : int(torch.randint(0, 6, (1,), generator=g))] = 0
+        att[b, T - int(torch.randint(0, 6, (1,), generator=g)):] = 0
+    pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 1)
+
+    def step(engine=None, plan=None):
+        for p in model.parameters():
+            p.grad = None
+        ctx = engine.step(plan) if engine is not None else contextlib.nullcontext()
+        with ctx:
+            model(ids, attention_mask=att, position_ids=pos).logits.float().logsumexp(-1).mean().backward()
+        return grads(model)
+
+    ref = step()
+    eng = RecoveryEngine(model)
+    mixed = {n: "HR"[int(torch.randint(0, 2, (1,), generator=g))] for n in eng.unit_names}
+    for plan in ("all-r", mixed):
+        got = step(eng, plan)
+        assert set(got) == set(ref) and all(torch.equal(got[n], ref[n]) for n in ref), plan

@@ -13,6 +13,9 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import hilore_actor, hilore_actor.grpo, hilore_actor.runtime, hilore_actor.models, hilore_actor.data, hilore_actor.rollout
 import hilore_actor.recovery, hilore_actor.workloads
+import hilore_actor.train, hilore_actor.train.config, hilore_actor.train.coordinator, hilore_actor.train.checkpoint
+import hilore_actor.train.planning, hilore_actor.train_grpo, hilore_actor.openrlhf, hilore_actor.openrlhf.training_step
+import hilore_actor.openrlhf.train_ppo_ray
 import hilore_actor.grpo as g, torch
 s = torch.randn(2, 3, requires_grad=True)
 loss, _ = g.policy_loss(s, s.detach(), torch.ones(2))

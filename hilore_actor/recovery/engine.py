@@ -59,6 +59,25 @@ def _autocast_state() -> list:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
 
 
+def _is_kv_cache(x) -> bool:
+    return type(x).__name__.endswith("Cache") and hasattr(x, "get_seq_length")
+
+
+def _drop_caches(kwargs: dict, first_layer: bool) -> dict:
+    """A replay must not append to the KV cache a second time (the cached keys would then
+    double). A training forward starts from an empty cache, where no cache is equivalent:
+    replays get ``None``. A cache that already holds tokens cannot be replayed exactly."""
+    out = {}
+    for k, v in kwargs.items():
+        if _is_kv_cache(v):
+            if first_layer and v.get_seq_length() > 0:
+                raise RuntimeError("hilore: a KV cache that already holds tokens was passed to a training forward; "
+                                   "call the model with use_cache=False")
+            v = None
+        out[k] = v
+    return out
+
+
 class RecoveryEngine:
     """Attach once to an HF decoder model (plain, peft, or inside a DeepSpeed engine); then
     ``with engine.step(plan): forward; loss; step.set_actions(...); loss.backward()``."""
@@ -112,7 +131,7 @@ class RecoveryEngine:
         ls = st.layers[li]
         if ls.replay.calls:
             raise RuntimeError(f"{ls.spec.name} ran twice in one engine step; use one engine.step() per microbatch forward")
-        ls.replay = Replay([Call(module, args, kwargs)], _rng_state((args, kwargs)), _autocast_state())
+        ls.replay = Replay([Call(module, args, _drop_caches(kwargs, li == 0))], _rng_state((args, kwargs)), _autocast_state())
 
     def _module_pre(self, li, ui, k, module, args, kwargs):
         st = self._active()
@@ -145,7 +164,7 @@ class RecoveryEngine:
                 u.ext_keys.add(storage_key(x))
             return x
 
-        u.replay.calls.append(Call(module, map_structure(args, record), map_structure(kwargs, record)))
+        u.replay.calls.append(Call(module, map_structure(args, record), map_structure(_drop_caches(kwargs, False), record)))
 
     def _module_post(self, li, ui, k, last, module, args, output):
         st = self._active()

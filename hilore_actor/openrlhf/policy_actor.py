@@ -1,0 +1,88 @@
+"""HiLoRe's policy actor for OpenRLHF 0.11.2: a subclass of its ``PolicyModelActor``.
+
+``PolicyModelActor`` is a Ray actor class; the subclass derives from the plain class under it
+(``__ray_actor_class__``) and is made a Ray actor again with the same options. In
+``init_model_from_pretrained`` it
+
+1. turns OpenRLHF's gradient checkpointing off (the recovery engine decides per unit);
+2. plans on the bare model just before OpenRLHF's ``strategy.prepare`` wraps it in
+   DeepSpeed (``train/planning.py``; ZeRO-2 only for now: under ZeRO-3 the model is
+   partitioned at load);
+3. lets OpenRLHF build everything else unchanged, then attaches the recovery engine to the
+   DeepSpeed module and wraps the trainer's ``training_step`` (``training_step.py``), with
+   peaks going to the shared budget coordinator (a named Ray actor).
+
+Runs only where OpenRLHF's trainer runs: on CUDA (``DeepspeedStrategy`` calls ``torch.cuda``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import ray
+import torch
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+CONFIG_ENV = "HILORE_OPENRLHF_CONFIG"
+COORDINATOR_NAME = "hilore_budget_coordinator"
+
+
+def hilore_settings() -> SimpleNamespace:
+    """The ``--hilore.*`` settings the launcher put into the workers' environment."""
+    from ..train.config import DEFAULTS
+
+    raw = json.loads(os.environ.get(CONFIG_ENV, "{}"))
+    keys = {k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")}
+    keys.update(raw)
+    return SimpleNamespace(**keys)
+
+
+class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        from ..grpo.microbatch import microbatch_loss
+        from ..recovery import RecoveryEngine
+        from ..train.coordinator import BudgetCoordinator
+        from ..train.planning import plan_before_wrapping
+        from .training_step import HiLoReTrainingStep
+
+        args, hcfg = strategy.args, hilore_settings()
+        if args.ds.zero_stage == 3:
+            raise ValueError("--actor_backend hilore with OpenRLHF supports --ds.zero_stage 0-2 for now "
+                             "(ZeRO-3 partitions the model at load, before HiLoRe can plan on it)")
+        if args.actor.gradient_checkpointing_enable:
+            strategy.print("[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute")
+            args.actor.gradient_checkpointing_enable = False
+        holder = {}
+        real_prepare = strategy.prepare
+
+        def prepare(*models, **kwargs):
+            first = models[0][0] if isinstance(models[0], tuple) else models[0]
+            if "plan" not in holder:
+                holder["plan"] = plan_before_wrapping(
+                    first.model, hcfg, backend="hilore", tokens=args.train.micro_batch_size * args.data.max_len,
+                    seqs_per_microbatch=args.train.micro_batch_size, group_size=args.rollout.n_samples_per_prompt,
+                    loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
+                                      kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
+                                      kl_estimator=args.algo.kl.estimator),
+                    loss_fn=lambda m, mb: microbatch_loss(m, mb, lean_head=False), std_loss_fn=microbatch_loss,
+                    device=torch.device("cuda", torch.cuda.current_device()), seed=args.train.seed,
+                    write_calibration=torch.distributed.get_rank() == 0, log=strategy.print)
+            return real_prepare(*models, **kwargs)
+
+        strategy.prepare = prepare
+        try:
+            super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
+        finally:
+            del strategy.prepare
+        plan = holder["plan"]
+        engine = RecoveryEngine(self.actor.model, codec=hcfg.codec)
+        coordinator = ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
+        rank = torch.distributed.get_rank()
+        ray.get(coordinator.register.remote(rank, plan.budget))
+        self.hilore = HiLoReTrainingStep(plan, engine, coordinator, rank)
+        self.hilore.install(self.trainer)
+        strategy.print(f"[hilore] rank {rank}: B = {plan.budget / 2**30:.2f} GiB, plan {plan.info.get('plan')}")
+
+
+HiLoRePolicyModelActor = ray.remote(num_gpus=1)(_HiLoRePolicyModelActor)

@@ -1,0 +1,170 @@
+"""``python -m hilore_actor.openrlhf.train_ppo_ray <OpenRLHF 0.11.2 flags> --actor_backend hilore``.
+
+The runtime plugin: OpenRLHF's own CLI, unchanged, with HiLoRe's policy actor.
+
+1. Our flags come out of argv: ``--actor_backend {deepspeed,hilore}`` (also
+   ``--actor.backend``) and every ``--hilore.*`` (see ``python -m hilore_actor.train_grpo
+   --help`` for their meaning and defaults). Everything else goes to OpenRLHF.
+2. OpenRLHF's argparse block lives under ``if __name__ == "__main__"`` in
+   ``openrlhf/cli/train_ppo_ray.py``. We run that block's own code (parsed from the module's
+   source) with the module's globals, so its parser, defaults and validation run as they are;
+   only the final ``train(args)`` call reaches our ``train``, which checks for CUDA, swaps in
+   ``HiLoRePolicyModelActor``, passes the HiLoRe settings to the workers (Ray runtime env)
+   and calls OpenRLHF's ``train``.
+
+Also usable as ``ray job submit -- python -m hilore_actor.openrlhf.train_ppo_ray ...``.
+Without OpenRLHF, or without a GPU, it stops with a message, not a traceback.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+BACKENDS = ("deepspeed", "hilore")
+OPENRLHF_VERSION = "0.11.2"
+
+
+class PluginError(RuntimeError):
+    """A failure the user can act on; printed as one message, exit code 2."""
+
+
+def split_flags(argv: List[str]) -> Tuple[str, Dict[str, str], List[str]]:
+    """``(backend, {hilore key: value}, OpenRLHF's argv)``; ``--flag=value`` and ``--flag value``."""
+    backend, hilore, rest = "deepspeed", {}, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--actor_backend", "--actor.backend") or name.startswith("--hilore."):
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise PluginError(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            if name.startswith("--hilore."):
+                hilore[name[len("--hilore."):]] = value
+            elif value not in BACKENDS:
+                raise PluginError(f"{name} {value!r}: choose one of {', '.join(BACKENDS)}")
+            else:
+                backend = value
+        else:
+            rest.append(arg)
+        i += 1
+    return backend, hilore, rest
+
+
+def hilore_config(raw: Dict[str, str]) -> Dict:
+    """Typed, validated ``--hilore.*`` values (types and defaults from the training job's flags)."""
+    from ..allocation.budget import BudgetError, parse_budget
+    from ..train.config import FLAGS
+
+    types = {spec[0][len("hilore."):]: spec[1] for spec in FLAGS if spec[0].startswith("hilore.")}
+    out = {}
+    for k, v in raw.items():
+        if k not in types:
+            raise PluginError(f"unknown flag --hilore.{k}; known: {', '.join('--hilore.' + t for t in types)}")
+        try:
+            out[k] = types[k](v) if v is not None else None
+        except ValueError:
+            raise PluginError(f"--hilore.{k} {v!r}: expected {types[k].__name__}") from None
+    try:
+        parse_budget(out.get("budget", "1.10"))
+    except BudgetError as e:
+        raise PluginError(f"--hilore.budget: {e}") from None
+    if out.get("mode", "hilore") not in ("hilore", "hilore-hr", "hilore-static"):
+        raise PluginError(f"--hilore.mode {out['mode']!r}: choose hilore, hilore-hr or hilore-static")
+    return out
+
+
+def import_cli():
+    """OpenRLHF's CLI module, or a message saying what is missing."""
+    if importlib.util.find_spec("openrlhf") is None:
+        raise PluginError(f"OpenRLHF is not installed: pip install 'hilore-actor[openrlhf]' (openrlhf=={OPENRLHF_VERSION})")
+    from importlib.metadata import version
+
+    if version("openrlhf") != OPENRLHF_VERSION:
+        print(f"[hilore] warning: built against OpenRLHF {OPENRLHF_VERSION}, found {version('openrlhf')}", file=sys.stderr)
+    try:
+        import openrlhf.cli.train_ppo_ray as cli
+    except ImportError as e:
+        raise PluginError(f"OpenRLHF's Ray trainer could not be imported ({e}). It imports vllm and flash-attn at module "
+                          f"level, which install only on a CUDA machine: pip install 'hilore-actor[gpu,openrlhf]' there") from None
+    return cli
+
+
+def main_block(path: str) -> ast.Module:
+    """The body of ``if __name__ == "__main__":`` in a module's source."""
+    tree = ast.parse(open(path).read(), filename=path)
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return ast.Module(body=node.body, type_ignores=[])
+    raise PluginError(f"{path}: no `if __name__ == \"__main__\"` block (not OpenRLHF {OPENRLHF_VERSION}'s CLI?)")
+
+
+def run_cli_main(module, argv: List[str], train: Callable, path: Optional[str] = None):
+    """Run ``module``'s ``__main__`` block on ``argv`` with ``train`` in place of the module's.
+    OpenRLHF validates with ``assert``: a failed one becomes a ``PluginError``."""
+    path = path or module.__file__
+    code = compile(main_block(path), path, "exec")
+    namespace = dict(vars(module), __name__="__main__", train=train)
+    saved = sys.argv
+    sys.argv = [path] + list(argv)
+    try:
+        exec(code, namespace)
+    except AssertionError as e:
+        raise PluginError(f"OpenRLHF rejected the flags: {e}") from None
+    finally:
+        sys.argv = saved
+
+
+def use_hilore(args, settings: Optional[Dict] = None):
+    """Called with OpenRLHF's parsed args (also by the patched ``train_ppo_ray.py``): check for
+    CUDA, start Ray with the HiLoRe settings in the workers' environment, return the actor
+    class that replaces ``PolicyModelActor``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PluginError("OpenRLHF's Ray trainer needs CUDA (its DeepspeedStrategy calls torch.cuda directly); "
+                          "on a CPU machine use `python -m hilore_actor.train_grpo`, which runs the same HiLoRe learner")
+    if settings is None:  # the patch puts --hilore.* into OpenRLHF's own parser
+        settings = {k: v for k, v in vars(getattr(args, "hilore")).items() if v is not None}
+    import ray
+
+    from .policy_actor import CONFIG_ENV, HiLoRePolicyModelActor
+
+    os.environ[CONFIG_ENV] = json.dumps(settings)
+    if not ray.is_initialized():  # OpenRLHF's own init, plus our settings for every worker
+        env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+               "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+               "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+               CONFIG_ENV: os.environ[CONFIG_ENV]}
+        ray.init(runtime_env={"env_vars": env})
+    return HiLoRePolicyModelActor
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        backend, raw, rest = split_flags(argv)
+        settings = hilore_config(raw) if backend == "hilore" else None
+        if raw and backend != "hilore":
+            raise PluginError("--hilore.* flags need --actor_backend hilore")
+        cli = import_cli()
+
+        def train(args):
+            if backend == "hilore":
+                cli.PolicyModelActor = use_hilore(args, settings)  # train() reads the module global
+            return cli.train(args)
+
+        run_cli_main(cli, rest, train)
+        return 0
+    except PluginError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""HiLoRe around OpenRLHF's ``ActorPPOTrainer.training_step``, without changing it.
+
+OpenRLHF's step runs ``Actor.forward`` (log-probs of the response tokens), ``PolicyLoss`` (+ the
+KL loss), ``strategy.backward`` and ``strategy.optimizer_step``. The wrapper
+
+1. opens a recovery-engine step (the plan's storage) around the whole call;
+2. records the action log-probs with a forward hook on the ``Actor``;
+3. intercepts ``strategy.backward``: there it computes omega = dL/d(log-prob) (Eq. 4) with
+   ``torch.autograd.grad`` through the loss only (token-level ops, cheap), whatever loss
+   OpenRLHF was configured with, turns it into actions (Eq. 7 -> Eq. 13) and sets them
+   before the real backward;
+4. measures the step's peak and reports it to the budget coordinator; on ``tighten`` the
+   rank re-plans before its next microbatch.
+
+Imports torch and this package only: the tests drive it with OpenRLHF's real trainer code.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Dict, Optional
+
+import torch
+
+from ..runtime import MemoryMeter
+
+
+def _aligned(action_values: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """OpenRLHF's ``[B, A]`` action tensors hold the last A positions of the ``[B, T-1]``
+    next-token layout this package uses; place them there (zeros elsewhere)."""
+    out = action_values.new_zeros(action_values.shape[0], seq_len - 1)
+    out[:, seq_len - 1 - action_values.shape[1]:] = action_values
+    return out
+
+
+class HiLoReTrainingStep:
+    def __init__(self, plan, engine, coordinator=None, rank: int = 0, device: Optional[torch.device] = None):
+        self.plan, self.engine, self.coordinator, self.rank = plan, engine, coordinator, rank
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.last: Dict = {}
+
+    def install(self, trainer) -> None:
+        """Replace ``trainer.training_step`` (an instance attribute shadows the method)."""
+        original = trainer.training_step
+
+        def training_step(experience, kl_ctl, step, loss_batch_info=None):
+            return self(trainer, original, experience, kl_ctl, step, loss_batch_info)
+
+        trainer.training_step = training_step
+
+    def _choose(self, st, logp: torch.Tensor, loss: torch.Tensor, experience) -> Dict[str, str]:
+        omega = torch.autograd.grad(loss, logp, retain_graph=True)[0].detach()
+        T = experience.sequences.shape[1]
+        out = SimpleNamespace(omega=_aligned(omega.float(), T), mask=_aligned(experience.action_mask.float(), T))
+        norms = st.token_norms() if self.plan.track_tokens else {}
+        B = experience.sequences.shape[0]
+        if any(v.shape[0] != B or v.shape[-1] < T - 1 for v in norms.values()):
+            # packed samples: activations are unpadded [1, nnz]; weigh tokens uniformly
+            norms = {k: torch.ones(B, T) for k in norms}
+        return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out)
+
+    def __call__(self, trainer, original, experience, kl_ctl, step, loss_batch_info=None):
+        captured = {}
+        hook = trainer.actor.register_forward_hook(
+            lambda mod, args, out: captured.__setitem__("logp", out[0] if isinstance(out, tuple) else out))
+        strategy = trainer.strategy
+        real_backward = strategy.backward
+        state = {}
+
+        def backward(loss, model, optimizer, **kwargs):
+            st = state.get("step")
+            if st is not None and "logp" in captured:
+                st.set_actions(self._choose(st, captured["logp"], loss, experience))
+            return real_backward(loss, model, optimizer, **kwargs)
+
+        strategy.backward = backward
+        meter = MemoryMeter(self.device)
+        try:
+            with meter:
+                with self.engine.step(self.plan.sp.plan, track_tokens=self.plan.track_tokens, track_error=False) as st:
+                    state["step"] = st
+                    result = original(experience, kl_ctl, step, loss_batch_info)
+                    actions = st.actions()
+        finally:
+            del strategy.backward  # the class's method again
+            hook.remove()
+        peak = meter.report.peak_bytes
+        counts = {a: sum(v == a for v in actions.values()) for a in "HLR"}
+        self.last = {"peak_bytes": peak, "peak_over_budget": peak / self.plan.budget, "actions": actions}
+        if self.coordinator is not None:
+            d = self._report(step, peak, counts)
+            if d["action"] == "tighten":
+                self.plan.tighten(d["by_bytes"], f" rank {self.rank}")
+        if isinstance(result, dict) and isinstance(result.get("metrics"), dict):
+            result["metrics"]["hilore_peak_over_budget"] = self.last["peak_over_budget"]
+            result["weights"]["hilore_peak_over_budget"] = None
+            for a, n in counts.items():
+                result["metrics"][f"hilore_fraction_{a}"] = n / max(1, len(actions))
+                result["weights"][f"hilore_fraction_{a}"] = None
+        return result
+
+    def _report(self, step, peak, counts):
+        report = self.coordinator.report
+        if hasattr(report, "remote"):
+            import ray
+
+            return ray.get(report.remote(self.rank, step, step, peak, counts))
+        return report(self.rank, step, step, peak, counts)

@@ -1,0 +1,260 @@
+"""HiLoRe inside real OpenRLHF 0.11.2 code, on CPU.
+
+Runs OpenRLHF's own ``Actor`` (no sample packing), ``PolicyLoss``, ``compute_approx_kl`` and
+``ActorPPOTrainer.training_step`` (the real method, on a trainer whose strategy is a
+single-process stand-in: backward = ``loss.backward()``, no optimizer step) with a tiny model,
+and its CLI's argparse block. vllm and flash_attn are import-time shims (``openrlhf_shims.py``):
+no code of theirs runs here. What needs a GPU (DeepspeedStrategy, vLLM, the Ray trainer) is not
+run; the README says so.
+"""
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import openrlhf_shims
+from hilore_actor.models import LoraSpec, build_model, tiny_config
+from hilore_actor.openrlhf.train_ppo_ray import PluginError, main, run_cli_main, split_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ["--actor.model_name_or_path", "/models/Qwen2.5-3B-Instruct", "--data.prompt_dataset", "/data/math.jsonl",
+          "--rollout.n_samples_per_prompt", "8", "--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss",
+          "--algo.kl.estimator", "k3", "--ds.lora.rank", "16", "--ds.packing_samples", "--vllm.num_engines", "1",
+          "--actor.num_gpus_per_node", "2", "--rollout.batch_size", "8", "--train.batch_size", "64",
+          "--rollout.micro_batch_size", "4", "--train.micro_batch_size", "4", "--actor.gradient_checkpointing_enable"]
+
+
+@pytest.fixture(scope="module")
+def orl():
+    openrlhf_shims.install()
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    yield ppo_actor
+    openrlhf_shims.uninstall()
+
+
+class _Strategy:
+    """What ``training_step`` calls on a DeepspeedStrategy, in one CPU process."""
+
+    ring_attn_group = None
+
+    def __init__(self, args):
+        self.args = args
+
+    def backward(self, loss, model, optimizer, **kwargs):
+        loss.backward()
+
+    def optimizer_step(self, *args, **kwargs):
+        pass
+
+    def get_grad_norm(self, model):
+        return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+
+
+def _trainer(ppo_actor, actor, kl_coef=0.01):
+    from openrlhf.models import PolicyLoss
+
+    t = ppo_actor.ActorPPOTrainer.__new__(ppo_actor.ActorPPOTrainer)  # no vLLM / replay buffer setup
+    t.args = SimpleNamespace(actor=SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0),
+                             algo=SimpleNamespace(kl=SimpleNamespace(use_loss=True, init_coef=kl_coef, estimator="k3",
+                                                                     unbiased_gradient=False)),
+                             train=SimpleNamespace(dynamic_batch_enable=False))
+    t.strategy, t.actor, t.actor_loss_fn = _Strategy(t.args), actor, PolicyLoss(0.2, 0.2)
+    t.aux_loss, t.ema_model, t.replay_buffer, t.actor_optim = False, None, None, None
+    t.actor_scheduler = SimpleNamespace(get_last_lr=lambda: [1e-6])
+    return t
+
+
+def _experience(seed, B=4, P=12, A=20, vocab=128):
+    """Left-padded prompts, right-padded responses, as OpenRLHF's samples are."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(3, vocab, (B, P + A), generator=g)
+    att = torch.ones(B, P + A, dtype=torch.long)
+    act = torch.ones(B, A, dtype=torch.bool)
+    for b in range(B):
+        lpad, rlen = int(torch.randint(0, P // 2, (1,), generator=g)), int(torch.randint(A // 2, A + 1, (1,), generator=g))
+        att[b, :lpad] = 0
+        att[b, P + rlen:] = 0
+        act[b, rlen:] = False
+    old = -2.0 + 0.3 * torch.randn(B, A, generator=g)
+    ref = old + 0.05 * torch.randn(B, A, generator=g)
+    adv = torch.randn(B, 1, generator=g).expand(B, A).clone()
+    return Experience(sequences=seq, attention_mask=att, action_mask=act, action_log_probs=old * act,
+                      base_action_log_probs=ref * act, advantages=adv * act, info={})
+
+
+def _grads(model):
+    return torch.cat([p.grad.detach().flatten().clone() for p in model.parameters() if p.requires_grad])
+
+
+def _run(trainer, exp):
+    for p in trainer.actor.parameters():
+        p.grad = None
+    info = dict(dp_size=1, batch_num_tokens=exp.action_mask.sum().float(), global_batch_size=torch.tensor(float(exp.action_mask.shape[0])))
+    torch.manual_seed(0)
+    out = trainer.training_step(exp, 0.01, 0, info)
+    return _grads(trainer.actor), out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
+    """OpenRLHF's training_step with its own gradient checkpointing vs the same step under
+    HiLoRe (allocator's H/R plan, and a random H/R map): bitwise equal gradients."""
+    from openrlhf.models import Actor
+
+    from hilore_actor.grpo.microbatch import microbatch_loss
+    from hilore_actor.recovery import RecoveryEngine
+    from hilore_actor.train.coordinator import BudgetCoordinator
+    from hilore_actor.train.config import DEFAULTS
+    from hilore_actor.train.planning import plan_before_wrapping
+    from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
+
+    seed = torch.seed() % 2**31
+    model = build_model(tiny_config(arch, hidden_size=64, num_layers=4, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    actor = Actor(model)
+    actor.packing_samples = False  # set by Actor(str) from --ds.packing_samples; packing needs flash_attn
+    exp = _experience(seed)
+
+    trainer = _trainer(orl, actor)
+    actor.gradient_checkpointing_enable()  # OpenRLHF's own gradient checkpointing
+    g_gc, out_gc = _run(trainer, exp)
+    actor.gradient_checkpointing_disable()
+    g_plain, _ = _run(trainer, exp)
+    assert torch.equal(g_gc, g_plain)
+
+    hcfg = SimpleNamespace(**{k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")})
+    hcfg.mode, hcfg.budget, hcfg.profile_repeats = "hilore-hr", "1.3", 1
+    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
+                                group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
+                                device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+    engine = RecoveryEngine(actor.model)
+    co = BudgetCoordinator()
+    co.register(0, 10**12)
+    wrapper = HiLoReTrainingStep(plan, engine, co)
+    wrapper.install(trainer)
+    g_hl, out_hl = _run(trainer, exp)
+    assert torch.equal(g_hl, g_gc)
+    assert set(wrapper.last["actions"]) == set(engine.unit_names) and set(wrapper.last["actions"].values()) <= {"H", "R"}
+    assert "hilore_peak_over_budget" in out_hl["metrics"] and out_hl["metrics"]["policy_loss"] == out_gc["metrics"]["policy_loss"]
+    rng = torch.Generator().manual_seed(seed)
+    plan.sp.plan = {n: ("exact", "checkpoint")[int(torch.randint(0, 2, (1,), generator=rng))] for n in engine.unit_names}
+    g_mixed, _ = _run(trainer, exp)
+    assert torch.equal(g_mixed, g_gc)
+    assert co.step_record(0)["0"]["microbatches"] == 2
+
+
+def test_online_actions_come_from_openrlhf_loss(orl):
+    """Mode hilore: omega from OpenRLHF's loss (autograd through PolicyLoss + KL) drives the
+    risk; with zero advantages and no KL every token's omega is 0, so no unit carries risk and
+    every compressible unit may be L; gradients stay close to exact."""
+    from openrlhf.models import Actor
+
+    from hilore_actor.grpo.microbatch import microbatch_loss
+    from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
+    from hilore_actor.recovery import RecoveryEngine
+    from hilore_actor.train.config import DEFAULTS
+    from hilore_actor.train.planning import plan_before_wrapping
+
+    seed = torch.seed() % 2**31
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=4, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    actor = Actor(model)
+    actor.packing_samples = False
+    exp = _experience(seed)
+    trainer = _trainer(orl, actor)
+    g_ref, _ = _run(trainer, exp)
+    hcfg = SimpleNamespace(**{k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")})
+    hcfg.calibration_batches, hcfg.profile_repeats, hcfg.budget = 2, 1, "1.3"
+    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
+                                group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
+                                device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+    wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
+    wrapper.install(trainer)
+    g, _ = _run(trainer, exp)
+    assert float((g - g_ref).norm() / g_ref.norm()) < 0.05
+    seen = {}
+    real = wrapper.plan.actions
+    wrapper.plan.actions = lambda st, out: seen.setdefault("omega", out.omega) is not None and real(st, out)
+    _run(trainer, exp)
+    omega = seen["omega"]
+    assert omega.shape == (4, exp.sequences.shape[1] - 1)
+    resp = torch.zeros_like(omega, dtype=torch.bool)
+    resp[:, -exp.action_mask.shape[1]:] = exp.action_mask
+    assert (omega[~resp] == 0).all() and (omega[resp] != 0).any()
+
+
+def test_split_flags():
+    backend, h, rest = split_flags(["--a", "1", "--actor_backend", "hilore", "--hilore.budget=1.2", "--b",
+                                    "--hilore.mode", "hilore-hr"])
+    assert backend == "hilore" and h == {"budget": "1.2", "mode": "hilore-hr"} and rest == ["--a", "1", "--b"]
+    assert split_flags(["--actor.backend", "deepspeed"])[0] == "deepspeed"
+    with pytest.raises(PluginError, match="choose one of deepspeed, hilore"):
+        split_flags(["--actor_backend", "fast"])
+    with pytest.raises(PluginError, match="needs a value"):
+        split_flags(["--hilore.budget"])
+
+
+def test_real_cli_parses_the_recipe(orl):
+    """OpenRLHF's own argparse block and validation, up to the call of ``train``."""
+    import openrlhf.cli.train_ppo_ray as cli
+
+    seen = {}
+    backend, h, rest = split_flags(RECIPE + ["--actor_backend", "hilore", "--hilore.budget", "1.2"])
+    run_cli_main(cli, rest, lambda args: seen.setdefault("args", args))
+    args = seen["args"]
+    assert args.actor.model_name_or_path == "/models/Qwen2.5-3B-Instruct" and args.rollout.n_samples_per_prompt == 8
+    assert args.algo.advantage.estimator == "group_norm" and args.ds.lora.rank == 16
+    assert args.actor.eps_clip_low_high == (0.2, 0.2)  # set by OpenRLHF's validation code
+    with pytest.raises(PluginError, match="OpenRLHF rejected the flags: group_norm requires n_samples_per_prompt > 1"):
+        run_cli_main(cli, [a if a != "8" else "1" for a in rest], lambda args: None)
+
+
+def test_plugin_without_gpu_fails_with_a_message(orl, capsys):
+    assert not torch.cuda.is_available()
+    assert main(RECIPE + ["--actor_backend", "hilore", "--hilore.mode", "hilore-hr"]) == 2
+    err = capsys.readouterr().err
+    assert "needs CUDA" in err and "Traceback" not in err
+    assert main(RECIPE + ["--actor_backend", "hilore", "--hilore.budget", "lots"]) == 2
+    assert "cannot read budget" in capsys.readouterr().err
+    assert main(RECIPE + ["--hilore.mode", "hilore-hr"]) == 2
+    assert "need --actor_backend hilore" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's own answer to an unknown flag
+        main(RECIPE + ["--actor_backend", "hilore", "--actor.no_such_flag", "1"])
+    assert e.value.code == 2
+
+
+def test_plugin_without_openrlhf_fails_with_a_message(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openrlhf" else real(name, *a))
+    assert main(["--actor_backend", "hilore"]) == 2
+    assert "OpenRLHF is not installed" in capsys.readouterr().err
+
+
+def test_patch_applies_to_the_release_and_adds_the_flag(orl, tmp_path):
+    from importlib.metadata import version
+
+    import openrlhf.cli.train_ppo_ray as cli
+
+    assert version("openrlhf") == "0.11.2"
+    dst = tmp_path / "openrlhf" / "cli"
+    dst.mkdir(parents=True)
+    shutil.copy(cli.__file__, dst / "train_ppo_ray.py")
+    patch = ROOT / "patches" / "openrlhf-0.11.2-actor-backend.patch"
+    r = subprocess.run(["git", "apply", "-v", str(patch)], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    patched = dst / "train_ppo_ray.py"
+    seen = {}
+    with pytest.raises(PluginError, match="needs CUDA"):  # the patched block dispatched to use_hilore
+        run_cli_main(cli, RECIPE + ["--actor_backend", "hilore", "--hilore.budget", "1.2"],
+                     lambda args: seen.setdefault("args", args), path=str(patched))
+    assert "args" not in seen
+    with pytest.raises(SystemExit):
+        run_cli_main(cli, RECIPE + ["--actor_backend", "fast"], lambda args: None, path=str(patched))
+    run_cli_main(cli, RECIPE, lambda args: seen.setdefault("args", args), path=str(patched))
+    assert seen["args"].actor_backend == "deepspeed" and seen["args"].hilore.budget == "1.10"
