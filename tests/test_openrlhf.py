@@ -36,56 +36,16 @@ def orl():
     openrlhf_shims.uninstall()
 
 
-class _Strategy:
-    """What ``training_step`` calls on a DeepspeedStrategy, in one CPU process."""
+def _trainer(ppo_actor, actor):
+    from hilore_actor.openrlhf.verify import single_process_trainer
 
-    ring_attn_group = None
-
-    def __init__(self, args):
-        self.args = args
-
-    def backward(self, loss, model, optimizer, **kwargs):
-        loss.backward()
-
-    def optimizer_step(self, *args, **kwargs):
-        pass
-
-    def get_grad_norm(self, model):
-        return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+    return single_process_trainer(actor)  # OpenRLHF's ActorPPOTrainer; strategy: loss.backward(), no step
 
 
-def _trainer(ppo_actor, actor, kl_coef=0.01):
-    from openrlhf.models import PolicyLoss
+def _experience(seed):
+    from hilore_actor.openrlhf.verify import experience
 
-    t = ppo_actor.ActorPPOTrainer.__new__(ppo_actor.ActorPPOTrainer)  # no vLLM / replay buffer setup
-    t.args = SimpleNamespace(actor=SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0),
-                             algo=SimpleNamespace(kl=SimpleNamespace(use_loss=True, init_coef=kl_coef, estimator="k3",
-                                                                     unbiased_gradient=False)),
-                             train=SimpleNamespace(dynamic_batch_enable=False))
-    t.strategy, t.actor, t.actor_loss_fn = _Strategy(t.args), actor, PolicyLoss(0.2, 0.2)
-    t.aux_loss, t.ema_model, t.replay_buffer, t.actor_optim = False, None, None, None
-    t.actor_scheduler = SimpleNamespace(get_last_lr=lambda: [1e-6])
-    return t
-
-
-def _experience(seed, B=4, P=12, A=20, vocab=128):
-    """Left-padded prompts, right-padded responses, as OpenRLHF's samples are."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(3, vocab, (B, P + A), generator=g)
-    att = torch.ones(B, P + A, dtype=torch.long)
-    act = torch.ones(B, A, dtype=torch.bool)
-    for b in range(B):
-        lpad, rlen = int(torch.randint(0, P // 2, (1,), generator=g)), int(torch.randint(A // 2, A + 1, (1,), generator=g))
-        att[b, :lpad] = 0
-        att[b, P + rlen:] = 0
-        act[b, rlen:] = False
-    old = -2.0 + 0.3 * torch.randn(B, A, generator=g)
-    ref = old + 0.05 * torch.randn(B, A, generator=g)
-    adv = torch.randn(B, 1, generator=g).expand(B, A).clone()
-    return Experience(sequences=seq, attention_mask=att, action_mask=act, action_log_probs=old * act,
-                      base_action_log_probs=ref * act, advantages=adv * act, info={})
+    return experience(seed, B=4, P=12, A=20, vocab=128)
 
 
 def _grads(model):
@@ -95,9 +55,10 @@ def _grads(model):
 def _run(trainer, exp):
     for p in trainer.actor.parameters():
         p.grad = None
-    info = dict(dp_size=1, batch_num_tokens=exp.action_mask.sum().float(), global_batch_size=torch.tensor(float(exp.action_mask.shape[0])))
+    from hilore_actor.openrlhf.verify import loss_batch_info
+
     torch.manual_seed(0)
-    out = trainer.training_step(exp, 0.01, 0, info)
+    out = trainer.training_step(exp, 0.01, 0, loss_batch_info(exp))
     return _grads(trainer.actor), out
 
 
@@ -258,3 +219,27 @@ def test_patch_applies_to_the_release_and_adds_the_flag(orl, tmp_path):
         run_cli_main(cli, RECIPE + ["--actor_backend", "fast"], lambda args: None, path=str(patched))
     run_cli_main(cli, RECIPE, lambda args: seen.setdefault("args", args), path=str(patched))
     assert seen["args"].actor_backend == "deepspeed" and seen["args"].hilore.budget == "1.10"
+
+
+def test_gpu_verification_script_says_it_needs_a_gpu():
+    from hilore_actor.openrlhf.verify import main as verify
+
+    with pytest.raises(SystemExit, match="runs on a GPU"):
+        verify([])
+
+
+def test_example_recipe_parses_with_openrlhfs_cli(orl):
+    """examples/openrlhf_grpo_hilore.sh: OpenRLHF's own parser and validation accept its flags."""
+    import shlex
+
+    import openrlhf.cli.train_ppo_ray as cli
+
+    text = (ROOT / "examples" / "openrlhf_grpo_hilore.sh").read_text()
+    cmd = text.split("-- python3 -m hilore_actor.openrlhf.train_ppo_ray", 1)[1].split("\n#")[0]
+    argv = shlex.split(cmd.replace("\\\n", " ").replace('"$MODEL"', "/models/qwen").replace('"$DATA"', "/data/m.jsonl"))
+    backend, h, rest = split_flags(argv)
+    assert backend == "hilore" and h == {"budget": "1.10", "calibration_batches": "16"}
+    seen = {}
+    run_cli_main(cli, rest, lambda args: seen.setdefault("args", args))
+    a = seen["args"]
+    assert (a.rollout.n_samples_per_prompt, a.algo.advantage.estimator, a.ds.lora.rank, a.ds.packing_samples) == (8, "group_norm", 16, True)
