@@ -168,6 +168,10 @@ def run(cfg) -> int:
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=cfg.log_workers)
     t0 = time.perf_counter()
+    print(f"[train] starting {world_size(cfg)} learner rank(s), {max(cfg.vllm.num_engines, cfg.rollout.num_workers)} rollout "
+          f"worker(s) and a reference worker; each learner measures gc and plans its units on a "
+          f"{cfg.hilore.plan_tokens}-token microbatch first (minutes for a real model on CPU; --log_workers shows it)",
+          flush=True)
     job = Job(cfg, resume_dir)
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
