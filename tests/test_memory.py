@@ -103,3 +103,17 @@ def test_mark_gives_peak_of_the_later_window():
     assert m.peak_bytes == 8 * MB
     assert m.report.peak_since["after"] == 3 * MB
     del b
+
+
+def test_frees_of_blocks_from_an_earlier_meter_are_not_counted():
+    """torch's CPU allocator records block sizes while any profiler runs, so a tensor
+    allocated under an earlier meter (e.g. kept from the previous microbatch) is freed here
+    *with* its size. The old meter subtracted it and hid the real allocations after it (it
+    read 0 here). Only frees of blocks allocated in the region count."""
+    with MemoryMeter("cpu"):
+        kept = buf(96 * 1024)
+    with MemoryMeter("cpu") as m:
+        del kept
+        a = buf(16 * 1024)
+    assert m.peak_bytes == 16 * 1024
+    del a

@@ -6,8 +6,8 @@ hands out, not process RSS and not a model of it:
 - CUDA: the caching allocator's own counters (``torch.cuda.reset_peak_memory_stats`` then
   ``max_memory_allocated``).
 - CPU: the profiler's ``[memory]`` events, which carry the signed byte count of every tensor
-  allocation and free in time order; the running sum's maximum is the peak. Frees of tensors
-  allocated before the region carry no size (torch warns once) and are ignored, so the CPU
+  allocation and free in time order; the running sum's maximum is the peak. Only frees of
+  addresses allocated inside the region count (see ``cpu_peak_from_events``), so the CPU
   figure is the peak of bytes allocated *inside* the region and still live.
 
 Both report ``peak_bytes``: the peak of live bytes above what was live when the region began.
@@ -95,19 +95,44 @@ class MemoryMeter:
         return self.report.peak_bytes
 
 
+def _cpu_events(prof) -> Tuple[list, list]:
+    """(allocations ``(t, ptr, signed bytes)``, marks ``(t, name)``) from the profiler's event tree."""
+    allocs, marks = [], []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == torch._C._profiler._EventType.Allocation:
+            f = e.extra_fields
+            if f.device.type == "cpu":
+                allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
+        elif e.name.startswith(MARK_PREFIX):
+            marks.append((e.start_time_ns, e.name[len(MARK_PREFIX):]))
+    return sorted(allocs, key=lambda a: a[0]), sorted(marks)
+
+
 def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int]]:
-    """(peak, net, peak after each mark) of the running sum of CPU ``[memory]`` events."""
-    events = list(prof.profiler.kineto_results.events())
-    marks = sorted((e.start_ns(), e.name()[len(MARK_PREFIX):]) for e in events if e.name().startswith(MARK_PREFIX))
-    mem = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"), key=lambda x: x[0])
+    """(peak, net, peak after each mark) of the bytes allocated in the region and still live.
+
+    A free counts only if its address was allocated inside the region. torch's CPU allocator
+    records block sizes while any profiler runs: a tensor allocated under an earlier meter (kept
+    from the previous microbatch, say) is freed here with its size, and a block freed outside
+    a profiler leaves a stale size that a later tensor at the same address inherits. Counting
+    those frees lowered the running sum and hid real allocations after them."""
+    allocs, marks = _cpu_events(prof)
+    held: Dict[int, int] = {}
     live = peak = 0
     since: Dict[str, int] = {}
     mi = 0
-    for ts, nbytes in mem:
+    for ts, ptr, nbytes in allocs:
         while mi < len(marks) and marks[mi][0] <= ts:
             since[marks[mi][1]] = live
             mi += 1
-        live += nbytes
+        if nbytes >= 0:
+            held[ptr] = held.get(ptr, 0) + nbytes
+            live += nbytes
+        elif ptr in held:
+            live -= held.pop(ptr)
         peak = max(peak, live)
         for k in since:
             since[k] = max(since[k], live)
