@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hilore_actor.train.config import ConfigError, flatten_ns, parse_config, world_size
+from hilore_actor.train.config import ConfigError, flatten_ns, parse_config, plan_tokens, world_size
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
 PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
@@ -54,11 +54,13 @@ def load_prompts(cfg):
 def step_prompts(task, cfg, step: int):
     """The step's prompts: a fixed shuffle per epoch, so a resumed run draws the same ones."""
     n, bs = len(task.examples), cfg.rollout.batch_size
+    orders: Dict[int, List[int]] = {}  # epoch -> its shuffle, made once
     out = []
     for k in range(step * bs, (step + 1) * bs):
         epoch, i = divmod(k, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch)).tolist()
-        out.append(task.examples[order[i]])
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch)).tolist()
+        out.append(task.examples[orders[epoch][i]])
     return out
 
 
@@ -146,8 +148,7 @@ def run(cfg) -> int:
     if longest > cfg.data.prompt_max_len:
         raise JobError(f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
                        f"{cfg.data.prompt_max_len}; raise it or shorten the prompts")
-    if not cfg.hilore.plan_tokens:  # the largest microbatch these prompts and flags can make
-        cfg.hilore.plan_tokens = -(-cfg.train.micro_batch_size * (longest + cfg.rollout.max_new_tokens) // 64) * 64
+    cfg.hilore.plan_tokens = plan_tokens(cfg, longest)  # the largest microbatch these prompts can make
     ckpts = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
     start, resume_dir = 0, None
     if cfg.ckpt.load_enable:
@@ -194,13 +195,11 @@ def run(cfg) -> int:
         adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
         seqs = [(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)]
         ranks = shard_rows(seqs, cfg)
+        all_rows = [r for rows in ranks for r in rows]
         t = time.perf_counter()
-        refs = job.get(job.ref.log_probs.remote([r for rows in ranks for r in rows]))
+        for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
+            r["ref_log_probs"] = ref
         ref_s = time.perf_counter() - t
-        k = 0
-        for rows in ranks:
-            for r in rows:
-                r["ref_log_probs"], k = refs[k], k + 1
         job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
         per_update = []
         for u in range(info["updates_per_step"]):

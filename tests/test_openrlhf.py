@@ -10,7 +10,6 @@ run; the README says so.
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.train.coordinator import BudgetCoordinator
-    from hilore_actor.train.config import DEFAULTS
+    from hilore_actor.train.config import hilore_settings
     from hilore_actor.train.planning import plan_before_wrapping
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
 
@@ -88,8 +87,7 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     g_plain, _ = _run(trainer, exp)
     assert torch.equal(g_gc, g_plain)
 
-    hcfg = SimpleNamespace(**{k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")})
-    hcfg.mode, hcfg.budget, hcfg.profile_repeats = "hilore-hr", "1.3", 1
+    hcfg = hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1)
     plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
                                 group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
                                 device=torch.device("cpu"), seed=seed, log=lambda *_: None)
@@ -118,7 +116,7 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
-    from hilore_actor.train.config import DEFAULTS
+    from hilore_actor.train.config import hilore_settings
     from hilore_actor.train.planning import plan_before_wrapping
 
     seed = torch.seed() % 2**31
@@ -128,8 +126,7 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     exp = _experience(seed)
     trainer = _trainer(orl, actor)
     g_ref, _ = _run(trainer, exp)
-    hcfg = SimpleNamespace(**{k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")})
-    hcfg.calibration_batches, hcfg.profile_repeats, hcfg.budget = 2, 1, "1.3"
+    hcfg = hilore_settings(calibration_batches=2, profile_repeats=1, budget="1.3")
     plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
                                 group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
                                 device=torch.device("cpu"), seed=seed, log=lambda *_: None)

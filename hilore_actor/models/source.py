@@ -47,15 +47,15 @@ def load_tokenizer(spec: str):
     return tok
 
 
-def load_policy(spec: str, *, dtype: torch.dtype = torch.float32, lora: Optional[LoraSpec] = None, seed: int = 0,
-                vocab_size: Optional[int] = None) -> Tuple[object, object]:
+def load_policy(spec: str, *, dtype: torch.dtype = torch.float32, lora: Optional[LoraSpec] = None,
+                seed: int = 0) -> Tuple[object, object]:
     """(model, tokenizer) for ``spec``; random parts (tiny models, LoRA A) are seeded, so every
     worker that loads the same spec with the same seed holds the same weights."""
     check_model_spec(spec)
     tok = load_tokenizer(spec)
     torch.manual_seed(seed)
     if spec.startswith("tiny:"):
-        cfg = tiny_config(spec[5:], hidden_size=64, num_layers=4, num_heads=4, vocab_size=vocab_size or len(tok),
+        cfg = tiny_config(spec[5:], hidden_size=64, num_layers=4, num_heads=4, vocab_size=len(tok),
                           tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.eos_token_id)
         model = build_model(cfg, dtype=dtype, seed=seed)

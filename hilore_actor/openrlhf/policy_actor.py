@@ -30,12 +30,9 @@ COORDINATOR_NAME = "hilore_budget_coordinator"
 
 def hilore_settings() -> SimpleNamespace:
     """The ``--hilore.*`` settings the launcher put into the workers' environment."""
-    from ..train.config import DEFAULTS
+    from ..train.config import hilore_settings as with_defaults
 
-    raw = json.loads(os.environ.get(CONFIG_ENV, "{}"))
-    keys = {k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")}
-    keys.update(raw)
-    return SimpleNamespace(**keys)
+    return with_defaults(**json.loads(os.environ.get(CONFIG_ENV, "{}")))
 
 
 class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
@@ -65,7 +62,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
                     loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
                                       kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
                                       kl_estimator=args.algo.kl.estimator),
-                    loss_fn=lambda m, mb: microbatch_loss(m, mb, lean_head=False), std_loss_fn=microbatch_loss,
+                    loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,  # OpenRLHF's forward keeps full logits
                     device=torch.device("cuda", torch.cuda.current_device()), seed=args.train.seed,
                     write_calibration=torch.distributed.get_rank() == 0, log=strategy.print)
             return real_prepare(*models, **kwargs)

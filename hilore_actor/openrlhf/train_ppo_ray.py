@@ -57,9 +57,8 @@ def split_flags(argv: List[str]) -> Tuple[str, Dict[str, str], List[str]]:
 
 
 def hilore_config(raw: Dict[str, str]) -> Dict:
-    """Typed, validated ``--hilore.*`` values (types and defaults from the training job's flags)."""
-    from ..allocation.budget import BudgetError, parse_budget
-    from ..train.config import FLAGS
+    """Typed, validated ``--hilore.*`` values (types, defaults and checks of the training job's flags)."""
+    from ..train.config import FLAGS, hilore_errors, hilore_settings
 
     types = {spec[0][len("hilore."):]: spec[1] for spec in FLAGS if spec[0].startswith("hilore.")}
     out = {}
@@ -70,12 +69,9 @@ def hilore_config(raw: Dict[str, str]) -> Dict:
             out[k] = types[k](v) if v is not None else None
         except ValueError:
             raise PluginError(f"--hilore.{k} {v!r}: expected {types[k].__name__}") from None
-    try:
-        parse_budget(out.get("budget", "1.10"))
-    except BudgetError as e:
-        raise PluginError(f"--hilore.budget: {e}") from None
-    if out.get("mode", "hilore") not in ("hilore", "hilore-hr", "hilore-static"):
-        raise PluginError(f"--hilore.mode {out['mode']!r}: choose hilore, hilore-hr or hilore-static")
+    errors = hilore_errors(hilore_settings(**out))
+    if errors:
+        raise PluginError("; ".join(errors))
     return out
 
 

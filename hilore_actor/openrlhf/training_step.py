@@ -22,6 +22,7 @@ from typing import Dict, Optional
 import torch
 
 from ..runtime import MemoryMeter
+from ..train.coordinator import call
 
 
 def _aligned(action_values: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -87,7 +88,7 @@ class HiLoReTrainingStep:
         counts = {a: sum(v == a for v in actions.values()) for a in "HLR"}
         self.last = {"peak_bytes": peak, "peak_over_budget": peak / self.plan.budget, "actions": actions}
         if self.coordinator is not None:
-            d = self._report(step, peak, counts)
+            d = call(self.coordinator.report, self.rank, step, step, peak, counts)
             if d["action"] == "tighten":
                 self.plan.tighten(d["by_bytes"], f" rank {self.rank}")
         if isinstance(result, dict) and isinstance(result.get("metrics"), dict):
@@ -97,11 +98,3 @@ class HiLoReTrainingStep:
                 result["metrics"][f"hilore_fraction_{a}"] = n / max(1, len(actions))
                 result["weights"][f"hilore_fraction_{a}"] = None
         return result
-
-    def _report(self, step, peak, counts):
-        report = self.coordinator.report
-        if hasattr(report, "remote"):
-            import ray
-
-            return ray.get(report.remote(self.rank, step, step, peak, counts))
-        return report(self.rank, step, step, peak, counts)

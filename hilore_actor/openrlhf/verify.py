@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from ..models.source import load_policy
     from ..recovery import RecoveryEngine
     from ..runtime import MemoryMeter
-    from ..train.config import DEFAULTS
+    from ..train.config import hilore_settings
     from ..train.planning import plan_before_wrapping
     from ..grpo.microbatch import microbatch_loss
     from .training_step import HiLoReTrainingStep
@@ -115,8 +115,7 @@ def main(argv=None) -> int:
         if method == "gc":
             actor.gradient_checkpointing_enable()
         else:
-            hcfg = SimpleNamespace(**{k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")})
-            hcfg.budget, hcfg.mode = args.budget, "hilore-hr"
+            hcfg = hilore_settings(budget=args.budget, mode="hilore-hr")
             plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=args.batch * (args.prompt_len + args.response_len),
                                         seqs_per_microbatch=args.batch, group_size=8, loss_options={},
                                         loss_fn=microbatch_loss, std_loss_fn=microbatch_loss, device=dev, seed=0)

@@ -32,12 +32,10 @@ def pack_rollout(model, rollout: Rollout, advantages: torch.Tensor, max_tokens: 
     """Pack the rollout's sequences (padding dropped) into rows of at most ``max_tokens``;
     old log-probs from ``model`` (the behaviour policy), reference log-probs from
     ``ref_model`` (or ``model`` with its LoRA adapters disabled)."""
-    seqs = []
-    for i in range(rollout.sequences.shape[0]):
-        n = rollout.prompt_lens[i] + rollout.response_lens[i]
-        if n > max_tokens:
-            raise ValueError(f"sequence {i} has {n} tokens, more than a microbatch of {max_tokens}")
-        seqs.append((rollout.sequences[i, :n], rollout.prompt_lens[i], float(advantages[i])))
+    seqs = rollout_sequences(rollout, advantages)
+    for i, (ids, _, _) in enumerate(seqs):
+        if len(ids) > max_tokens:
+            raise ValueError(f"sequence {i} has {len(ids)} tokens, more than a microbatch of {max_tokens}")
     rows, cur = [], []
     for s in seqs:
         if sum(len(x[0]) for x in cur) + len(s[0]) > max_tokens:

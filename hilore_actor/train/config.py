@@ -238,10 +238,63 @@ def world_size(cfg) -> int:
     return cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
 
 
+# ---- settings derived from the flags, shared by the learner, the workers and the OpenRLHF actor ----
+def hilore_settings(**values) -> SimpleNamespace:
+    """The ``--hilore.*`` defaults as ``ns.budget``, ``ns.mode`` ..., updated with ``values``."""
+    out = {k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")}
+    out.update(values)
+    return SimpleNamespace(**out)
+
+
+def hilore_errors(hcfg) -> List[str]:
+    """What is wrong with ``--hilore.budget`` and ``--hilore.mode`` (empty when nothing)."""
+    from ..allocation.budget import BudgetError, parse_budget
+    from ..allocation.schedule import MODES
+
+    errors = []
+    if hcfg.mode not in MODES:
+        errors.append(f"--hilore.mode {hcfg.mode!r}: choose {', '.join(MODES)}")
+    try:
+        parse_budget(hcfg.budget)
+    except BudgetError as e:
+        errors.append(f"--hilore.budget: {e}")
+    return errors
+
+
+def plan_tokens(cfg, longest_prompt: int) -> int:
+    """``--hilore.plan_tokens``, or the largest microbatch the job can make: micro batch x
+    (longest prompt + max new tokens), rounded up to 64."""
+    if cfg.hilore.plan_tokens:
+        return cfg.hilore.plan_tokens
+    return -(-cfg.train.micro_batch_size * (longest_prompt + cfg.rollout.max_new_tokens) // 64) * 64
+
+
+def param_dtype(cfg):
+    import torch
+
+    return torch.bfloat16 if cfg.ds.param_dtype == "bf16" else torch.float32
+
+
+def lora_spec(cfg, dropout: bool = True):
+    """``--ds.lora.*`` as a ``LoraSpec`` (None for full fine-tuning); rollout copies take no dropout."""
+    from ..models.factory import LoraSpec
+
+    if cfg.ds.lora.rank <= 0:
+        return None
+    t = cfg.ds.lora.target_modules
+    return LoraSpec(cfg.ds.lora.rank, cfg.ds.lora.alpha, cfg.ds.lora.dropout if dropout else 0.0,
+                    t if t == "all-linear" else [x.strip() for x in t.split(",")])
+
+
+def worker_device():
+    """Where a Ray worker computes: its GPU (Ray sets CUDA_VISIBLE_DEVICES), else the CPU."""
+    import torch
+
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def validate(cfg) -> None:
     """Inconsistent flags fail here, before Ray starts, with the numbers that disagree."""
-    from ..allocation.budget import BudgetError, parse_budget
-
     errors: List[str] = []
     if cfg.actor.model_name_or_path is None:
         errors.append("no model: pass --pretrain PATH (or --actor.model_name_or_path), or --preset cpu-demo|tiny")
@@ -275,13 +328,8 @@ def validate(cfg) -> None:
         errors.append(f"--ds.zero_stage must be 0, 1, 2 or 3, got {cfg.ds.zero_stage}")
     if cfg.ds.param_dtype not in ("fp32", "bf16"):
         errors.append(f"--ds.param_dtype must be fp32 or bf16, got {cfg.ds.param_dtype!r}")
-    if cfg.hilore.mode not in ("hilore", "hilore-hr", "hilore-static"):
-        errors.append(f"--hilore.mode {cfg.hilore.mode!r}: choose hilore, hilore-hr or hilore-static")
     if cfg.compare_gc and cfg.ds.zero_stage == 3:
         errors.append("--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2")
-    try:
-        parse_budget(cfg.hilore.budget)
-    except BudgetError as e:
-        errors.append(f"--hilore.budget: {e}")
+    errors += hilore_errors(cfg.hilore)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -13,6 +13,15 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 
+def call(method, *args):
+    """Call a coordinator method: on a Ray actor handle (the job) or a plain object (tests)."""
+    if hasattr(method, "remote"):
+        import ray
+
+        return ray.get(method.remote(*args))
+    return method(*args)
+
+
 class BudgetCoordinator:
     def __init__(self, margin: float = 0.05):
         self.margin = margin  # tighten by overshoot x (1 + margin)

@@ -19,6 +19,7 @@ Lifecycle (the driver calls these on every rank; ``ray.remote(Learner)`` makes t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -28,11 +29,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .config import hierarchize, world_size
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+from ..grpo.microbatch import Microbatch, microbatch_loss
+from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size, worker_device
+from .coordinator import call
 
 
 def _fault(point: str, rank: int, step: int) -> None:
@@ -50,23 +49,17 @@ class Learner:
         self.rank, self.world = rank, world_size(cfg)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
-        self.device = _device()
+        self.device = worker_device()
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
             torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        from ..models.factory import LoraSpec
         from ..models.source import load_policy
 
-        self.dtype = torch.bfloat16 if cfg.ds.param_dtype == "bf16" else torch.float32
-        lora = None
-        if cfg.ds.lora.rank > 0:
-            targets = cfg.ds.lora.target_modules
-            lora = LoraSpec(cfg.ds.lora.rank, cfg.ds.lora.alpha, cfg.ds.lora.dropout,
-                            targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
-        model, _ = load_policy(cfg.actor.model_name_or_path, dtype=self.dtype, lora=lora, seed=cfg.train.seed)
+        self.dtype = param_dtype(cfg)
+        model, _ = load_policy(cfg.actor.model_name_or_path, dtype=self.dtype, lora=lora_spec(cfg), seed=cfg.train.seed)
         model.to(self.device)
         self.backend = cfg.actor.backend
         self.lean = self.backend == "hilore" and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
@@ -84,30 +77,12 @@ class Learner:
             self.rec = RecoveryEngine(self.ds, codec=cfg.hilore.codec)
         self.coordinator = coordinator
         if coordinator is not None:
-            self._call(coordinator.register, rank, self.budget)
+            call(coordinator.register, rank, self.budget)
         self.rows: List[Dict] = []
         torch.manual_seed(cfg.train.seed + 1000 * rank)
 
     # ---- setup ------------------------------------------------------------------------------
-    @staticmethod
-    def _call(method, *args):
-        """A coordinator method: a Ray actor handle in the job, a plain object in tests."""
-        if hasattr(method, "remote"):
-            import ray
-
-            return ray.get(method.remote(*args))
-        return method(*args)
-
-    def plan_tokens(self) -> int:
-        cfg = self.cfg
-        if cfg.hilore.plan_tokens:
-            return cfg.hilore.plan_tokens
-        longest = cfg.data.prompt_max_len + cfg.rollout.max_new_tokens
-        return -(-cfg.train.micro_batch_size * longest // 256) * 256
-
     def loss_fn(self, model, mb):
-        from ..grpo.microbatch import microbatch_loss
-
         return microbatch_loss(model, mb, lean_head=self.lean)
 
     def loss_options(self) -> Dict:
@@ -126,9 +101,11 @@ class Learner:
         if saved is not None and saved.is_file():  # resume: same budget and plan, no re-profiling
             return restore_rank_plan(model, json.loads(saved.read_text()), cfg.hilore, self.loss_fn, self.backend, self._log)
         return plan_before_wrapping(
-            model, cfg.hilore, backend=self.backend, tokens=self.plan_tokens(), seqs_per_microbatch=cfg.train.micro_batch_size,
+            # the driver sets --hilore.plan_tokens from the real prompts; --data.prompt_max_len bounds them
+            model, cfg.hilore, backend=self.backend, tokens=plan_tokens(cfg, cfg.data.prompt_max_len),
+            seqs_per_microbatch=cfg.train.micro_batch_size,
             group_size=cfg.rollout.n_samples_per_prompt, loss_options=self.loss_options(), loss_fn=self.loss_fn,
-            std_loss_fn=self._std_loss, device=self.device, seed=cfg.train.seed + 7, write_calibration=self.rank == 0,
+            std_loss_fn=microbatch_loss, device=self.device, seed=cfg.train.seed + 7, write_calibration=self.rank == 0,
             log=self._log)
 
     def _log(self, msg: str) -> None:
@@ -171,7 +148,6 @@ class Learner:
         """Keep this rank's rows of the step and add old log-probs (the behaviour policy)."""
         from ..models.logprobs import sequence_log_probs
 
-        self.step_index = step
         self.ds.eval()
         for r in rows:
             r["old_log_probs"] = sequence_log_probs(self.ds, r["input_ids"].to(self.device),
@@ -181,8 +157,6 @@ class Learner:
         return len(rows)
 
     def _microbatch(self, r: Dict):
-        from ..grpo.microbatch import Microbatch
-
         return Microbatch(r["input_ids"], r["position_ids"], r["old_log_probs"], r["ref_log_probs"], r["advantages"],
                           r["action_mask"], loss_options=self.loss_options()).to(self.device)
 
@@ -211,15 +185,15 @@ class Learner:
                     out = self.loss_fn(self.ds, mb)
                     self.ds.backward(out.loss)
             self.ds.step()
-            for a in acts.values():
-                counts[a] += 1
+            mb_counts = {a: sum(x == a for x in acts.values()) for a in "HLR"}
+            for a, n in mb_counts.items():
+                counts[a] += n
             peak = meter.report.peak_bytes
             peaks.append(peak)
             for k, v in dict(out.stats, loss=out.loss.detach()).items():
                 stats.setdefault(k, []).append(float(v))
             if self.coordinator is not None:
-                d = self._call(self.coordinator.report, self.rank, step, i + u * self.gas, peak,
-                               {k: v for k, v in ((a, sum(x == a for x in acts.values())) for a in "HLR")})
+                d = call(self.coordinator.report, self.rank, step, i + u * self.gas, peak, mb_counts)
                 if d["action"] == "tighten":
                     self.plan.tighten(d["by_bytes"], f" rank {self.rank}")
         seconds = time.perf_counter() - t0
@@ -240,10 +214,10 @@ class Learner:
         module = self.ds.module
         params = [p for p in module.parameters() if p.requires_grad]
         back = lambda loss: torch.autograd.grad(loss, params)  # noqa: E731
-        gc = Runner(module, self.rec or _NoEngine(), loss_fn=lambda m, mb: self._std_loss(m, mb), backward=back)
+        gc = Runner(module, self.rec or _NoEngine(), loss_fn=microbatch_loss, backward=back)
         ours = Runner(module, self.rec or _NoEngine(), loss_fn=self.loss_fn, backward=back)
         mbs = [self._microbatch(r) for r in self.rows[: self.gas]]
-        times = {"gc": [], self.backend: []}
+        times = {"gc": [], self.backend: []}  # one entry when the backend is gc
         for _ in range(repeats):
             for name in times:
                 t = 0.0
@@ -252,15 +226,10 @@ class Learner:
                         t += gc.run(mb, "gc").seconds
                     elif name == "hilore":
                         t += ours.run(mb, self.plan.sp.plan, self.plan.actions, track_tokens=self.plan.track_tokens).seconds
-                    else:
-                        t += ours.run(mb, "as-is" if name == "none" else "gc").seconds
+                    else:  # none: the model as it is, everything stored
+                        t += ours.run(mb, "as-is").seconds
                 times[name].append(t)
         return {f"compare_{k}_seconds": statistics.median(v) for k, v in times.items()}
-
-    def _std_loss(self, model, mb):
-        from ..grpo.microbatch import microbatch_loss
-
-        return microbatch_loss(model, mb)
 
     # ---- weights and checkpoints -------------------------------------------------------------
     def export_weights(self, kind: str) -> Optional[Dict[str, torch.Tensor]]:
@@ -268,14 +237,13 @@ class Learner:
         from ..models.weights import export_weights
 
         module = self.ds.module
+        gathered = contextlib.nullcontext()
         if self.cfg.ds.zero_stage == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                w = export_weights(module, kind) if self.rank == 0 else None
-        else:
-            w = export_weights(module, kind) if self.rank == 0 else None
-        return w
+            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        with gathered:
+            return export_weights(module, kind) if self.rank == 0 else None
 
     def save(self, path: str) -> None:
         """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""

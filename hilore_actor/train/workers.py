@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .config import hierarchize
+from .config import hierarchize, lora_spec, param_dtype, worker_device
 
 
 def _threads(cfg) -> None:
@@ -21,35 +21,20 @@ def _threads(cfg) -> None:
         torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
 
 
-def _lora(cfg):
-    from ..models.factory import LoraSpec
-
-    if cfg.ds.lora.rank <= 0:
-        return None
-    t = cfg.ds.lora.target_modules
-    return LoraSpec(cfg.ds.lora.rank, cfg.ds.lora.alpha, 0.0, t if t == "all-linear" else [x.strip() for x in t.split(",")])
-
-
-def _dtype(cfg):
-    return torch.bfloat16 if cfg.ds.param_dtype == "bf16" else torch.float32
-
-
 class HFRolloutWorker:
-    weight_kind_lora, weight_kind_full = "adapter", "full"
-
     def __init__(self, flat_cfg: Dict, index: int):
         from ..models.source import load_policy
 
         self.cfg = hierarchize(flat_cfg)
         _threads(self.cfg)
         self.index = index
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.model, self.tok = load_policy(self.cfg.actor.model_name_or_path, dtype=_dtype(self.cfg), lora=_lora(self.cfg),
-                                           seed=self.cfg.train.seed)
+        self.device = worker_device()
+        self.model, self.tok = load_policy(self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg),
+                                           lora=lora_spec(self.cfg, dropout=False), seed=self.cfg.train.seed)
         self.model.to(self.device).eval()
 
     def weight_kind(self) -> str:
-        return self.weight_kind_lora if self.cfg.ds.lora.rank > 0 else self.weight_kind_full
+        return "adapter" if self.cfg.ds.lora.rank > 0 else "full"
 
     def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
         from ..models.weights import load_weights
@@ -124,8 +109,8 @@ class ReferenceWorker:
 
         self.cfg = hierarchize(flat_cfg)
         _threads(self.cfg)
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.model, _ = load_policy(self.cfg.actor.model_name_or_path, dtype=_dtype(self.cfg), seed=self.cfg.train.seed)
+        self.device = worker_device()
+        self.model, _ = load_policy(self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), seed=self.cfg.train.seed)
         self.model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
