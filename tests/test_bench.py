@@ -23,6 +23,8 @@ def test_bench_runs_and_reports(tmp_path, tiny_cfg):
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["torch"] and data["device"] and data["workload"]["name"] == "cpu-small"
+    assert data["head"] == "chunked" and data["budget_from"] == "gc" and data["budget_scope"] == "device"
+    assert data["git_commit"] and data["threads"] >= 1 and "glibc_tunables" in data
     recs = {(r["method"], r["budget_ratio"]): r for r in data["records"]}
     assert set(recs) == {("no-gc", None), ("gc", None), ("all-h", None), ("all-r", None), ("all-l", None),
                          ("hilore-hr", 1.1), ("hilore-hr", 1.2)}
@@ -30,7 +32,11 @@ def test_bench_runs_and_reports(tmp_path, tiny_cfg):
         assert set(FIELDS) <= set(r)
     assert recs[("all-h", None)]["grad_rel_err_max"] == 0.0 and recs[("all-r", None)]["grad_rel_err_max"] == 0.0
     assert recs[("all-l", None)]["grad_rel_err_max"] > 0.0
-    assert recs[("hilore-hr", 1.1)]["peak_over_gc"] <= 1.1
+    hr = recs[("hilore-hr", 1.1)]
+    assert hr["peak_over_gc"] <= 1.1 and hr["fits_budget"] is True
+    assert all(x <= hr["budget_bytes"] for u in hr["peaks_by_update"] for x in u["device"] + [u["step_device"]])
+    assert all(r["head"] == "chunked" for r in data["records"])
+    assert len(recs[("gc", None)]["update_seconds_all"]) == 1 and len(recs[("all-l", None)]["paired_gc_seconds_all"]) == 1
     assert (tmp_path / "p.png").stat().st_size > 10_000
     assert "| method |" in (tmp_path / "t.md").read_text()
 
@@ -38,3 +44,18 @@ def test_bench_runs_and_reports(tmp_path, tiny_cfg):
 def test_unknown_method_is_a_clear_error(tiny_cfg, capsys):
     assert main(["--model-config", str(tiny_cfg), "--methods", "magic", "--repeats", "1"]) == 2
     assert "unknown method 'magic'" in capsys.readouterr().err
+
+
+def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
+    out = tmp_path / "r.json"
+    rc = main(["--model-config", str(tiny_cfg), "--methods", "gc,gc+full,hilore-hr", "--budget-from", "gc+full",
+               "--budget-scope", "activations", "--budgets", "1.0", "--repeats", "2", "--updates", "1", "--no-loo",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    recs = {r["method"]: r for r in data["records"]}
+    assert data["budget_scope"] == "activations" and data["budget_from"] == "gc+full"
+    assert recs["gc+full"]["head"] == "full" and recs["gc"]["head"] == "chunked"
+    assert abs(recs["gc+full"]["peak_over_gc"] - 1.0) < 0.05  # B's base is gc+full's own peak
+    assert recs["gc"]["peak_bytes"] < recs["gc+full"]["peak_bytes"]
+    assert len(recs["gc"]["speed_ratios"]) == 2 and recs["gc+full"]["speed_ci95"] is not None

@@ -66,15 +66,19 @@ class Runner:
         profile: bool = False,
         track_tokens: bool = False,
         track_error: bool = False,
+        accumulate: bool = False,
         seed: int = 0,
     ) -> RunResult:
         """``method``: a baseline name, ``"as-is"`` (the model as currently configured, e.g. a
         peer's own checkpointing), an engine policy name, or a plan / action map.
         ``actions``: fixed actions, or a callable ``(step, loss_output) -> actions``.
-        ``loss_fn`` overrides the runner's (e.g. to call a compiled model)."""
+        ``loss_fn`` overrides the runner's (e.g. to call a compiled model).
+        ``accumulate``: keep the gradients of earlier microbatches (as an update accumulates
+        them) instead of starting from none; ``grads`` then returns the running sum."""
         loss_fn = loss_fn or self.loss_fn
-        for p in self.params:
-            p.grad = None
+        if not accumulate:
+            for p in self.params:
+                p.grad = None
         torch.manual_seed(seed)
         meter = MemoryMeter(self.device) if measure_peak else None
         info: Dict = {}

@@ -1,36 +1,53 @@
-"""Benchmark command line (see ``python -m hilore_actor.bench --help``)."""
+"""Benchmark command line (see ``python -m hilore_actor.bench --help``).
+
+One run: build the model and microbatches (``inputs``), measure the run that defines B
+(``--budget-from``, in ``--budget-scope``), calibrate once, prepare every method at every
+budget (HiLoRe's unit costs and calibration are shared across budgets), time them interleaved
+(``timing``), measure their peaks and gradient errors, and write the records (``records``,
+``report``).
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
-from pathlib import Path
+import subprocess
 import sys
 import time
-from collections import Counter
+from functools import partial
+from pathlib import Path
+from typing import Dict, List
 
 from .workloads import WORKLOADS
 
-DEFAULT_METHODS = "no-gc,gc,sac,compile-budget,all-l,hilore-hr,hilore-static,hilore"
+DEFAULT_METHODS = "no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hilore_actor.bench", description=__doc__ or "")
+    p = argparse.ArgumentParser(prog="python -m hilore_actor.bench", description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="cpu-small", choices=sorted(WORKLOADS), help="pinned workload")
-    p.add_argument("--arch", choices=("qwen2", "llama", "phi3"), help="override the workload's model family")
+    p.add_argument("--arch", choices=("qwen2", "llama", "phi3"), help="override a random-weight workload's model family")
     p.add_argument("--model-config", help="any HF causal-LM config.json (random weights) instead of the workload's shape")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list: no-gc, gc, sac, compile-budget, compile-fp8, all-h, all-r, all-l, hilore-hr, hilore-static, hilore")
-    p.add_argument("--budgets", default="1.10", help="comma list of budgets as ratios of the measured gc peak")
+                   help="comma list: no-gc, gc, sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, "
+                        "hilore-hr, hilore-static, hilore; a '+full' suffix runs that method with full float32 logits")
+    p.add_argument("--head", default="chunked", choices=("chunked", "full"),
+                   help="LM head of every method: chunked token log-probs (what the product runs) or full logits")
+    p.add_argument("--budget-from", default="gc", choices=("gc", "gc+full"),
+                   help="the run whose peak is B at ratio 1: gc with the same head as everyone (the paper's B_GC), "
+                        "or gc with full float32 logits (what an OpenRLHF user's gc needs today)")
+    p.add_argument("--budget-scope", default="device", choices=("device", "activations"),
+                   help="device: weights, gradients, AdamW state, activations and head (the paper's B_GC); "
+                        "activations: bytes allocated inside a microbatch")
+    p.add_argument("--budgets", default="1.10", help="comma list of budgets as ratios of the --budget-from peak")
     p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats per method (>= 7 on noisy CPUs)")
-    p.add_argument("--updates", type=int, default=2, help="distinct replayed updates (each = the workload's microbatches)")
+    p.add_argument("--updates", type=int, default=3, help="distinct measured updates (each = the workload's microbatches)")
     p.add_argument("--calib", type=int, default=16, help="calibration microbatches for HiLoRe's risk (C)")
     p.add_argument("--calibration", default=None, help="calibration JSON: reused when it exists, written after calibrating")
-    p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's calib_tokens)")
+    p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
+    p.add_argument("--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget")
     p.add_argument("--codec", default="int8", help="L codec: int8, fp8-e4m3, fp8-e5m2")
-    p.add_argument("--std-head", action="store_true",
-                   help="run HiLoRe through the model's full-logits head too (default: the chunked head; "
-                        "any method can take it with a +lean suffix, e.g. gc+lean)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write records here")
@@ -48,147 +65,150 @@ def main(argv=None) -> int:
         return 2
 
 
-def run(args, argv) -> int:
-    import torch
+def _log(msg: str) -> None:
+    print(msg, flush=True)
 
-    from ..allocation import Calibration, Runner, calibrate
-    from ..models import LoraSpec, build_model, load_model, tiny_config
-    from ..recovery import RecoveryEngine
-    from ..workloads import replayed_microbatches
-    from . import report
-    from functools import partial
 
-    from ..grpo.microbatch import microbatch_loss
-    from .methods import OURS, is_budgeted, make_method, median
+def _methods(args) -> List[str]:
+    from .methods import split_name
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    known = {"no-gc", "gc", "all-h", "all-r", "all-l", "sac", "sac-budget", "compile-budget", "compile-fp8",
+             "hilore-hr", "hilore-static", "hilore"}
+    for n in names:
+        if split_name(n)[0] not in known:
+            raise ValueError(f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full")
+    if args.repeats < 1 or args.updates < 1:
+        raise ValueError("--repeats and --updates must be at least 1")
+    return names
+
+
+def measure_budget(runners, inputs, args):
+    """B at ratio 1: the ``--budget-from`` run's peak over the first update, in the scope."""
+    from .methods import Budget, MethodContext, make_method
+    from .scope import resident_bytes
+
+    head = "full" if args.budget_from == "gc+full" else args.head
+    probe = MethodContext(runners, head, Budget(args.budget_scope, args.budget_from, 1, 0), None, inputs.dev)
+    gc = make_method("gc", None, probe)
+    peaks = gc.peaks(inputs.updates[0])
+    runner = runners[head]
+    if args.budget_scope == "device":
+        trainable = sum(p.numel() * p.element_size() for p in runner.params)
+        offset = resident_bytes(runner.model, gc._optimizer) + trainable
+        return Budget("device", args.budget_from, peaks.device_peak, offset)
+    return Budget("activations", args.budget_from, max(peaks.activations), 0)
+
+
+def calibration_for(args, runner, inputs, names):
+    from ..allocation import Calibration, calibrate
+
+    if not any(n.startswith("hilore") and not n.startswith("hilore-hr") for n in names):
+        return None
+    if args.calibration and Path(args.calibration).is_file():
+        _log(f"[bench] calibration reused from {args.calibration}")
+        return Calibration.load(args.calibration)
+    t = time.perf_counter()
+    cal = calibrate(runner, inputs.calib, progress=lambda d, n: _log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
+    _log(f"[bench] calibrated on {len(inputs.calib)} microbatches in {time.perf_counter() - t:.0f}s")
+    if args.calibration:
+        cal.save(args.calibration)
+    return cal
+
+
+def prepare_methods(names, budgets, ctx):
+    from .methods import is_budgeted, make_method
     from .peers import PeerUnavailable
 
-    wl = WORKLOADS[args.workload]
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    budgets = [float(b) for b in args.budgets.split(",")]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
-    torch.manual_seed(args.seed)
-    lora = LoraSpec(wl.lora_rank, wl.lora_alpha)
-    if args.model_config:
-        model = load_model(args.model_config, dtype=wl.torch_dtype, lora=lora, seed=args.seed)
-    else:
-        model = build_model(tiny_config(args.arch or wl.arch, **wl.model), dtype=wl.torch_dtype, lora=lora, seed=args.seed)
-    model.to(device).train()
-    loss_opts = dict(clip_eps_low=0.2, kl_coef=wl.kl_coef, kl_estimator=wl.kl_estimator)
-    n_upd = wl.microbatches * args.updates
-    mbs = replayed_microbatches(model, n_upd + 2, wl.tokens, group_size=wl.group_size, prompt_frac=wl.prompt_frac,
-                                seed=args.seed, loss_options=loss_opts)
-    updates = [mbs[i * wl.microbatches:(i + 1) * wl.microbatches] for i in range(args.updates)]
-    dev = mbs[n_upd:]
-    runner = Runner(model, RecoveryEngine(model, codec=args.codec))
-    lean_runner = Runner(model, runner.engine, loss_fn=partial(microbatch_loss, lean_head=True))
-    tokens_per_update = wl.microbatches * wl.tokens
-
-    gc_peak = max(runner.run(mb, "gc", measure_peak=True).peak_bytes for mb in mbs[: wl.microbatches])
-    log(f"[bench] {wl.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, gc peak {gc_peak / 2**20:.1f} MiB")
-    ctx = {"gc_peak": gc_peak, "costs_cache": {}, "dev": dev, "log": log, "loo": not args.no_loo, "calibration": None,
-           "lean_runner": lean_runner, "ours_lean": not args.std_head}
-    if any(m.startswith("hilore") for m in methods) and args.calibration and Path(args.calibration).is_file():
-        ctx["calibration"] = Calibration.load(args.calibration)
-        log(f"[bench] calibration reused from {args.calibration}")
-    elif any(m.startswith("hilore") for m in methods):
-        t = time.perf_counter()
-        cal_mbs = replayed_microbatches(model, args.calib, args.calib_tokens or wl.calib_tokens, seed=args.seed + 1, loss_options=loss_opts)
-        ctx["calibration"] = calibrate(runner if args.std_head else lean_runner, cal_mbs, progress=lambda d, n: log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
-        log(f"[bench] calibrated on {args.calib} microbatches in {time.perf_counter() - t:.0f}s")
-        if args.calibration:
-            ctx["calibration"].save(args.calibration)
-
     entries, unavailable = [], []
-    for name in methods:
+    for name in names:
         for b in (budgets if is_budgeted(name) else [None]):
             t = time.perf_counter()
             try:
-                m = make_method(name, runner, b, ctx)
+                m = make_method(name, b, ctx)
                 if m.hilore is not None:
-                    m.hilore.prepare(dev)
-            except PeerUnavailable as e:
+                    m.hilore.prepare(ctx.dev)
+            except (PeerUnavailable, RuntimeError, ValueError) as e:  # names are valid: this is a result
                 unavailable.append({"method": name, "budget_ratio": b, "unavailable": str(e)})
-                log(f"[bench] {name}: not run: {e}")
+                _log(f"[bench] {name}: not run: {e}")
                 continue
             m.prepare_seconds = time.perf_counter() - t
             entries.append(m)
-            log(f"[bench] ready: {name}{'' if b is None else f' @ {b:.2f}'} ({m.prepare_seconds:.0f}s)")
+            _log(f"[bench] ready: {name}{'' if b is None else f' @ {b:.2f}'} ({m.prepare_seconds:.0f}s)")
+    return entries, unavailable
 
-    ref_grads = [sum(runner.run(mb, "no-gc", grads=True, seed=i).grad for i, mb in enumerate(u)) for u in updates]
-    times = {id(m): [] for m in entries}
-    extra = {id(m): {"cpu": [], "overhead": [], "actions": Counter()} for m in entries}
-    gc_entry = next((m for m in entries if m.name == "gc"), None)
-    paired_gc = {}  # isolated peer -> gc times of its own phase
 
-    def timing_phase(group, label):
-        for m in group:  # warm-up
-            m.update(updates[0])
-        for rep in range(args.repeats):
-            order = group if rep % 2 == 0 else list(reversed(group))  # A B ... B A: drift cancels
-            for m in order:
-                u = m.update(updates[rep % len(updates)])
-                times[id(m)].append(u["seconds"])
-                extra[id(m)]["cpu"].append(u["cpu_seconds"])
-                extra[id(m)]["overhead"].append(u["overhead"])
-                extra[id(m)]["actions"].update(u["actions"])
-            log(f"[bench] {label}: repeat {rep + 1}/{args.repeats} done")
+def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> List[Dict]:
+    from .records import add_gap_recovered, method_record
 
-    timing_phase([m for m in entries if not m.isolated], "main phase")
-    for m in [m for m in entries if m.isolated]:
-        m.rebuild()  # one compiled peer live at a time
-        if gc_entry is not None:
-            before = len(times[id(gc_entry)])
-            timing_phase([gc_entry, m], f"{m.name} phase")
-            paired_gc[id(m)] = times[id(gc_entry)][before:]
-            del times[id(gc_entry)][before:]
-        else:
-            timing_phase([m], f"{m.name} phase")
-
-    gc_time = median(times[id(gc_entry)]) if gc_entry is not None else None
+    ref_grads = [sum(ref_runner.run(mb, "no-gc", grads=True, seed=i).grad for i, mb in enumerate(u)) for u in inputs.updates]
     records = []
     for m in entries:
         if m.isolated:
             m.rebuild()
-        peak = max(m.peak(u) for u in updates)
-        errs = [float((m.grad(u) - g).norm() / g.norm()) for u, g in zip(updates, ref_grads)]
-        acts = extra[id(m)]["actions"]
-        total = sum(acts.values())
-        frac = {"H": 1.0, "L": 0.0, "R": 0.0} if m.name == "no-gc" else {"H": 0.0, "L": 0.0, "R": 1.0} if m.name == "gc" else (
-            {k: acts[k] / total for k in "HLR"} if total else {k: None for k in "HLR"})
-        t_med = median(times[id(m)])
-        rec = {
-            "method": m.name, "budget_ratio": m.budget_ratio, "update_seconds": t_med,
-            "update_seconds_all": times[id(m)], "cpu_seconds_median": median(extra[id(m)]["cpu"]),
-            "tokens_per_second": tokens_per_update / t_med, "peak_bytes": peak, "peak_over_gc": peak / gc_peak,
-            "grad_rel_err_mean": sum(errs) / len(errs), "grad_rel_err_max": max(errs),
-            "h_frac": frac["H"], "l_frac": frac["L"], "r_frac": frac["R"],
-            "online_overhead_seconds": median(extra[id(m)]["overhead"]) if m.name.startswith("hilore") else None,
-            "prepare_seconds": m.prepare_seconds,
-            "speed_over_gc": (median(paired_gc[id(m)]) if id(m) in paired_gc else gc_time) / t_med if gc_time else None,
-            **m.extra,
-        }
-        rec["fits_budget"] = [b for b in budgets if peak <= b * gc_peak] if m.budget_ratio is None else peak <= m.budget_ratio * gc_peak
-        if m.hilore is not None:
-            sp = next(iter(m.hilore.plans.values()))
-            rec["plan"] = sp.plan
-            rec["validation"] = sp.report
-        rec["head"] = "chunked" if (m.name.endswith("+lean") or (m.name in OURS and not args.std_head)) else "full logits"
-        if gc_time and m.name.startswith("hilore"):
-            nogc = next((median(times[id(x)]) for x in entries if x.name == "no-gc"), None)
-            if nogc and gc_time > nogc:
-                rec["gap_recovered"] = (gc_time - t_med) / (gc_time - nogc)
-        records.append(rec)
-    records += unavailable
-    header = {"workload": wl.describe(), "torch": torch.__version__, "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-              "gc_peak_bytes": gc_peak, "repeats": args.repeats, "budgets": budgets, "codec": args.codec,
-              "command": "python -m hilore_actor.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-              "threads": torch.get_num_threads()}
+        peaks = [m.peaks(u) for u in inputs.updates]
+        errs = [float((m.grad(u) - g).norm() / g.norm()) for u, g in zip(inputs.updates, ref_grads)]
+        records.append(method_record(m, timings[id(m)], peaks, errs, budget, budgets, inputs.tokens_per_update))
+        _log(f"[bench] measured {m.name}{'' if m.budget_ratio is None else f' @ {m.budget_ratio:.2f}'}")
+    add_gap_recovered(records)
+    return records
+
+
+def header(args, argv, wl, device, budget, inputs) -> Dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = None
+    return {
+        "workload": wl.describe(), "torch": torch.__version__, "git_commit": commit or None,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "head": args.head, "budget_from": budget.base_run, "budget_scope": budget.scope,
+        "budget_base_bytes": budget.peak, "budget_offset_bytes": budget.offset, "budgets": [float(b) for b in args.budgets.split(",")],
+        "repeats": args.repeats, "updates": args.updates, "calib": args.calib, "calib_tokens": args.calib_tokens or wl.calib_tokens,
+        "loo": not args.no_loo, "codec": args.codec, "inputs": inputs.provenance,
+        "command": "python -m hilore_actor.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+    }
+
+
+def run(args, argv) -> int:
+    import torch
+
+    from ..allocation import Runner
+    from ..grpo.microbatch import microbatch_loss
+    from ..recovery import RecoveryEngine
+    from . import report
+    from .inputs import build_inputs
+    from .methods import MethodContext
+
+    names = _methods(args)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    wl = WORKLOADS[args.workload]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    calibrates = any(n.startswith("hilore") and not n.startswith("hilore-hr") for n in names)
+    inputs = build_inputs(wl, args, device, args.calib if calibrates else 0, log=_log)
+    engine = RecoveryEngine(inputs.model, codec=args.codec)
+    runners = {"full": Runner(inputs.model, engine),
+               "chunked": Runner(inputs.model, engine, loss_fn=partial(microbatch_loss, lean_head=True))}
+    budget = measure_budget(runners, inputs, args)
+    _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
+         f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")
+    cal = calibration_for(args, runners[args.head], inputs, names)
+    ctx = MethodContext(runners, args.head, budget, cal, inputs.dev, log=_log, loo=not args.no_loo, bisect_steps=args.bisect_steps)
+    entries, unavailable = prepare_methods(names, budgets, ctx)
+    from .timing import time_methods
+
+    timings = time_methods(entries, inputs.updates, args.repeats, _log)
+    records = measure_records(entries, timings, inputs, budget, budgets, runners[args.head]) + unavailable
+    head = header(args, argv, wl, device, budget, inputs)
     print(report.table(records))
     if args.json:
-        report.write_json(args.json, header, records)
+        report.write_json(args.json, head, records)
     if args.markdown:
-        Path(args.markdown).write_text(report.markdown(records, header))
+        Path(args.markdown).write_text(report.markdown(records, head))
     if args.plot:
-        report.plot(args.plot, records, budgets, f"{wl.name}: throughput vs peak memory, relative to gc")
+        report.plot(args.plot, records, budgets, f"{wl.name}: throughput vs peak ({budget.scope} scope), relative to gc")
     return 0

@@ -1,38 +1,88 @@
-"""Every benchmarked method as one object: run an update, measure its peak, its gradients."""
+"""Every benchmarked method as one object: run an update, measure its peaks, its gradients.
+
+A method name is a base name and an optional ``+full`` suffix: the suffix runs that method
+with the model's full float32 logits instead of the benchmark's ``--head`` (so ``gc+full`` is
+gradient checkpointing as an OpenRLHF user runs it today). No method gets a head of its own.
+"""
 from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..allocation import HiLoRe
+from ..allocation import Calibration, HiLoRe
 from ..recovery import apply_baseline
 from ..recovery.policies import ENGINE_POLICIES
-from .peers import PeerUnavailable, compiled_runner, enable_sac
+from .peers import (PeerUnavailable, compiled_runner, decoder_layers, enable_sac, tune_compile_budget,
+                    tune_sac_layers)
+from .scope import UpdatePeaks, make_optimizer, update_peaks
 
-OURS = ("hilore-hr", "hilore-static", "hilore")  # run through the chunked head by default
-PEERS = ("sac", "compile-budget", "compile-fp8")
-BUDGETED = OURS + ("compile-budget",)
+OURS = ("hilore-hr", "hilore-static", "hilore")
+PEERS = ("sac", "sac-budget", "compile-budget", "compile-fp8")
+BUDGETED = OURS + ("sac-budget", "compile-budget")
+HEADS = ("chunked", "full")
+FULL = "+full"
+
+
+def split_name(name: str):
+    """(base name, head override or None)."""
+    return (name[: -len(FULL)], "full") if name.endswith(FULL) else (name, None)
 
 
 def is_budgeted(name: str) -> bool:
-    return name.split("+")[0] in BUDGETED
+    return split_name(name)[0] in BUDGETED
+
+
+@dataclass
+class Budget:
+    """B at ratio 1 (the base run's peak in ``scope``) and what a method may allocate inside a
+    microbatch at a ratio: ``room(r) = r * peak - offset`` (see ``scope.py``)."""
+
+    scope: str
+    base_run: str  # "gc" (same head as everyone) or "gc+full"
+    peak: int
+    offset: int  # resident model + optimizer state + gradients (device scope), else 0
+
+    def bytes(self, ratio: float) -> int:
+        return int(ratio * self.peak)
+
+    def room(self, ratio: float) -> int:
+        return self.bytes(ratio) - self.offset
+
+
+@dataclass
+class MethodContext:
+    """What methods share: the runners per head over one model, the budget, calibration,
+    development microbatches, unit costs (per runner, shared across budgets) and a logger."""
+
+    runners: Dict[str, object]
+    head: str
+    budget: Budget
+    calibration: Optional[Calibration]
+    dev: List
+    log: Callable[[str], None] = print
+    loo: bool = True
+    bisect_steps: int = 4
+    costs_cache: Dict[int, Dict] = field(default_factory=dict)
 
 
 class Method:
-    """``run(mb, **kw)`` executes one microbatch through the shared runner."""
+    """``run(mb, **kw)`` executes one microbatch through the method's runner."""
 
-    def __init__(self, name: str, budget_ratio: Optional[float], run: Callable, setup=None, teardown=None):
-        self.name, self.budget_ratio = name, budget_ratio
+    def __init__(self, name: str, budget_ratio: Optional[float], head: str, runner, run: Callable,
+                 setup=None, teardown=None):
+        self.name, self.budget_ratio, self.head = name, budget_ratio, head
+        self.runner = runner  # its model and trainable parameters (a compiled peer's private copy)
         self._run, self._setup, self._teardown = run, setup, teardown
         self.prepare_seconds = 0.0
-        self.unavailable: Optional[str] = None
         self.hilore: Optional[HiLoRe] = None
         self.extra: Dict = {}
         self.isolated = False  # compiled peers: timed in their own phase (see peers.compiled_runner)
-        self.rebuild = None  # callable that recompiles an isolated peer before its phase
+        self.rebuild: Optional[Callable[[], None]] = None  # recompiles an isolated peer before its phase
+        self._optimizer = self._optimizer_model = None
 
     def run(self, mb, **kw):
         if self._setup:
@@ -44,76 +94,93 @@ class Method:
                 self._teardown()
 
     def update(self, mbs: List) -> Dict:
-        """One optimizer update's worth of microbatches: seconds, CPU seconds, overhead, actions."""
+        """One update's microbatches (gradients accumulate): seconds, CPU seconds, overhead, actions."""
         secs = cpu = over = 0.0
         acts: Counter = Counter()
         for i, mb in enumerate(mbs):
-            r = self.run(mb, seed=i)
+            r = self.run(mb, seed=i, accumulate=i > 0)
             secs += r.seconds
             cpu += r.cpu_seconds
             over += r.choose_seconds
             acts.update(r.actions.values())
         return {"seconds": secs, "cpu_seconds": cpu, "overhead": over, "actions": acts}
 
-    def peak(self, mbs: List) -> int:
-        return max(self.run(mb, measure_peak=True, seed=i).peak_bytes for i, mb in enumerate(mbs))
+    def peaks(self, mbs: List) -> UpdatePeaks:
+        """Both scopes' peaks of one update, with a real AdamW step (``scope.update_peaks``)."""
+        if self._optimizer is None or self._optimizer_model is not self.runner.model:
+            self._optimizer, self._optimizer_model = make_optimizer(self.runner.params), self.runner.model
+        return update_peaks(self.run, self.runner.params, self._optimizer, self.runner.model, mbs)
 
     def grad(self, mbs: List) -> torch.Tensor:
         return sum(self.run(mb, grads=True, seed=i).grad for i, mb in enumerate(mbs))
 
 
-def make_method(name: str, runner, budget_ratio: Optional[float], ctx) -> Method:
-    """``ctx`` carries what methods share: gc peak, calibration, cost cache, dev batches, log,
-    and ``lean_runner`` (the same model and engine with the chunked head). A ``+lean`` suffix
-    runs any method through the chunked head; HiLoRe uses it unless ``ctx['ours_lean']`` is off."""
-    if name.endswith("+lean"):
-        m = make_method(name[: -len("+lean")], ctx["lean_runner"], budget_ratio, dict(ctx, ours_lean=False))
-        m.name = name
-        return m
-    if name in OURS and ctx.get("ours_lean", True) and runner is not ctx["lean_runner"]:
-        runner = ctx["lean_runner"]
+def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) -> Method:
+    base, override = split_name(name)
+    head = override or ctx.head
+    runner = ctx.runners[head]
     model = runner.model
-    if name in ("no-gc", "gc") or name in ENGINE_POLICIES:
-        return Method(name, None, lambda mb, **kw: runner.run(mb, name, **kw))
-    if name == "sac":
-        return Method(name, None, lambda mb, **kw: runner.run(mb, "as-is", **kw),
+    if base in ("no-gc", "gc") or base in ENGINE_POLICIES:
+        return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, base, **kw))
+    if base == "sac":
+        return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, "as-is", **kw),
                       setup=lambda: enable_sac(model), teardown=lambda: apply_baseline(model, "no-gc"))
-    if name in OURS:
-        cache = ctx["costs_cache"].setdefault(id(runner), {})  # costs differ with the head
-        h = HiLoRe(runner, int(budget_ratio * ctx["gc_peak"]), ctx["calibration"], mode=name,
-                   costs_cache=cache, loo=ctx.get("loo", True), log=ctx["log"])
-        m = Method(name, budget_ratio, lambda mb, **kw: h.run(mb, **kw))
+    if base == "sac-budget":
+        return _sac_budget(name, budget_ratio, head, runner, ctx)
+    if base in OURS:
+        cache = ctx.costs_cache.setdefault(id(runner), {})  # unit costs differ with the head
+        h = HiLoRe(runner, ctx.budget.room(budget_ratio), ctx.calibration, mode=base, costs_cache=cache, loo=ctx.loo,
+                   log=ctx.log)
+        m = Method(name, budget_ratio, head, runner, lambda mb, **kw: h.run(mb, **kw))
         m.hilore = h
         return m
-    if name == "compile-fp8":
-        def build():
-            r = compiled_runner(runner, 1.0, fp8=True)
-            r.run(ctx["dev"][0], "as-is")  # compile now, so a failure is reported here
-            return r
-        try:
-            holder = {"r": build()}
-        except Exception as e:  # noqa: BLE001 - report whatever stops the peer
-            raise PeerUnavailable(f"torch.compile with the activation-quantization pass failed: {e}") from None
-        m = Method(name, None, lambda mb, **kw: holder["r"].run(mb, "as-is", **kw))
-        m.isolated, m.rebuild = True, lambda: holder.update(r=build())
+    if base == "compile-fp8":
+        return _compiled(name, None, head, runner, ctx, 1.0, fp8=True)
+    if base == "compile-budget":
+        value, tried = tune_compile_budget(runner, head, ctx.budget.room(budget_ratio), ctx.dev, ctx.bisect_steps, ctx.log)
+        m = _compiled(name, budget_ratio, head, runner, ctx, value)
+        m.extra = {"activation_memory_budget": value, "tried": {f"{k:.4f}": v for k, v in sorted(tried.items())}}
         return m
-    if name == "compile-budget":
-        budget = int(budget_ratio * ctx["gc_peak"])
-        tried = {}
-        for b in ctx.get("compile_budgets", (1.0, 0.5, 0.2, 0.05, 0.0)):
-            r = compiled_runner(runner, b)
-            peak = max(r.run(mb, "as-is", measure_peak=True).peak_bytes for mb in ctx["dev"][:1])
-            tried[b] = peak
-            ctx["log"](f"[bench] compile-budget {b}: peak {peak / ctx['gc_peak']:.3f} x gc")
-            if peak <= budget:
-                holder = {"r": r}
-                m = Method(name, budget_ratio, lambda mb, **kw: holder["r"].run(mb, "as-is", **kw))
-                m.extra = {"activation_memory_budget": b, "tried": tried}
-                m.isolated, m.rebuild = True, lambda b=b: holder.update(r=compiled_runner(runner, b))
-                return m
-        raise PeerUnavailable(f"no activation_memory_budget in {sorted(tried)} fits {budget_ratio} x gc "
-                              f"(peaks {[round(p / ctx['gc_peak'], 3) for p in tried.values()]} x gc)")
-    raise ValueError(f"unknown method {name!r}; known: no-gc, gc, {', '.join(ENGINE_POLICIES)}, {', '.join(PEERS)}, {', '.join(OURS)}")
+    raise ValueError(f"unknown method {name!r}; known: no-gc, gc, {', '.join(ENGINE_POLICIES)}, {', '.join(PEERS)}, "
+                     f"{', '.join(OURS)}, each optionally with the suffix {FULL}")
+
+
+def _sac_budget(name, budget_ratio, head, runner, ctx) -> Method:
+    model = runner.model
+    n_layers = len(decoder_layers(model))
+
+    def measure(layers):
+        enable_sac(model, layers)
+        try:
+            return max(runner.run(mb, "as-is", measure_peak=True).peak_bytes for mb in ctx.dev)
+        finally:
+            apply_baseline(model, "no-gc")
+
+    layers, tried = tune_sac_layers(measure, n_layers, ctx.budget.room(budget_ratio), ctx.log)
+    m = Method(name, budget_ratio, head, runner, lambda mb, **kw: runner.run(mb, "as-is", **kw),
+               setup=lambda: enable_sac(model, layers), teardown=lambda: apply_baseline(model, "no-gc"))
+    m.extra = {"sac_layers": layers, "tried": tried}
+    return m
+
+
+def _compiled(name, budget_ratio, head, runner, ctx, value: float, fp8: bool = False) -> Method:
+    def build():
+        r = compiled_runner(runner, value, fp8=fp8, head=head)
+        r.run(ctx.dev[0], "as-is")  # compile now, so a failure is reported here
+        return r
+
+    try:
+        first = build()
+    except Exception as e:  # noqa: BLE001 - report whatever stops the peer
+        raise PeerUnavailable(f"torch.compile failed: {e}") from None
+    m = Method(name, budget_ratio, head, first, lambda mb, **kw: m.runner.run(mb, "as-is", **kw))
+
+    def rebuild():
+        m.runner = None  # drop the old copy before compiling the next one
+        m.runner = build()
+
+    m.isolated, m.rebuild = True, rebuild
+    return m
 
 
 def median(xs):

@@ -1,21 +1,26 @@
-"""Peer methods the benchmark runs beside ours, on the same microbatches.
+"""Peer methods the benchmark runs beside ours, on the same microbatches and the same head.
 
-- ``sac``: torch's selective activation checkpointing per decoder layer with the op-level
+- ``sac``: torch's selective activation checkpointing on every decoder layer with the op
   policy that saves matmul and attention outputs and recomputes the rest (through HF's
-  checkpointing hook, so it wraps the same layers gc does).
+  checkpointing hook, so it wraps the same layers gc does). Unbudgeted: a reference row.
+- ``sac-budget``: that policy on every k-th decoder layer and plain checkpointing on the
+  others (torchtitan's selective *layer* checkpointing), k the smallest whose measured peak on
+  every development microbatch fits the budget (more SAC layers only remove recompute).
 - ``compile-budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
-  at the largest of a few values whose measured peak fits the budget.
+  bisected in [0, 1] to the largest value whose peak fits (measured after a warm-up call,
+  never on the compiling call).
 - ``compile-fp8``: ``torch.compile`` with inductor's activation-quantization pass (fp8 e5m2).
-Each returns a callable that runs one microbatch (loss + backward) and a teardown, or raises
-``PeerUnavailable`` with the reason when it cannot run here.
+
+Compiled peers honour the runner's loss function, so the head: with the chunked head only the
+decoder is compiled and the chunked head runs eagerly on its output, as it does for HiLoRe.
+Anything that cannot run here raises ``PeerUnavailable`` with the reason.
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-
-from ..grpo.microbatch import microbatch_loss
 
 
 class PeerUnavailable(RuntimeError):
@@ -38,21 +43,74 @@ def _sac_policy():
     return policy
 
 
-def enable_sac(model) -> None:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    kwargs = {"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, _sac_policy())}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def decoder_layers(model) -> List[torch.nn.Module]:
+    return list(model.get_decoder().layers)
 
 
-def compiled_runner(runner, budget: float = 1.0, fp8: bool = False):
+def enable_sac(model, layers: Optional[Sequence[int]] = None) -> None:
+    """SAC on ``layers`` (all when None), plain (non-reentrant) checkpointing on the rest."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from ..recovery import apply_baseline
+
+    apply_baseline(model, "gc")
+    sac = partial(checkpoint, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _sac_policy()))
+    chosen = set(range(len(decoder_layers(model)))) if layers is None else set(layers)
+    for i, layer in enumerate(decoder_layers(model)):
+        if i in chosen:
+            layer._gradient_checkpointing_func = sac
+
+
+def every_kth(n_layers: int, k: int) -> List[int]:
+    return list(range(0, n_layers, k))
+
+
+def tune_sac_layers(measure: Callable[[List[int]], int], n_layers: int, room: int, log) -> Tuple[List[int], Dict]:
+    """The SAC layer set (every k-th layer, smallest k) whose measured in-microbatch peak
+    ``measure(layers)`` fits ``room``; plain gc (no SAC layer) when none does. The peak grows
+    about linearly with the SAC layer count, so k is predicted from the all-SAC and no-SAC
+    peaks and then verified, moving to the next k while it does not fit."""
+    tried: Dict[str, int] = {}
+    p0, pn = measure([]), measure(every_kth(n_layers, 1))
+    tried["0"], tried[f"k=1 ({n_layers} layers)"] = p0, pn
+    if pn <= room:
+        return every_kth(n_layers, 1), tried
+    if p0 > room:
+        raise PeerUnavailable(f"even plain checkpointing peaks at {p0} B, over the room of {room} B")
+    per_layer = max((pn - p0) / n_layers, 1.0)
+    count = int((room - p0) // per_layer)
+    if count < 1:
+        return [], tried
+    k = max(2, -(-n_layers // count))
+    while k <= n_layers:
+        layers = every_kth(n_layers, k)
+        peak = measure(layers)
+        tried[f"k={k} ({len(layers)} layers)"] = peak
+        log(f"[bench] sac-budget every {k}-th layer ({len(layers)}): peak {peak} B, room {room} B")
+        if peak <= room:
+            return layers, tried
+        k += 1
+    return [], tried
+
+
+class _DecoderOnly:
+    """What the chunked head needs of a model (``models/lean_head.py``), with a compiled decoder."""
+
+    def __init__(self, model, decoder):
+        self._model, self._decoder = model, decoder
+
+    def get_decoder(self):
+        return self._decoder
+
+    def get_output_embeddings(self):
+        return self._model.get_output_embeddings()
+
+
+def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = "full"):
     """A ``Runner`` over a private copy of the model, compiled under its own partitioner
-    settings. Dynamo's cache keys on neither these settings nor the module copy, so building one
-    resets it: only one compiled peer may be live at a time (the benchmark measures each in an
-    isolated phase, interleaved with gc). Every call runs inside the settings."""
+    settings, calling ``runner``'s loss function (so its head). Dynamo's cache keys on neither
+    these settings nor the module copy, so building one resets it: only one compiled peer may
+    be live at a time (the benchmark measures each in an isolated phase, interleaved with gc)."""
     import contextlib
     import copy
 
@@ -69,12 +127,44 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False):
         }
     torch._dynamo.reset()  # compiled graphs do not key on these settings: start clean
     model = copy.deepcopy(runner.model)
-    compiled = torch.compile(model, dynamic=False)
+    if head == "chunked":
+        target = _DecoderOnly(model, torch.compile(model.get_decoder(), dynamic=False))
+    else:
+        target = torch.compile(model, dynamic=False)
+    inner = runner.loss_fn
 
     def loss(_model, mb):
         with contextlib.ExitStack() as stack:
             stack.enter_context(fconf.patch(activation_memory_budget=budget))
             stack.enter_context(iconf.patch(post_grad_fusion_options=fusion))
-            return microbatch_loss(compiled, mb)
+            return inner(target, mb)
 
     return Runner(model, loss_fn=loss)
+
+
+def compiled_peak(runner, budget: float, head: str, dev) -> Tuple[object, int]:
+    """(compiled runner, its in-microbatch peak over ``dev``), measured after a warm-up call."""
+    r = compiled_runner(runner, budget, head=head)
+    r.run(dev[0], "as-is")  # compiles; never measured
+    return r, max(r.run(mb, "as-is", measure_peak=True).peak_bytes for mb in dev)
+
+
+def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log) -> Tuple[float, Dict[float, int]]:
+    """The largest ``activation_memory_budget`` in [0, 1] (bisected ``steps`` times) whose
+    in-microbatch peak on every development microbatch fits ``room``; every value tried."""
+    tried: Dict[float, int] = {}
+
+    def fits(b: float) -> bool:
+        _, tried[b] = compiled_peak(runner, b, head, dev)
+        log(f"[bench] compile-budget {b:.4f}: peak {tried[b]} B, room {room} B")
+        return tried[b] <= room
+
+    if fits(1.0):
+        return 1.0, tried
+    if not fits(0.0):
+        raise PeerUnavailable(f"activation_memory_budget 0 peaks at {tried[0.0]} B, over the room of {room} B")
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, tried

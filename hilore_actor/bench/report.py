@@ -5,42 +5,75 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-FIELDS = ("method", "budget_ratio", "update_seconds", "tokens_per_second", "peak_bytes", "peak_over_gc",
-          "grad_rel_err_mean", "grad_rel_err_max", "h_frac", "l_frac", "r_frac", "online_overhead_seconds")
+FIELDS = ("method", "head", "budget_ratio", "update_seconds", "tokens_per_second", "speed_over_gc", "speed_ci95",
+          "peak_bytes", "peak_over_gc", "peak_activations_bytes", "peak_device_bytes", "grad_rel_err_mean",
+          "grad_rel_err_max", "h_frac", "l_frac", "r_frac", "online_overhead_seconds", "update_seconds_all",
+          "paired_gc_seconds_all", "bimodal_times", "fits_budget")
 
 
 def fmt(v, spec=".3f"):
     return "-" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
 
 
+def _ci(r) -> str:
+    ci = r.get("speed_ci95")
+    return "-" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _note(r) -> str:
+    notes = []
+    if r["fits_budget"] is False:
+        notes.append("over budget")
+    if r.get("bimodal_times"):
+        notes.append("bimodal times")
+    if r.get("sac_layers") is not None:
+        notes.append(f"SAC on {len(r['sac_layers'])} layers")
+    if r.get("activation_memory_budget") is not None:
+        notes.append(f"activation_memory_budget {r['activation_memory_budget']:.4f}")
+    return ", ".join(notes)
+
+
 def table(records: List[Dict]) -> str:
-    head = f"{'method':<16}{'B/gc':>6}{'upd s':>9}{'tok/s':>9}{'x gc':>7}{'peak/gc':>9}{'err mean':>10}{'err max':>10}{'H':>6}{'L':>6}{'R':>6}{'ovh s':>8}  note"
+    head = (f"{'method':<18}{'head':>8}{'B':>6}{'upd s':>9}{'x gc':>7}{'95% CI':>17}{'peak/B1':>9}{'err mean':>10}"
+            f"{'err max':>10}{'H':>6}{'L':>6}{'R':>6}  note")
     lines = [head, "-" * len(head)]
     for r in records:
         if r.get("unavailable"):
-            lines.append(f"{r['method']:<16}{fmt(r['budget_ratio'], '.2f'):>6}  not run: {r['unavailable']}")
+            lines.append(f"{r['method']:<18}{'':>8}{fmt(r['budget_ratio'], '.2f'):>6}  not run: {r['unavailable']}")
             continue
         lines.append(
-            f"{r['method']:<16}{fmt(r['budget_ratio'], '.2f'):>6}{r['update_seconds']:>9.3f}{r['tokens_per_second']:>9.0f}"
-            f"{r['speed_over_gc']:>7.3f}{r['peak_over_gc']:>9.3f}{fmt(r['grad_rel_err_mean'], '.4f'):>10}"
+            f"{r['method']:<18}{r['head']:>8}{fmt(r['budget_ratio'], '.2f'):>6}{r['update_seconds']:>9.3f}"
+            f"{fmt(r['speed_over_gc']):>7}{_ci(r):>17}{r['peak_over_gc']:>9.3f}{fmt(r['grad_rel_err_mean'], '.4f'):>10}"
             f"{fmt(r['grad_rel_err_max'], '.4f'):>10}{fmt(r['h_frac'], '.2f'):>6}{fmt(r['l_frac'], '.2f'):>6}"
-            f"{fmt(r['r_frac'], '.2f'):>6}{fmt(r['online_overhead_seconds'], '.4f'):>8}  {'' if r['fits_budget'] else 'over budget'}"
-        )
+            f"{fmt(r['r_frac'], '.2f'):>6}  {_note(r)}")
     return "\n".join(lines)
 
 
+def definitions(header: Dict) -> str:
+    scope = {"device": "device scope: weights, gradients, AdamW state, activations, head and the optimizer step",
+             "activations": "activation scope: bytes allocated inside a microbatch"}[header["budget_scope"]]
+    return (f"B at ratio 1.00 = the peak of `{header['budget_from']}` ({scope}) = "
+            f"{header['budget_base_bytes'] / 2**20:.1f} MiB; every method runs the `{header['head']}` head unless its "
+            f"name ends in `+full`. Speed = median over repeats of the paired ratio gc time / method time (gc with "
+            f"the `{header['head']}` head, timed in the same phase), with a bootstrap 95% interval. Gradient error: "
+            f"relative to no-gc, summed over each update, mean and max over {header['updates']} updates; LoRA B init "
+            f"{header['inputs'].get('lora_b_init')}.")
+
+
 def markdown(records: List[Dict], header: Dict) -> str:
-    out = [f"Workload `{header['workload']['name']}` ({header['device']}, torch {header['torch']}), "
-           f"{header['repeats']} interleaved repeats; command: `{header['command']}`", "",
-           "| method | B / gc | update s | tokens/s | speed x gc | peak / gc | grad err mean | grad err max | H | L | R |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [f"Workload `{header['workload']['name']}` ({header['device']}, torch {header['torch']}, "
+           f"{header['threads']} threads, GLIBC_TUNABLES={header['glibc_tunables']}, commit {header['git_commit']}), "
+           f"{header['repeats']} interleaved repeats; command: `{header['command']}`", "", definitions(header), "",
+           "| method | head | B | update s | speed x gc [95% CI] | peak / B1 | act. peak MiB | device peak MiB | grad err mean | grad err max | H | L | R | notes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("unavailable"):
-            out.append(f"| {r['method']} | {fmt(r['budget_ratio'], '.2f')} | not run: {r['unavailable']} ||||||||| ")
+            out.append(f"| {r['method']} | | {fmt(r['budget_ratio'], '.2f')} | not run: {r['unavailable']} |||||||||||")
             continue
-        out.append(f"| {r['method']} | {fmt(r['budget_ratio'], '.2f')} | {r['update_seconds']:.3f} | {r['tokens_per_second']:.0f} | "
-                   f"{r['speed_over_gc']:.3f} | {r['peak_over_gc']:.3f} | {fmt(r['grad_rel_err_mean'], '.4f')} | "
-                   f"{fmt(r['grad_rel_err_max'], '.4f')} | {fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r['r_frac'], '.2f')} |")
+        out.append(f"| {r['method']} | {r['head']} | {fmt(r['budget_ratio'], '.2f')} | {r['update_seconds']:.3f} | "
+                   f"{fmt(r['speed_over_gc'])} {_ci(r)} | {r['peak_over_gc']:.3f} | {r['peak_activations_bytes'] / 2**20:.1f} | "
+                   f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
+                   f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r['r_frac'], '.2f')} | {_note(r)} |")
     return "\n".join(out) + "\n"
 
 
@@ -50,7 +83,7 @@ def _clean(v):
         return None
     if isinstance(v, dict):
         return {k: _clean(x) for k, x in v.items()}
-    if isinstance(v, list):
+    if isinstance(v, (list, tuple)):
         return [_clean(x) for x in v]
     return v
 
@@ -61,24 +94,27 @@ def write_json(path, header: Dict, records: List[Dict]) -> None:
 
 
 def plot(path, records: List[Dict], budgets, title: str) -> None:
+    """Each method's frontier: throughput over gc against measured peak over B at 1.00,
+    one line per method through its budgets; unbudgeted methods are single points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
     markers = "os^vD<>pP*hX"
-    names = sorted({r["method"] for r in records if not r.get("unavailable")})
-    for i, name in enumerate(names):
-        pts = [(r["peak_over_gc"], r["speed_over_gc"], r["budget_ratio"]) for r in records if r["method"] == name and not r.get("unavailable")]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], s=60, label=name)
+    runs = [r for r in records if not r.get("unavailable") and r.get("speed_over_gc") is not None]
+    for i, name in enumerate(sorted({r["method"] for r in runs})):
+        pts = sorted((r["peak_over_gc"], r["speed_over_gc"], r["budget_ratio"]) for r in runs if r["method"] == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], ms=7, label=name,
+                ls="-" if len(pts) > 1 else "none")
         for x, y, b in pts:
             if b is not None:
                 ax.annotate(f"{b:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     for b in budgets:
         ax.axvline(b, color="grey", lw=0.6, ls=":")
     ax.axhline(1.0, color="black", lw=0.6)
-    ax.set_xlabel("peak memory / gc peak (dotted: budgets)")
+    ax.set_xlabel("measured peak / B at 1.00 (dotted: budgets)")
     ax.set_ylabel("update throughput / gc throughput")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="best")

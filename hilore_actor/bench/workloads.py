@@ -22,6 +22,8 @@ class Workload:
     kl_coef: float = 0.001
     kl_estimator: str = "k3"
     calib_tokens: int = 512  # calibration microbatches may be shorter: kappa and e_bar are ratios
+    source: str = "tiny"  # "tiny": random weights of ``model``'s shape, random tokens; "smollm2": real weights and text
+    lora_b_std: float = 1e-3  # LoRA B starts at N(0, std), seeded, as after training (peft's B = 0 zeroes lora_A's gradient)
     note: str = ""
 
     def describe(self) -> Dict:
@@ -43,6 +45,10 @@ WORKLOADS = {
         dict(hidden_size=512, intermediate_size=2816, num_layers=12, num_heads=8, num_kv_heads=2, vocab_size=32768,
              tie_word_embeddings=False),
         tokens=2048, calib_tokens=1024, note="the reference on CPU",
+    ),
+    "cpu-real": Workload(
+        "cpu-real", "llama", source="smollm2", tokens=2048, calib_tokens=1024,
+        note="the bundled SmolLM2-135M-Instruct, real weights, real prompts and self-sampled responses",
     ),
     "gpu-ref": Workload(
         "gpu-ref", "qwen2",

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The committed benchmark v2 runs (issue 11, item 9), one per argument, each its own process:
+#   cpu-small-sweep   view (a): --budget-from gc, device scope, budgets 1.05..2.0
+#   cpu-ref-a         view (a) at 1.10 and 1.25          cpu-real-a   the same on real weights
+#   cpu-ref-b         view (b): --budget-from gc+full at 1.10, plus the gc+full row
+#   cpu-real-b        the same on real weights
+# Usage: bash benchmarks/v2.sh RUN [RUN ...]   (writes benchmarks/results/RUN.{json,png,md,log})
+# Freed memory stays in the process (GLIBC_TUNABLES), as a GPU's caching allocator keeps it:
+# otherwise every step re-faults its activation pages, a tax on storing that a GPU does not pay.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUTDIR=${OUTDIR:-benchmarks/results}
+export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184}
+export PYTHONUNBUFFERED=1
+ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore
+mkdir -p "$OUTDIR"
+for run in "$@"; do
+  case "$run" in
+    cpu-small-sweep) a=(--workload cpu-small --budgets 1.05,1.10,1.25,1.5,2.0 --calib 4 --calib-tokens 512) ;;
+    cpu-ref-a)  a=(--workload cpu-ref --budgets 1.10,1.25 --calib 4 --no-loo) ;;
+    cpu-real-a) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo) ;;
+    cpu-ref-b)  a=(--workload cpu-ref --budget-from gc+full --budgets 1.10 --calib 4 --no-loo) ;;
+    cpu-real-b) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
+    *) echo "unknown run $run" >&2; exit 2 ;;
+  esac
+  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$ALL" --repeats 7 --updates 3 \
+    --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md" 2>&1 \
+    | grep --line-buffered -v '^USDT' | tee "$OUTDIR/$run.log"
+done

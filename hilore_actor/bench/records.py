@@ -1,0 +1,77 @@
+"""One JSON record per benchmarked method and budget, from its timings, peaks and gradients.
+
+Every raw number stays in the record (each repeat's time, the gc times paired with them, each
+update's per-microbatch peaks in both scopes, each update's gradient error), so a reader can
+recompute every summary from the JSON.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from .methods import Budget, split_name
+from .stats import bimodal, speed_summary
+from .timing import Timings
+
+
+def _fractions(name: str, t: Timings) -> Dict[str, Optional[float]]:
+    base = split_name(name)[0]
+    if base == "no-gc":
+        return {"H": 1.0, "L": 0.0, "R": 0.0}
+    if base == "gc":
+        return {"H": 0.0, "L": 0.0, "R": 1.0}
+    total = sum(t.actions.values())
+    return {k: t.actions[k] / total for k in "HLR"} if total else {k: None for k in "HLR"}
+
+
+def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget, budgets: List[float],
+                  tokens_per_update: int) -> Dict:
+    """``peaks``: one ``UpdatePeaks`` per measured update; ``errs``: each update's relative
+    gradient error against no-gc."""
+    scoped = [p.device_peak if budget.scope == "device" else max(p.activations) for p in peaks]
+    mb_peaks = [x for p in peaks for x in (p.device if budget.scope == "device" else p.activations)]
+    if budget.scope == "device":
+        mb_peaks += [p.step_device for p in peaks]
+    peak = max(scoped)
+    t_med = statistics.median(t.seconds)
+    frac = _fractions(m.name, t)
+    rec = {
+        "method": m.name, "head": m.head, "budget_ratio": m.budget_ratio,
+        "budget_bytes": None if m.budget_ratio is None else budget.bytes(m.budget_ratio),
+        "update_seconds": t_med, "update_seconds_all": t.seconds, "paired_gc_seconds_all": t.gc_seconds,
+        "cpu_seconds_median": statistics.median(t.cpu_seconds), "cpu_seconds_all": t.cpu_seconds,
+        "bimodal_times": bimodal(t.seconds),
+        **speed_summary(t.gc_seconds, t.seconds),
+        "tokens_per_second": tokens_per_update / t_med,
+        "peak_bytes": peak, "peak_over_gc": peak / budget.peak,
+        "peak_activations_bytes": max(max(p.activations) for p in peaks),
+        "peak_device_bytes": max(p.device_peak for p in peaks),
+        "peaks_by_update": [p.to_dict() for p in peaks],
+        "grad_rel_err_mean": sum(errs) / len(errs), "grad_rel_err_max": max(errs), "grad_rel_err_all": errs,
+        "h_frac": frac["H"], "l_frac": frac["L"], "r_frac": frac["R"],
+        "online_overhead_seconds": statistics.median(t.overhead) if split_name(m.name)[0].startswith("hilore") else None,
+        "prepare_seconds": m.prepare_seconds, **m.extra,
+    }
+    if m.budget_ratio is None:
+        rec["fits_budget"] = [b for b in budgets if peak <= budget.bytes(b)]
+    else:
+        rec["fits_budget"] = all(x <= budget.bytes(m.budget_ratio) for x in mb_peaks)
+    if m.hilore is not None:
+        sp = next(iter(m.hilore.plans.values()))
+        rec["plan"] = sp.plan
+        rec["validation"] = sp.report
+    return rec
+
+
+def add_gap_recovered(records: List[Dict]) -> None:
+    """The paper's second metric: the share of gc's recompute time (gc - no-gc, same head) a
+    method removes, from median update times."""
+    med = {(r["method"], r["head"]): r["update_seconds"] for r in records if "update_seconds" in r}
+    for r in records:
+        base = split_name(r["method"])[0]
+        if "update_seconds" not in r or base in ("gc", "no-gc"):
+            continue
+        gc, nogc = med.get(("gc", r["head"])) or med.get(("gc+full", r["head"])), \
+            med.get(("no-gc", r["head"])) or med.get(("no-gc+full", r["head"]))
+        if gc and nogc and gc > nogc:
+            r["gap_recovered"] = (gc - r["update_seconds"]) / (gc - nogc)
