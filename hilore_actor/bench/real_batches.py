@@ -26,7 +26,7 @@ from ..grpo.microbatch import Microbatch, microbatch_loss
 from ..models.logprobs import sequence_log_probs
 
 TASK = "rg:basic_arithmetic"
-TASK_OPTIONS = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]}
+TASK_OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]}
 INSTRUCTION = " Think step by step, then put only the final answer inside <answer></answer>."
 
 
@@ -93,7 +93,7 @@ def pack_rows(groups: List[Dict], sizes: List[int], group_size: int) -> List[Dic
 
 
 def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed: int, loss_options: Dict,
-                      step_lr: float = 5e-4, log=print) -> Tuple[List[Microbatch], Dict]:
+                      step_lr: float = 1e-3, log=print) -> Tuple[List[Microbatch], Dict]:
     """Microbatches of ``sizes`` tokens (see module docstring) and their provenance. The
     model's trainable parameters end one AdamW step away from the old policy."""
     pool = rollout_pool(model, tokenizer, int(sum(sizes) * 1.1), group_size, seed, log=log)
