@@ -157,12 +157,15 @@ def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> Li
 def header(args, argv, wl, device, budget, inputs) -> Dict:
     import torch
 
+    here = Path(__file__).parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                    capture_output=True, text=True, cwd=here.parent).stdout.strip())
     except OSError:
-        commit = None
+        commit, dirty = None, None
     return {
-        "workload": wl.describe(), "torch": torch.__version__, "git_commit": commit or None,
+        "workload": wl.describe(), "torch": torch.__version__, "git_commit": commit or None, "git_dirty": dirty,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "head": args.head, "budget_from": budget.base_run, "budget_scope": budget.scope,

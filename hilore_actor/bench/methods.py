@@ -67,6 +67,7 @@ class MethodContext:
     loo: bool = True
     bisect_steps: int = 4
     costs_cache: Dict[int, Dict] = field(default_factory=dict)
+    compile_peaks: Dict[str, Dict[float, int]] = field(default_factory=dict)  # head -> value -> peak
 
 
 class Method:
@@ -137,7 +138,8 @@ def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) ->
     if base == "compile-fp8":
         return _compiled(name, None, head, runner, ctx, 1.0, fp8=True)
     if base == "compile-budget":
-        value, tried = tune_compile_budget(runner, head, ctx.budget.room(budget_ratio), ctx.dev, ctx.bisect_steps, ctx.log)
+        value, tried = tune_compile_budget(runner, head, ctx.budget.room(budget_ratio), ctx.dev, ctx.bisect_steps, ctx.log,
+                                           cache=ctx.compile_peaks.setdefault(head, {}))
         m = _compiled(name, budget_ratio, head, runner, ctx, value)
         m.extra = {"activation_memory_budget": value, "tried": {f"{k:.4f}": v for k, v in sorted(tried.items())}}
         return m

@@ -81,16 +81,20 @@ def tune_sac_layers(measure: Callable[[List[int]], int], n_layers: int, room: in
     count = int((room - p0) // per_layer)
     if count < 1:
         return [], tried
-    k = max(2, -(-n_layers // count))
-    while k <= n_layers:
+    def fits(k: int) -> bool:
         layers = every_kth(n_layers, k)
-        peak = measure(layers)
-        tried[f"k={k} ({len(layers)} layers)"] = peak
+        tried[f"k={k} ({len(layers)} layers)"] = peak = measure(layers)
         log(f"[bench] sac-budget every {k}-th layer ({len(layers)}): peak {peak} B, room {room} B")
-        if peak <= room:
-            return layers, tried
+        return peak <= room
+
+    k = max(2, -(-n_layers // count))
+    while k <= n_layers and not fits(k):
         k += 1
-    return [], tried
+    if k > n_layers:
+        return [], tried
+    while k > 2 and len(every_kth(n_layers, k - 1)) > len(every_kth(n_layers, k)) and fits(k - 1):
+        k -= 1  # the prediction was conservative: more SAC layers still fit
+    return every_kth(n_layers, k), tried
 
 
 class _DecoderOnly:
@@ -149,13 +153,18 @@ def compiled_peak(runner, budget: float, head: str, dev) -> Tuple[object, int]:
     return r, max(r.run(mb, "as-is", measure_peak=True).peak_bytes for mb in dev)
 
 
-def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log) -> Tuple[float, Dict[float, int]]:
+def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log,
+                        cache: Optional[Dict[float, int]] = None) -> Tuple[float, Dict[float, int]]:
     """The largest ``activation_memory_budget`` in [0, 1] (bisected ``steps`` times) whose
-    in-microbatch peak on every development microbatch fits ``room``; every value tried."""
+    in-microbatch peak on every development microbatch fits ``room``; every value tried.
+    ``cache`` (value -> peak) lets a budget sweep compile each value once."""
     tried: Dict[float, int] = {}
+    cache = {} if cache is None else cache
 
     def fits(b: float) -> bool:
-        _, tried[b] = compiled_peak(runner, b, head, dev)
+        if b not in cache:
+            _, cache[b] = compiled_peak(runner, b, head, dev)
+        tried[b] = cache[b]
         log(f"[bench] compile-budget {b:.4f}: peak {tried[b]} B, room {room} B")
         return tried[b] <= room
 
