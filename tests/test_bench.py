@@ -36,6 +36,7 @@ def test_bench_runs_and_reports(tmp_path, tiny_cfg):
     assert hr["peak_over_gc"] <= 1.1 and hr["fits_budget"] is True
     assert all(x <= hr["budget_bytes"] for u in hr["peaks_by_update"] for x in u["device"] + [u["step_device"]])
     assert all(r["head"] == "chunked" for r in data["records"])
+    assert set(hr["units"]) == set(hr["plan"]) and all(u["bytes_H"] > 0 for u in hr["units"].values())
     assert len(recs[("gc", None)]["update_seconds_all"]) == 1 and len(recs[("all-l", None)]["paired_gc_seconds_all"]) == 1
     assert (tmp_path / "p.png").stat().st_size > 10_000
     assert "| method |" in (tmp_path / "t.md").read_text()

@@ -57,10 +57,21 @@ def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget,
     else:
         rec["fits_budget"] = all(x <= budget.bytes(m.budget_ratio) for x in mb_peaks)
     if m.hilore is not None:
-        sp = next(iter(m.hilore.plans.values()))
-        rec["plan"] = sp.plan
-        rec["validation"] = sp.report
+        rec.update(plan_evidence(m.hilore))
     return rec
+
+
+def plan_evidence(h) -> Dict:
+    """The plan and, per unit, what the knapsack saw: utility (seconds saved, Eq. 9), bytes and
+    calibration risk of H and L; with the room above the all-R peak, so a reader can see why a
+    unit was left R."""
+    sp = next(iter(h.plans.values()))
+    risks = h.static_risks()
+    units = {n: {"plan": sp.plan[n], "dtau_H": sp.costs.dtau[n]["H"], "dtau_L": sp.costs.dtau[n]["L"],
+                 "bytes_H": sp.costs.dm[n]["H"], "bytes_L": sp.costs.dm[n]["L"], "risk_L": risks.get(n)} for n in sp.plan}
+    return {"plan": sp.plan, "validation": sp.report, "units": units, "room_bytes": h.budget,
+            "all_r_peak_bytes": sp.costs.base_peak, "all_r_seconds": sp.costs.base_seconds,
+            "memory_budget_bytes": sp.memory_budget, "risk_budget": sp.risk_budget}
 
 
 def add_gap_recovered(records: List[Dict]) -> None:
