@@ -41,3 +41,20 @@ def rel_err(g, ref):
 @pytest.fixture
 def fresh_seed():
     return torch.seed() % 2**31
+
+
+def bench_setup(arch: str, num_layers: int, n_mbs: int):
+    """A tiny LoRA model with LoRA B away from zero, ``n_mbs`` replayed 256-token microbatches,
+    and one benchmark runner per head (fresh seed, printed)."""
+    from hilore_actor.bench.inputs import init_lora_b
+    from hilore_actor.bench.methods import head_runners
+    from hilore_actor.models import LoraSpec, build_model, tiny_config
+    from hilore_actor.recovery import RecoveryEngine
+    from hilore_actor.workloads import replayed_microbatches
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = build_model(tiny_config(arch, hidden_size=64, num_layers=num_layers, vocab_size=4096), lora=LoraSpec(8, 16), seed=seed)
+    init_lora_b(model, 1e-2, seed)
+    model.train()
+    return head_runners(model, RecoveryEngine(model)), replayed_microbatches(model, n_mbs, 256, seed=seed)

@@ -1,31 +1,16 @@
 """Budget-tuned peers fit B on every development microbatch, and compiled peers honour the
 runner's head (tiny random models: mechanism checks, not performance)."""
-from functools import partial
 
 import pytest
-import torch
+from conftest import bench_setup
 
-from hilore_actor.allocation import Runner
-from hilore_actor.bench.inputs import init_lora_b
 from hilore_actor.bench.methods import Budget, MethodContext, make_method
 from hilore_actor.bench.peers import compiled_peak, every_kth, tune_sac_layers
-from hilore_actor.grpo.microbatch import microbatch_loss
-from hilore_actor.models import LoraSpec, build_model, tiny_config
-from hilore_actor.recovery import RecoveryEngine
-from hilore_actor.workloads import replayed_microbatches
 
 
 @pytest.fixture(scope="module")
 def setup():
-    seed = torch.seed() % 2**31
-    print("seed", seed)
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=4, vocab_size=4096), lora=LoraSpec(8, 16), seed=seed)
-    init_lora_b(model, 1e-2, seed)
-    model.train()
-    dev = replayed_microbatches(model, 2, 256, seed=seed)
-    engine = RecoveryEngine(model)
-    runners = {"full": Runner(model, engine), "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, lean_head=True))}
-    return runners, dev
+    return bench_setup("llama", 4, 2)
 
 
 def _peak(runner, dev, method="as-is"):

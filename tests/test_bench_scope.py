@@ -1,33 +1,21 @@
 """Budget base and scope: B's gc run uses the selected head; the device scope counts the
 weights and the AdamW state on top of what a microbatch allocates."""
 import types
-from functools import partial
 
 import pytest
 import torch
+from conftest import bench_setup
 
-from hilore_actor.allocation import Runner
 from hilore_actor.bench.cli import measure_budget
-from hilore_actor.bench.inputs import BenchInputs, init_lora_b
+from hilore_actor.bench.inputs import BenchInputs
 from hilore_actor.bench.methods import Budget, MethodContext, make_method
 from hilore_actor.bench.scope import make_optimizer, optimizer_tensors, resident_bytes
-from hilore_actor.grpo.microbatch import microbatch_loss
-from hilore_actor.models import LoraSpec, build_model, tiny_config
-from hilore_actor.recovery import RecoveryEngine
-from hilore_actor.workloads import replayed_microbatches
 
 
 @pytest.fixture(scope="module")
 def setup():
-    seed = torch.seed() % 2**31
-    print("seed", seed)
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=4096), lora=LoraSpec(8, 16), seed=seed)
-    init_lora_b(model, 1e-2, seed)
-    model.train()
-    mbs = replayed_microbatches(model, 4, 256, seed=seed)
-    engine = RecoveryEngine(model)
-    runners = {"full": Runner(model, engine), "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, lean_head=True))}
-    return runners, BenchInputs(model, [mbs[:2]], mbs[2:], [])
+    runners, mbs = bench_setup("qwen2", 2, 4)
+    return runners, BenchInputs(runners["full"].model, [mbs[:2]], mbs[2:], [])
 
 
 def _args(**kw):

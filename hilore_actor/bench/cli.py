@@ -14,7 +14,6 @@ import shlex
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Dict, List
 
@@ -179,12 +178,10 @@ def header(args, argv, wl, device, budget, inputs) -> Dict:
 def run(args, argv) -> int:
     import torch
 
-    from ..allocation import Runner
-    from ..grpo.microbatch import microbatch_loss
     from ..recovery import RecoveryEngine
     from . import report
     from .inputs import build_inputs
-    from .methods import MethodContext
+    from .methods import MethodContext, head_runners
 
     names = _methods(args)
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -193,9 +190,7 @@ def run(args, argv) -> int:
     torch.manual_seed(args.seed)
     calibrates = any(n.startswith("hilore") and not n.startswith("hilore-hr") for n in names)
     inputs = build_inputs(wl, args, device, args.calib if calibrates else 0, log=_log)
-    engine = RecoveryEngine(inputs.model, codec=args.codec)
-    runners = {"full": Runner(inputs.model, engine),
-               "chunked": Runner(inputs.model, engine, loss_fn=partial(microbatch_loss, lean_head=True))}
+    runners = head_runners(inputs.model, RecoveryEngine(inputs.model, codec=args.codec))
     budget = measure_budget(runners, inputs, args)
     _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
          f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")

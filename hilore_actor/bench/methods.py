@@ -27,6 +27,16 @@ HEADS = ("chunked", "full")
 FULL = "+full"
 
 
+def head_runners(model, engine) -> Dict[str, object]:
+    """One ``Runner`` per head over the same model and engine."""
+    from functools import partial
+
+    from ..allocation import Runner
+    from ..grpo.microbatch import microbatch_loss
+
+    return {"full": Runner(model, engine), "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, lean_head=True))}
+
+
 def split_name(name: str):
     """(base name, head override or None)."""
     return (name[: -len(FULL)], "full") if name.endswith(FULL) else (name, None)
