@@ -39,7 +39,8 @@ def test_bench_runs_and_reports(tmp_path, tiny_cfg):
     assert set(hr["units"]) == set(hr["plan"]) and all(u["bytes_H"] > 0 for u in hr["units"].values())
     assert len(recs[("gc", None)]["update_seconds_all"]) == 1 and len(recs[("all-l", None)]["paired_gc_seconds_all"]) == 1
     assert (tmp_path / "p.png").stat().st_size > 10_000
-    assert "| method |" in (tmp_path / "t.md").read_text()
+    md = (tmp_path / "t.md").read_text()
+    assert "| method |" in md and "### HiLoRe plans" in md and "Best left R" in md
 
 
 def test_unknown_method_is_a_clear_error(tiny_cfg, capsys):

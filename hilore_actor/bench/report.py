@@ -74,7 +74,28 @@ def markdown(records: List[Dict], header: Dict) -> str:
                    f"{fmt(r['speed_over_gc'])} {_ci(r)} | {r['peak_over_gc']:.3f} | {r['peak_activations_bytes'] / 2**20:.1f} | "
                    f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
                    f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r['r_frac'], '.2f')} | {_note(r)} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + plans(records)
+
+
+def plans(records: List[Dict], top: int = 4) -> str:
+    """Why HiLoRe stored what it stored: per budget, the room above the all-R peak and the
+    units with the best utility per byte that the plan left R (``records.plan_evidence``)."""
+    out = []
+    for r in records:
+        if "units" not in r:
+            continue
+        u = r["units"]
+        kept = {q: sum(v["plan"] == q for v in u.values()) for q in ("exact", "compressed")}
+        left = sorted((n for n, v in u.items() if v["plan"] == "checkpoint"),
+                      key=lambda n: -u[n]["dtau_H"] / max(u[n]["bytes_H"], 1))[:top]
+        desc = "; ".join(f"`{n}` saves {u[n]['dtau_H'] * 1e3:.1f} ms for {u[n]['bytes_H'] / 2**20:.1f} MiB H "
+                         f"(L: {u[n]['dtau_L'] * 1e3:.1f} ms, {u[n]['bytes_L'] / 2**20:.1f} MiB, risk {fmt(u[n]['risk_L'], '.4f')})"
+                         for n in left)
+        out.append(f"- `{r['method']}` at {fmt(r['budget_ratio'], '.2f')}: room {r['room_bytes'] / 2**20:.1f} MiB inside a "
+                   f"microbatch, all-R peak {r['all_r_peak_bytes'] / 2**20:.1f} MiB, so {r['memory_budget_bytes'] / 2**20:.1f} MiB "
+                   f"for stored units; plan keeps {kept['exact']} H and {kept['compressed']} L of {len(u)}. "
+                   f"Best left R: {desc or 'none'}.")
+    return ("\n### HiLoRe plans\n\n" + "\n".join(out) + "\n") if out else ""
 
 
 def _clean(v):
@@ -123,3 +144,21 @@ def plot(path, records: List[Dict], budgets, title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """``python -m hilore_actor.bench.report RESULT.json``: rewrite RESULT.md and RESULT.png
+    from the JSON (after a change to the report, no re-measuring needed)."""
+    import sys
+
+    for path in (argv if argv is not None else sys.argv[1:]):
+        data = json.loads(Path(path).read_text())
+        records = data.pop("records")
+        Path(path).with_suffix(".md").write_text(markdown(records, data))
+        plot(Path(path).with_suffix(".png"), records, data["budgets"],
+             f"{data['workload']['name']}: throughput vs peak ({data['budget_scope']} scope), relative to gc")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
