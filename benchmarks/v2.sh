@@ -18,9 +18,9 @@ mkdir -p "$OUTDIR"
 for run in "$@"; do
   case "$run" in
     cpu-small-sweep) a=(--workload cpu-small --budgets 1.05,1.10,1.25,1.5,2.0 --calib 4 --calib-tokens 512) ;;
-    cpu-ref-a)  a=(--workload cpu-ref --budgets 1.10,1.25 --calib 4 --no-loo) ;;
+    cpu-ref-a)  a=(--workload cpu-ref --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo) ;;
     cpu-real-a) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo) ;;
-    cpu-ref-b)  a=(--workload cpu-ref --budget-from gc+full --budgets 1.10 --calib 4 --no-loo) ;;
+    cpu-ref-b)  a=(--workload cpu-ref --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
     cpu-real-b) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac

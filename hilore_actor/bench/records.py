@@ -75,14 +75,17 @@ def plan_evidence(h) -> Dict:
 
 
 def add_gap_recovered(records: List[Dict]) -> None:
-    """The paper's second metric: the share of gc's recompute time (gc - no-gc, same head) a
-    method removes, from median update times."""
-    med = {(r["method"], r["head"]): r["update_seconds"] for r in records if "update_seconds" in r}
+    """The paper's second metric: the share of gc's recompute time (gc - no-gc, both with the
+    method's head) that a method removes. From paired speeds, so records timed in different
+    phases or pieces (``merge``) combine: with ``t = 1 / speed`` (time relative to the
+    benchmark's gc), ``(t_gc - t) / (t_gc - t_nogc)``."""
+    rel = {(split_name(r["method"])[0], r["head"]): 1.0 / r["speed_over_gc"] for r in records
+           if r.get("speed_over_gc") and r.get("budget_ratio") is None}
     for r in records:
-        base = split_name(r["method"])[0]
-        if "update_seconds" not in r or base in ("gc", "no-gc"):
+        if not r.get("speed_over_gc") or split_name(r["method"])[0] in ("gc", "no-gc"):
             continue
-        gc, nogc = med.get(("gc", r["head"])) or med.get(("gc+full", r["head"])), \
-            med.get(("no-gc", r["head"])) or med.get(("no-gc+full", r["head"]))
+        gc, nogc = rel.get(("gc", r["head"])), rel.get(("no-gc", r["head"]))
         if gc and nogc and gc > nogc:
-            r["gap_recovered"] = (gc - r["update_seconds"]) / (gc - nogc)
+            r["gap_recovered"] = (gc - 1.0 / r["speed_over_gc"]) / (gc - nogc)
+
+

@@ -1,0 +1,81 @@
+"""Combine benchmark pieces into one result: long runs (``cpu-real``: hours on 2 cores) split
+by method, each piece its own process, each timing its methods interleaved with its own gc.
+
+``python -m hilore_actor.bench.merge PIECE.json [PIECE.json ...] --json OUT --plot OUT --markdown OUT``
+
+Pieces combine only when they measured the same thing: same workload, inputs, head, budget
+base and scope, and the same B (its base run's peak, which is deterministic for the same
+inputs); anything else is an error. Speeds stay paired with the gc of their own piece (as a
+compiled peer's phase is), so they remain comparable; each record keeps the name of its piece.
+A method measured in several pieces keeps the first record and says so on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from . import report
+from .records import add_gap_recovered
+
+MUST_MATCH = ("workload", "head", "budget_from", "budget_scope", "budget_base_bytes", "budget_offset_bytes", "codec",
+              "updates", "inputs", "torch", "device")
+
+
+def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
+    """(header, records) of the combined result; ``pieces``: (name, parsed JSON)."""
+    if not pieces:
+        raise ValueError("nothing to merge")
+    first_name, first = pieces[0]
+    for name, d in pieces[1:]:
+        for k in MUST_MATCH:
+            if d.get(k) != first.get(k):
+                raise ValueError(f"{name} and {first_name} differ in {k!r}: {d.get(k)!r} vs {first.get(k)!r}")
+    seen, records = set(), []
+    for name, d in pieces:
+        for r in d["records"]:
+            key = (r["method"], r.get("budget_ratio"))
+            if key in seen:
+                if r["method"] != "gc":
+                    print(f"[merge] {r['method']} @ {r.get('budget_ratio')} is in several pieces; kept the first", file=sys.stderr)
+                continue
+            seen.add(key)
+            records.append(dict(r, piece=name))
+    for r in records:
+        r.pop("gap_recovered", None)
+    add_gap_recovered(records)
+    header = {k: v for k, v in first.items() if k != "records"}
+    header["budgets"] = sorted({b for _, d in pieces for b in d["budgets"]})
+    header["pieces"] = [{"name": n, "command": d["command"], "git_commit": d.get("git_commit"), "repeats": d["repeats"]}
+                        for n, d in pieces]
+    header["command"] = " ; ".join(d["command"] for _, d in pieces)
+    return header, records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hilore_actor.bench.merge", description=__doc__.splitlines()[0])
+    p.add_argument("pieces", nargs="+", help="result JSON files of one workload, head, budget base and scope")
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--markdown", default=None)
+    args = p.parse_args(argv)
+    try:
+        pieces = [(Path(x).name, json.loads(Path(x).read_text())) for x in args.pieces]
+        header, records = merge(pieces)
+    except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report.write_json(args.json, header, records)
+    if args.markdown:
+        Path(args.markdown).write_text(report.markdown(records, header))
+    if args.plot:
+        report.plot(args.plot, records, header["budgets"],
+                    f"{header['workload']['name']}: throughput vs peak ({header['budget_scope']} scope), relative to gc")
+    print(report.table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""Merging benchmark pieces: records combine, mismatched pieces are refused, gap from speeds."""
+import json
+
+import pytest
+
+from hilore_actor.bench.merge import main, merge
+
+
+def piece(methods, base=1000, budgets=(1.1,)):
+    recs = [{"method": m, "head": "chunked", "budget_ratio": b, "speed_over_gc": s, "peak_over_gc": 1.0,
+             "update_seconds": 1.0 / s, "fits_budget": True} for m, b, s in methods]
+    return {"workload": {"name": "w"}, "head": "chunked", "budget_from": "gc", "budget_scope": "device",
+            "budget_base_bytes": base, "budget_offset_bytes": 10, "codec": "int8", "updates": 3, "inputs": {},
+            "torch": "t", "device": "cpu", "budgets": list(budgets), "command": "c", "repeats": 7, "records": recs}
+
+
+def test_merge_combines_and_recomputes_the_gap():
+    a = piece([("gc", None, 1.0), ("no-gc", None, 1.25), ("hilore", 1.1, 1.1)])
+    b = piece([("gc", None, 1.0), ("sac-budget", 1.25, 1.05)], budgets=(1.25,))
+    header, recs = merge([("a", a), ("b", b)])
+    assert [(r["method"], r["piece"]) for r in recs] == [("gc", "a"), ("no-gc", "a"), ("hilore", "a"), ("sac-budget", "b")]
+    assert header["budgets"] == [1.1, 1.25] and len(header["pieces"]) == 2
+    h = next(r for r in recs if r["method"] == "hilore")
+    assert h["gap_recovered"] == pytest.approx((1 - 1 / 1.1) / (1 - 1 / 1.25))
+
+
+def test_mismatched_pieces_are_refused(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(piece([("gc", None, 1.0)])))
+    (tmp_path / "b.json").write_text(json.dumps(piece([("gc", None, 1.0)], base=999)))
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "o.json")]) == 2
+    assert "budget_base_bytes" in capsys.readouterr().err
