@@ -7,8 +7,8 @@
   others (torchtitan's selective *layer* checkpointing), k the smallest whose measured peak on
   every development microbatch fits the budget (more SAC layers only remove recompute).
 - ``compile-budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
-  bisected in [0, 1] to the largest value whose peak fits (measured after a warm-up call,
-  never on the compiling call).
+  searched in [0, 1] (a grid from the top, then bisection) for the largest value whose peak
+  fits (measured after a warm-up call, never on the compiling call).
 - ``compile-fp8``: ``torch.compile`` with inductor's activation-quantization pass (fp8 e5m2).
 
 Compiled peers honour the runner's loss function, so the head: with the chunked head only the
@@ -154,10 +154,14 @@ def compiled_peak(runner, budget: float, head: str, dev) -> Tuple[object, int]:
 
 
 def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log,
-                        cache: Optional[Dict[float, int]] = None) -> Tuple[float, Dict[float, int]]:
-    """The largest ``activation_memory_budget`` in [0, 1] (bisected ``steps`` times) whose
-    in-microbatch peak on every development microbatch fits ``room``; every value tried.
-    ``cache`` (value -> peak) lets a budget sweep compile each value once."""
+                        cache: Optional[Dict[float, int]] = None,
+                        grid: Sequence[float] = (1.0, 0.75, 0.5, 0.25, 0.0)) -> Tuple[float, Dict[float, int]]:
+    """The largest ``activation_memory_budget`` in [0, 1] whose in-microbatch peak on every
+    development microbatch fits ``room``; every value tried. The peak is not monotone in the
+    value (on CPU inductor, 0 peaked above 1 on cpu-small and cpu-ref: the backward graph
+    recomputes every layer up front), so the grid is scanned from the top down to the first
+    value that fits, then the interval above it is bisected ``steps`` times. ``cache``
+    (value -> peak) lets a budget sweep compile each value once."""
     tried: Dict[float, int] = {}
     cache = {} if cache is None else cache
 
@@ -168,11 +172,17 @@ def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log,
         log(f"[bench] compile-budget {b:.4f}: peak {tried[b]} B, room {room} B")
         return tried[b] <= room
 
-    if fits(1.0):
-        return 1.0, tried
-    if not fits(0.0):
-        raise PeerUnavailable(f"activation_memory_budget 0 peaks at {tried[0.0]} B, over the room of {room} B")
-    lo, hi = 0.0, 1.0
+    hi = None
+    for b in grid:
+        if fits(b):
+            break
+        hi = b
+    else:
+        raise PeerUnavailable(f"no activation_memory_budget in {list(grid)} fits the room of {room} B "
+                              f"(peaks {[tried[b] for b in grid]} B)")
+    lo = b
+    if hi is None:
+        return lo, tried
     for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

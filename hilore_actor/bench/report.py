@@ -57,21 +57,22 @@ def definitions(header: Dict) -> str:
             f"name ends in `+full`. Speed = median over repeats of the paired ratio gc time / method time (gc with "
             f"the `{header['head']}` head, timed in the same phase), with a bootstrap 95% interval. Gradient error: "
             f"relative to no-gc, summed over each update, mean and max over {header['updates']} updates; LoRA B init "
-            f"{header['inputs'].get('lora_b_init')}.")
+            f"{header['inputs'].get('lora_b_init')}. Recompute removed (the paper's second metric): the share of gc's "
+            f"recompute time (gc - no-gc, same head) a method saves, from the paired speeds.")
 
 
 def markdown(records: List[Dict], header: Dict) -> str:
     out = [f"Workload `{header['workload']['name']}` ({header['device']}, torch {header['torch']}, "
            f"{header['threads']} threads, GLIBC_TUNABLES={header['glibc_tunables']}, commit {header['git_commit']}), "
            f"{header['repeats']} interleaved repeats; command: `{header['command']}`", "", definitions(header), "",
-           "| method | head | B | update s | speed x gc [95% CI] | peak / B1 | act. peak MiB | device peak MiB | grad err mean | grad err max | H | L | R | notes |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| method | head | B | update s | speed x gc [95% CI] | recompute removed | peak / B1 | act. peak MiB | device peak MiB | grad err mean | grad err max | H | L | R | notes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("unavailable"):
-            out.append(f"| {r['method']} | | {fmt(r['budget_ratio'], '.2f')} | not run: {r['unavailable']} |||||||||||")
+            out.append(f"| {r['method']} | | {fmt(r['budget_ratio'], '.2f')} | not run: {r['unavailable']} ||||||||||||")
             continue
         out.append(f"| {r['method']} | {r['head']} | {fmt(r['budget_ratio'], '.2f')} | {r['update_seconds']:.3f} | "
-                   f"{fmt(r['speed_over_gc'])} {_ci(r)} | {r['peak_over_gc']:.3f} | {r['peak_activations_bytes'] / 2**20:.1f} | "
+                   f"{fmt(r['speed_over_gc'])} {_ci(r)} | {fmt(r.get('gap_recovered'), '.0%')} | {r['peak_over_gc']:.3f} | {r['peak_activations_bytes'] / 2**20:.1f} | "
                    f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
                    f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r['r_frac'], '.2f')} | {_note(r)} |")
     return "\n".join(out) + "\n" + plans(records)
