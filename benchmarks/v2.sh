@@ -4,6 +4,9 @@
 #   cpu-ref-a         view (a) at 1.10 and 1.25          cpu-real-a   the same on real weights
 #   cpu-ref-b         view (b): --budget-from gc+full at 1.10, plus the gc+full row
 #   cpu-real-b        the same on real weights
+# A run too long for one session goes in pieces: RUN:1, RUN:2, RUN:3 each time a third of the
+# methods beside their own gc (sharing one calibration file), then RUN:merge combines them
+# (python -m hilore_actor.bench.merge).
 # Usage: bash benchmarks/v2.sh RUN [RUN ...]   (writes benchmarks/results/RUN.{json,png,md,log})
 # Freed memory stays in the process (GLIBC_TUNABLES), as a GPU's caching allocator keeps it:
 # otherwise every step re-faults its activation pages, a tax on storing that a GPU does not pay.
@@ -14,8 +17,11 @@ OUTDIR=${OUTDIR:-benchmarks/results}
 export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184}
 export PYTHONUNBUFFERED=1
 ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore
+PIECES=(no-gc,gc,gc+full,sac,all-l gc,sac-budget,compile-budget gc,hilore-hr,hilore-static,hilore)
 mkdir -p "$OUTDIR"
-for run in "$@"; do
+for spec in "$@"; do
+  run=${spec%%:*}
+  piece=${spec#"$run"}; piece=${piece#:}
   case "$run" in
     cpu-small-sweep) a=(--workload cpu-small --budgets 1.05,1.10,1.25,1.5,2.0 --calib 4 --calib-tokens 512) ;;
     cpu-ref-a)  a=(--workload cpu-ref --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo) ;;
@@ -24,7 +30,17 @@ for run in "$@"; do
     cpu-real-b) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
-  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$ALL" --repeats 7 --updates 3 \
-    --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md" 2>&1 \
-    | grep --line-buffered -v '^USDT' | tee "$OUTDIR/$run.log"
+  if [ "$piece" = merge ]; then
+    "$PY" -m hilore_actor.bench.merge "$OUTDIR/$run.1.json" "$OUTDIR/$run.2.json" "$OUTDIR/$run.3.json" \
+      --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
+    continue
+  fi
+  methods=$ALL name=$run
+  if [ -n "$piece" ]; then
+    methods=${PIECES[$((piece - 1))]} name=$run.$piece
+    a+=(--calibration "$OUTDIR/$run.calibration.json")
+  fi
+  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats 7 --updates 3 \
+    --json "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" --markdown "$OUTDIR/$name.md" 2>&1 \
+    | grep --line-buffered -v '^USDT' | tee "$OUTDIR/$name.log"
 done
