@@ -69,11 +69,11 @@ def _log(msg: str) -> None:
 
 
 def _methods(args) -> List[str]:
-    from .methods import split_name
+    from ..recovery.policies import ENGINE_POLICIES
+    from .methods import OURS, PEERS, split_name
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = {"no-gc", "gc", "all-h", "all-r", "all-l", "sac", "sac-budget", "compile-budget", "compile-fp8",
-             "hilore-hr", "hilore-static", "hilore"}
+    known = {"no-gc", "gc", *ENGINE_POLICIES, *PEERS, *OURS}
     for n in names:
         if split_name(n)[0] not in known:
             raise ValueError(f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full")
@@ -99,10 +99,15 @@ def measure_budget(runners, inputs, args):
     return Budget("activations", args.budget_from, max(peaks.activations), 0)
 
 
+def needs_calibration(names) -> bool:
+    """Every HiLoRe mode but hilore-hr uses L's calibrated risk."""
+    return any(n.startswith("hilore") and not n.startswith("hilore-hr") for n in names)
+
+
 def calibration_for(args, runner, inputs, names):
     from ..allocation import Calibration, calibrate
 
-    if not any(n.startswith("hilore") and not n.startswith("hilore-hr") for n in names):
+    if not needs_calibration(names):
         return None
     if args.calibration and Path(args.calibration).is_file():
         _log(f"[bench] calibration reused from {args.calibration}")
@@ -188,8 +193,7 @@ def run(args, argv) -> int:
     wl = WORKLOADS[args.workload]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
-    calibrates = any(n.startswith("hilore") and not n.startswith("hilore-hr") for n in names)
-    inputs = build_inputs(wl, args, device, args.calib if calibrates else 0, log=_log)
+    inputs = build_inputs(wl, args, device, args.calib if needs_calibration(names) else 0, log=_log)
     runners = head_runners(inputs.model, RecoveryEngine(inputs.model, codec=args.codec))
     budget = measure_budget(runners, inputs, args)
     _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
