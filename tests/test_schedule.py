@@ -41,3 +41,23 @@ def test_replay_within_budget_and_tolerance(setup, mode):
     assert err <= 0.015
     if mode == "hilore-hr":
         assert err == 0.0
+
+
+def test_prepare_keeps_the_candidate_that_saves_most(setup):
+    """Candidates are ranked by profiled saved time of the actions they took, not by one timed
+    run; the kept plan's risk scale is the one whose logged saving is largest among those in B."""
+    runner, cal, mbs, budget = setup
+    lines = []
+    h = HiLoRe(runner, budget, cal, mode="hilore", loo=False, log=lines.append)
+    sp = h.prepare(mbs[4:6])
+    cands = {}
+    for line in lines:
+        if line.startswith("[hilore] plan at risk scale"):
+            scale = float(line.split("risk scale ")[1].split(":")[0])
+            saved = float(line.split("saves ")[1].split("s ")[0])
+            peak = float(line.split("peak ")[1].split(" B")[0])
+            if peak <= 1.0:
+                cands[scale] = saved
+    print(f"candidates (scale -> saved s): {cands}; kept {sp.report['plan_risk_scale']}")
+    assert cands, "no candidate fitted B"
+    assert cands[sp.report["plan_risk_scale"]] == max(cands.values())

@@ -6,8 +6,10 @@
      budgets (``plan_risk_scales`` x delta; 0 gives H/R only). A larger risk budget captures
      more units compressed, which the online step may send back to R when a microbatch's
      exposure is high;
-  3. measure every candidate's complete update (plan + online choice) and keep the fastest
-     whose measured peak is within B;
+  3. run every candidate's complete update (plan + online choice) and keep, among those whose
+     measured peak is within B, the one whose actions save the most profiled time (the sum of
+     dtau over the units it did not recompute). One timed run cannot rank them: on a busy CPU
+     two runs of the same plan differ by 10-15%, more than candidates differ;
   4. validate it: the measured peak on every development microbatch <= B (else shrink the
      memory budget by the overshoot and re-plan), the accumulated relative gradient error over
      them <= ``tolerance`` (else halve the risk budget), and drop each non-R action whose
@@ -122,18 +124,24 @@ class HiLoRe:
             raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
         best = None
         for scale in self.scales:
-            sp, t, peak = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
+            sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
             n = {q: sum(v == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED)}
+            saved = self.saved_seconds(costs, actions)
             self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[COMPRESSED]} compressed; "
-                     f"{t:.3f}s, peak {peak / self.budget:.3f} B")
-            if peak <= self.budget and (best is None or t < best[0]):
-                best = (t, sp, scale)
+                     f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B")
+            if peak <= self.budget and (best is None or saved > best[0]):
+                best = (saved, sp, scale)
         if best is None:  # nothing fitted: start from all-R and let validation grow nothing
             best = (0.0, ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0), 0.0)
         sp = self._validate(best[1], dev, accumulate)
         sp.report["plan_risk_scale"] = best[2]
         self.plans[shape] = sp
         return sp
+
+    @staticmethod
+    def saved_seconds(costs: UnitCosts, actions: Dict[str, str]) -> float:
+        """Profiled recompute time that ``actions`` avoid (Eq. 9's utilities, summed)."""
+        return float(sum(costs.dtau[n][a] for n, a in actions.items() if a != "R"))
 
     def replan(self, sp: ShapePlan) -> None:
         actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget)
@@ -149,9 +157,10 @@ class HiLoRe:
         best = None
         for _ in range(attempts):
             self.replan(sp)
-            t, peak = self._measure(sp, [mb])
+            t, peak, actions = self._measure(sp, [mb])
             if peak <= self.budget and (best is None or sp.memory_budget > best[0].memory_budget):
-                best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget), t, peak)
+                best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
+                        t, peak, actions)
             predicted = sum(sp.costs.dm[n]["H" if q == EXACT else "L"] for n, q in sp.plan.items() if q != CHECKPOINT)
             if predicted == 0 or (peak <= self.budget and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
@@ -161,7 +170,7 @@ class HiLoRe:
                 break  # fits, and there is no meaningful room left
             sp.memory_budget = target if peak > self.budget else max(target, sp.memory_budget)
         if best is None:
-            return sp, t, peak
+            return sp, t, peak, actions
         return best
 
     @staticmethod
@@ -169,12 +178,14 @@ class HiLoRe:
         return float(sum(v["H"] for v in costs.dm.values()))
 
     def _measure(self, sp: ShapePlan, batches, repeats: int = 1):
+        """Median time, the peak over ``batches``, and the actions of the last run."""
         times, peak = [], 0
         for mb in batches:
             for _ in range(repeats):
                 times.append(self._run(sp, mb).seconds)
-            peak = max(peak, self._run(sp, mb, measure_peak=True).peak_bytes)
-        return statistics.median(times), peak
+            res = self._run(sp, mb, measure_peak=True)
+            peak = max(peak, res.peak_bytes)
+        return statistics.median(times), peak, res.actions
 
     def _validate(self, sp: ShapePlan, dev, accumulate: int) -> ShapePlan:
         for _ in range(6):
