@@ -68,7 +68,8 @@ def build_inputs(wl: Workload, args, device, n_calib: int, log=print) -> BenchIn
         from .real_batches import real_microbatches
 
         sizes = [wl.tokens] * (n_upd + 2) + [calib_tokens] * n_calib
-        mbs, real = real_microbatches(model, tokenizer, sizes, wl.group_size, args.seed, loss_opts, log=log)
+        mbs, real = real_microbatches(model, tokenizer, sizes, wl.group_size, args.seed, loss_opts,
+                                      n_described=n_upd + 2, log=log)
         prov.update(real)
         calib = mbs[n_upd + 2:]
     else:

@@ -93,9 +93,13 @@ def pack_rows(groups: List[Dict], sizes: List[int], group_size: int) -> List[Dic
 
 
 def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed: int, loss_options: Dict,
-                      step_lr: float = 1e-3, log=print) -> Tuple[List[Microbatch], Dict]:
+                      step_lr: float = 1e-3, n_described: int | None = None, log=print) -> Tuple[List[Microbatch], Dict]:
     """Microbatches of ``sizes`` tokens (see module docstring) and their provenance. The
-    model's trainable parameters end one AdamW step away from the old policy."""
+    model's trainable parameters end one AdamW step away from the old policy.
+
+    The provenance statistics describe the first ``n_described`` rows (default: all): the
+    measured and development rows, which come first. Runs that build different numbers of
+    calibration rows after them then describe the same inputs, so their pieces can merge."""
     pool = rollout_pool(model, tokenizer, int(sum(sizes) * 1.1), group_size, seed, log=log)
     rows = pack_rows(pool, sizes, group_size)
     device = next(model.parameters()).device
@@ -117,11 +121,12 @@ def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed:
     opt.step()
     for p in params:
         p.grad = None
+    described = mbs[:n_described or len(mbs)]
     with torch.no_grad():
-        out = microbatch_loss(model, mbs[-1])
+        out = microbatch_loss(model, described[-1])
     rewards = [x for g in pool for x in g["rewards"]]
+    share = sum(float(m.action_mask.sum()) for m in described) / sum(m.action_mask.numel() for m in described)
     prov = {"task": TASK, "task_options": TASK_OPTIONS, "groups": len(pool), "mean_reward": sum(rewards) / len(rewards),
             "old_policy": f"one AdamW step (lr {step_lr}) before the measured updates",
-            "response_token_share": float(sum(float(m.action_mask.sum()) for m in mbs) / sum(m.action_mask.numel() for m in mbs)),
-            "clip_frac_last_row": float(out.stats["clip_fraction"])}
+            "response_token_share": float(share), "clip_frac_last_row": float(out.stats["clip_fraction"])}
     return mbs, prov
