@@ -4,9 +4,9 @@
 #   cpu-ref-a         view (a) at 1.10 and 1.25          cpu-real-a   the same on real weights
 #   cpu-ref-b         view (b): --budget-from gc+full at 1.10, plus the gc+full row
 #   cpu-real-b        the same on real weights
-# A run too long for one session goes in pieces: RUN:1, RUN:2, RUN:3 each time a third of the
-# methods beside their own gc (sharing one calibration file), then RUN:merge combines them
-# (python -m hilore_actor.bench.merge).
+# A run too long for one session goes in pieces: RUN:1 .. RUN:4 each time some of the methods
+# beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
+# exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
 # Usage: bash benchmarks/v2.sh RUN [RUN ...]   (writes benchmarks/results/RUN.{json,png,md,log})
 # Freed memory stays in the process (GLIBC_TUNABLES), as a GPU's caching allocator keeps it:
 # otherwise every step re-faults its activation pages, a tax on storing that a GPU does not pay.
@@ -17,7 +17,7 @@ OUTDIR=${OUTDIR:-benchmarks/results}
 export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184}
 export PYTHONUNBUFFERED=1
 ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore
-PIECES=(no-gc,gc,gc+full,sac,all-l gc,sac-budget,compile-budget gc,hilore-hr,hilore-static,hilore)
+PIECES=(no-gc,gc,gc+full,sac,all-l gc,sac-budget gc,hilore-hr,hilore-static,hilore gc,compile-budget)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
   run=${spec%%:*}
@@ -31,7 +31,7 @@ for spec in "$@"; do
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ "$piece" = merge ]; then
-    "$PY" -m hilore_actor.bench.merge "$OUTDIR/$run.1.json" "$OUTDIR/$run.2.json" "$OUTDIR/$run.3.json" \
+    "$PY" -m hilore_actor.bench.merge "$OUTDIR/$run".[0-9].json \
       --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
     continue
   fi

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 from .workloads import WORKLOADS
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
     p.add_argument("--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget")
-    p.add_argument("--codec", default="int8", help="L codec: int8, fp8-e4m3, fp8-e5m2")
+    p.add_argument("--codec", default="int8", help="L codec (hilore_actor.recovery.CODECS): int8, int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write records here")
@@ -158,18 +158,25 @@ def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> Li
     return records
 
 
-def header(args, argv, wl, device, budget, inputs) -> Dict:
-    import torch
-
+def git_state() -> Tuple[Optional[str], Optional[bool]]:
+    """(commit, package tree dirty?) of the code that runs: read at the start, since a run
+    lasts hours and the tree may change before it ends."""
     here = Path(__file__).parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
                                     capture_output=True, text=True, cwd=here.parent).stdout.strip())
     except OSError:
-        commit, dirty = None, None
+        return None, None
+    return commit or None, dirty
+
+
+def header(args, argv, wl, device, budget, inputs, git: Tuple[Optional[str], Optional[bool]]) -> Dict:
+    import torch
+
+    commit, dirty = git
     return {
-        "workload": wl.describe(), "torch": torch.__version__, "git_commit": commit or None, "git_dirty": dirty,
+        "workload": wl.describe(), "torch": torch.__version__, "git_commit": commit, "git_dirty": dirty,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "head": args.head, "budget_from": budget.base_run, "budget_scope": budget.scope,
@@ -188,6 +195,7 @@ def run(args, argv) -> int:
     from .inputs import build_inputs
     from .methods import MethodContext, head_runners
 
+    git = git_state()
     names = _methods(args)
     budgets = [float(b) for b in args.budgets.split(",")]
     wl = WORKLOADS[args.workload]
@@ -205,7 +213,7 @@ def run(args, argv) -> int:
 
     timings = time_methods(entries, inputs.updates, args.repeats, _log)
     records = measure_records(entries, timings, inputs, budget, budgets, runners[args.head]) + unavailable
-    head = header(args, argv, wl, device, budget, inputs)
+    head = header(args, argv, wl, device, budget, inputs, git)
     print(report.table(records))
     if args.json:
         report.write_json(args.json, head, records)

@@ -1,29 +1,46 @@
 """Low-precision codecs for the L action (HILORE.md section 3).
 
-A codec turns one saved activation into a compact payload and back. Scales are per token:
-the tensor is viewed as rows of its last dimension (hidden / head / feature channels) and each
-row gets its own absmax scale, so one outlier token does not flatten the rest.
+A codec turns one saved activation into a compact payload and back. The tensor is viewed as
+rows of its last dimension (hidden / head / feature channels). Why several codecs: real LLM
+activations carry a few outlier channels far above the rest (LLM.int8()), and one absmax
+scale per token then spends its whole range on them; on SmolLM2's real weights per-token int8
+gives a gradient error five times that of random weights (issue 12). The remedies, each in
+plain torch ops so it runs on CPU and CUDA alike:
 
+- ``int8``, ``fp8-e4m3``, ``fp8-e5m2``: one absmax scale per row (per token);
+- ``int8-g64``, ``int8-g128``, ``fp8-e4m3-b32``: one scale per row per group of 64 / 128 / 32
+  channels (the MX / group-wise idea): an outlier only flattens its own group;
+- ``int8-outlier``: per-row int8 with the ``k`` channels of largest magnitude kept exact in
+  a side table (chosen per tensor from its own column absmax, so no calibration is needed);
+- ``bf16``: a plain bfloat16 copy: half of float32, three significant digits, no scale.
+
+Every payload reports its exact stored bytes: values, scales and side tables.
 Adding a codec is a subclass with ``encode``/``decode`` and a ``register`` call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 
 @dataclass
 class Payload:
-    data: torch.Tensor  # quantised values, [rows, cols]
-    scale: torch.Tensor  # [rows, 1]
+    data: torch.Tensor  # quantised values, [rows, cols] (cols padded to whole groups)
+    scale: torch.Tensor  # [rows, groups] (empty for scale-free codecs)
     shape: Tuple[int, ...]
     dtype: torch.dtype
+    extra: Tuple[torch.Tensor, ...] = ()  # side tables (outlier channels and their values)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale) + tuple(self.extra))
+
+    def finite(self) -> bool:
+        """False for tensors with inf/NaN (additive -inf attention masks): they stay exact (and
+        equal masks stay shared across layers). Scaled codecs see it in their scales."""
+        return bool(torch.isfinite(self.scale if self.scale.numel() else self.data).all())
 
 
 class Codec:
@@ -40,26 +57,88 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1, x.shape[-1]) if x.dim() > 0 else x.detach().reshape(1, 1)
 
 
-class AbsmaxCodec(Codec):
-    """Per-row absmax scaling into a narrow dtype: ``q = x / s``, ``s = amax|row| / qmax``."""
+def _absmax(rows: torch.Tensor) -> torch.Tensor:
+    # max(amax, -amin): two fast reductions, no |x| temporary (aminmax is slower on CPU)
+    return torch.maximum(rows.amax(dim=-1, keepdim=True), rows.amin(dim=-1, keepdim=True).neg_())
 
-    def __init__(self, name: str, qdtype: torch.dtype, qmax: float, rounding: bool):
-        self.name, self.qdtype, self.qmax, self.rounding = name, qdtype, qmax, rounding
+
+class AbsmaxCodec(Codec):
+    """Absmax scaling into a narrow dtype, ``q = x / s``, ``s = amax|group| / qmax``, with one
+    scale per row (``group=None``) or per row and group of ``group`` channels (the last
+    group is zero-padded; the padding is stored and counted)."""
+
+    def __init__(self, name: str, qdtype: torch.dtype, qmax: float, rounding: bool, group: Optional[int] = None):
+        self.name, self.qdtype, self.qmax, self.rounding, self.group = name, qdtype, qmax, rounding, group
 
     def encode(self, x: torch.Tensor) -> Payload:
         rows = _rows(x)
-        # max(amax, -amin): two fast reductions, no |x| temporary (aminmax is slower on CPU)
-        absmax = torch.maximum(rows.amax(dim=-1, keepdim=True), rows.amin(dim=-1, keepdim=True).neg_())
-        scale = absmax.float().clamp_(min=1e-30) / self.qmax
+        if self.group is not None:
+            pad = -rows.shape[1] % self.group
+            if pad:
+                rows = torch.nn.functional.pad(rows, (0, pad))
+            rows = rows.reshape(rows.shape[0], -1, self.group)
+        scale = _absmax(rows).float().clamp_(min=1e-30) / self.qmax
         q = rows * scale.reciprocal()  # |q| <= qmax by construction: rounding cannot overflow
         if self.rounding:
             q = q.round_()
-        return Payload(q.to(self.qdtype), scale, tuple(x.shape), x.dtype)
+        q = q.to(self.qdtype)
+        if self.group is not None:
+            q, scale = q.reshape(q.shape[0], -1), scale.squeeze(-1)
+        return Payload(q, scale, tuple(x.shape), x.dtype)
 
     def decode(self, p: Payload) -> torch.Tensor:
-        if p.data.dtype == torch.int8:  # int8 x float32 promotes in one kernel
-            return torch.mul(p.data, p.scale).to(p.dtype).reshape(p.shape)
-        return (p.data.float() * p.scale).to(p.dtype).reshape(p.shape)  # float8 does not promote
+        data = p.data if self.group is None else p.data.reshape(p.data.shape[0], -1, self.group)
+        scale = p.scale if self.group is None else p.scale.unsqueeze(-1)
+        if data.dtype == torch.int8:  # int8 x float32 promotes in one kernel
+            out = torch.mul(data, scale)
+        else:
+            out = data.float() * scale  # float8 does not promote
+        out = out.reshape(out.shape[0], -1)
+        cols = p.shape[-1] if p.shape else 1
+        return out[:, :cols].to(p.dtype).reshape(p.shape)
+
+
+class OutlierCodec(Codec):
+    """Per-row int8 over all but the ``k`` channels of largest absmax in this tensor, which
+    are kept exact in a side table (their indices and values), so the outliers no longer set
+    every token's scale. Channel choice per tensor: one column reduction and a top-k."""
+
+    def __init__(self, name: str, k: int):
+        self.name, self.k = name, k
+        self.inner = AbsmaxCodec(name, torch.int8, 127.0, rounding=True)
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        rows = _rows(x)
+        k = min(self.k, rows.shape[1] - 1)
+        if k <= 0:
+            return self.inner.encode(x)
+        col = torch.maximum(rows.amax(dim=0), rows.amin(dim=0).neg())
+        idx = col.topk(k).indices
+        kept = rows.index_select(1, idx)
+        rest = rows.index_fill(1, idx, 0.0)
+        p = self.inner.encode(rest)
+        return Payload(p.data, p.scale, tuple(x.shape), x.dtype, extra=(idx.to(torch.int32), kept))
+
+    def decode(self, p: Payload) -> torch.Tensor:
+        if not p.extra:
+            return self.inner.decode(p)
+        idx, kept = p.extra
+        out = self.inner.decode(Payload(p.data, p.scale, (p.data.shape[0], p.data.shape[1]), p.dtype))
+        out.index_copy_(1, idx.long(), kept.to(out.dtype))
+        return out.reshape(p.shape)
+
+
+class CastCodec(Codec):
+    """A copy in a narrower float dtype (``bf16``): no scales, keeps infinities."""
+
+    def __init__(self, name: str, qdtype: torch.dtype):
+        self.name, self.qdtype = name, qdtype
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        return Payload(x.detach().to(self.qdtype), torch.empty(0), tuple(x.shape), x.dtype)
+
+    def decode(self, p: Payload) -> torch.Tensor:
+        return p.data.to(p.dtype)
 
 
 CODECS: Dict[str, Codec] = {}
@@ -71,9 +150,14 @@ def register(codec: Codec) -> Codec:
 
 
 register(AbsmaxCodec("int8", torch.int8, 127.0, rounding=True))
+register(AbsmaxCodec("int8-g64", torch.int8, 127.0, rounding=True, group=64))
+register(AbsmaxCodec("int8-g128", torch.int8, 127.0, rounding=True, group=128))
+register(OutlierCodec("int8-outlier", k=8))
+register(CastCodec("bf16", torch.bfloat16))
 if hasattr(torch, "float8_e4m3fn"):  # fp8 needs a torch build with the float8 dtypes
     register(AbsmaxCodec("fp8-e4m3", torch.float8_e4m3fn, 448.0, rounding=False))
     register(AbsmaxCodec("fp8-e5m2", torch.float8_e5m2, 57344.0, rounding=False))
+    register(AbsmaxCodec("fp8-e4m3-b32", torch.float8_e4m3fn, 448.0, rounding=False, group=32))
 
 
 def get_codec(name: str) -> Codec:

@@ -96,7 +96,7 @@ class Step:
         if self.profile:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
-        out = p if bool(torch.isfinite(p.scale).all()) else self.canonical(t)
+        out = p if p.finite() else self.canonical(t)
         self._compressed[id(t)] = (weakref.ref(t), out)
         if self.track_error and out is p:
             x = t.detach().float()

@@ -98,7 +98,7 @@ FLAGS = [
     ("hilore.refresh_every", int, 1, "recompute online actions every N microbatches"),
     ("hilore.calibration_batches", int, 4, "synthetic microbatches for the risk calibration (mode hilore)"),
     ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
-    ("hilore.codec", str, "int8", "low-precision codec for L: int8, fp8-e4m3 or fp8-e5m2"),
+    ("hilore.codec", str, "int8", "low-precision codec for L (hilore_actor.recovery.CODECS): int8, int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
      "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
     ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
@@ -247,13 +247,16 @@ def hilore_settings(**values) -> SimpleNamespace:
 
 
 def hilore_errors(hcfg) -> List[str]:
-    """What is wrong with ``--hilore.budget`` and ``--hilore.mode`` (empty when nothing)."""
+    """What is wrong with ``--hilore.budget``, ``--hilore.mode`` and ``--hilore.codec`` (empty when nothing)."""
     from ..allocation.budget import BudgetError, parse_budget
     from ..allocation.schedule import MODES
+    from ..recovery.codecs import CODECS
 
     errors = []
     if hcfg.mode not in MODES:
         errors.append(f"--hilore.mode {hcfg.mode!r}: choose {', '.join(MODES)}")
+    if hcfg.codec not in CODECS:
+        errors.append(f"--hilore.codec {hcfg.codec!r}: choose one of {', '.join(sorted(CODECS))}")
     try:
         parse_budget(hcfg.budget)
     except BudgetError as e:
