@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         log(f"[codecs] gradient error per saved-tensor kind ({', '.join(args.kind_codec_names)}), first set")
     for c in args.kind_codec_names:
         result[c]["kind_grad_rel_err"] = kind_grad_errors(inputs.model, partial(microbatch_loss, lean_head=True),
-                                                          inputs.updates[0], codecs[c])
+                                                          inputs.updates[0], codecs[c], [k for k, b in saved.items() if b])
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
     errs = grad_errors(runner, inputs.updates, codecs, args.scope_names, log)
     for c in codecs:
