@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     from .workloads import WORKLOADS
 
     args = _args(argv)
+    git = git_state()
     named = args.model in WORKLOADS or args.model == "smollm2"
     wl = WORKLOADS["cpu-real" if args.model == "smollm2" else args.model if named else "cpu-ref"]
     wl = dataclasses.replace(wl, tokens=args.tokens)
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
         result[c]["grad_rel_err"] = {s: {"mean": sum(v) / len(v), "max": max(v), "all": v} for s, v in errs[c].items()}
     head = {"model": args.model, "workload": wl.describe(), "tokens": args.tokens, "sets": args.sets,
             "microbatches_per_set": wl.microbatches, "inputs": inputs.provenance, "saved_bytes_by_kind": saved,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": git_state()[0],
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": git[0], "git_dirty": git[1],
             "command": "python -m hilore_actor.bench.codecs " + " ".join(argv if argv is not None else sys.argv[1:])}
     Path(args.json).write_text(json.dumps({**head, "codecs": result}, indent=1))
     md = markdown(head, result, args.scope_names)
