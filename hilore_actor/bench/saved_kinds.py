@@ -6,7 +6,7 @@ of compressing that kind alone in every layer, everything else exact.
 
 How a saved tensor gets its kind. Autograd saves an op's inputs *before* the op runs and its
 outputs after, so "the op that saves this" is not observable from a pack hook. What is: module
-hooks tell which leaf module runs (a projection's ``Linear`` saves only its input; LoRA's
+hooks tell which module runs, innermost first (a projection's ``Linear`` saves only its input; LoRA's
 ``lora_A`` / ``lora_B`` their rank-r intermediates), and a ``TorchFunctionMode`` brackets each
 call of ``scaled_dot_product_attention``, whose arguments are the rotated queries, the keys
 and the values; anything else saved inside that call is the attention core's own output
@@ -19,11 +19,15 @@ and the values; anything else saved inside that call is the attention core's own
   ``mlp input`` (gate/up projections' input), ``activation`` (down_proj's input): what the
   projections save for their weight gradients;
 - ``mask``: the attention mask, when it is a float tensor; ``lora``: LoRA's rank-r
-  intermediates (what ``lora_B`` saves); ``other``: everything else (norms, rotary, SiLU,
-  the head).
+  intermediates (what ``lora_B`` saves);
+- ``norm``: what the RMSNorms save (their input is the residual stream, which the engine keeps
+  exact anyway as a unit's checkpoint input); ``attention internal``: the rest of the attention
+  module's own code (rotary); ``mlp internal``: the MLP's own code (SiLU, the gate x up
+  product); ``other``: outside the decoder layers (the head).
 
 The function mode costs Python time on every torch call: fine for a study, not for the
-engine's hot path. "Compressing" here is ``decode(encode(x))`` at pack time, which gives backward the same
+engine's hot path. "Compressing" here is ``decode(encode(x))`` at pack time, which gives
+backward the same
 values L's decode would.
 """
 from __future__ import annotations
@@ -39,7 +43,8 @@ PROJ_KINDS = {"q_proj": "attention input", "k_proj": "attention input", "v_proj"
               "o_proj": "attention output", "gate_proj": "mlp input", "up_proj": "mlp input",
               "down_proj": "activation"}
 KINDS = ("query", "key", "value", "mask", "softmax stats", "attention core output", "attention input",
-         "attention output", "mlp input", "activation", "lora", "other")
+         "attention output", "mlp input", "activation", "lora", "norm", "attention internal", "mlp internal",
+         "other")
 
 
 def _key(t: torch.Tensor) -> int:
@@ -92,7 +97,13 @@ class SavedKinds:
         for tail in (("base_layer",), ("lora_A", parts[-1])):
             if len(parts) > len(tail) and tuple(parts[-len(tail):]) == tail:
                 return PROJ_KINDS.get(parts[-len(tail) - 1], "other")
-        return PROJ_KINDS.get(parts[-1], "other")
+        if parts[-1] in PROJ_KINDS:
+            return PROJ_KINDS[parts[-1]]
+        for part, kind in (("norm", "norm"), ("layernorm", "norm"), ("self_attn", "attention internal"),
+                           ("mlp", "mlp internal")):
+            if parts[-1].endswith(part):
+                return kind
+        return "other"
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or _key(t) in self._params or not t.is_floating_point():
@@ -111,9 +122,8 @@ class SavedKinds:
         def pop(*_):
             self._module.pop()
 
-        for name, m in self.model.named_modules():
-            if not list(m.children()):
-                self._handles += [m.register_forward_pre_hook(push(name)), m.register_forward_hook(pop)]
+        for name, m in self.model.named_modules():  # the innermost running module is the stack's top
+            self._handles += [m.register_forward_pre_hook(push(name)), m.register_forward_hook(pop)]
         self._attn = _Attention()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
         self._attn.__enter__()
