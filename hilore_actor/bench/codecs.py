@@ -75,7 +75,7 @@ def capture_kinds(model, mb, codecs: Dict) -> Tuple[Dict, Dict[str, int]]:
     saves for backward (kinds: ``saved_kinds``; the tensors L would compress), and the saved
     bytes of each kind (parameters excluded)."""
     from ..grpo.microbatch import microbatch_loss
-    from ..recovery.step import MIN_COMPRESS_NUMEL
+    from ..recovery.rules import MIN_COMPRESS_NUMEL
     from .saved_kinds import SavedKinds
 
     kinds = _Kinds(codecs)

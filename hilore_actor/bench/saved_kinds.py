@@ -37,7 +37,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..recovery.step import MIN_COMPRESS_NUMEL
+from ..recovery.rules import MIN_COMPRESS_NUMEL
 
 PROJ_KINDS = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input",
               "o_proj": "attention output", "gate_proj": "mlp input", "up_proj": "mlp input",

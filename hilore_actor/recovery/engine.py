@@ -82,13 +82,21 @@ class RecoveryEngine:
     """Attach once to an HF decoder model (plain, peft, or inside a DeepSpeed engine); then
     ``with engine.step(plan): forward; loss; step.set_actions(...); loss.backward()``."""
 
-    def __init__(self, model: torch.nn.Module, codec: str = "int8"):
+    def __init__(self, model: torch.nn.Module, codec: str = "int8", attention_core_exact: bool = True):
+        """``attention_core_exact``: L keeps the attention core's saved tensors exact
+        (``rules.KEEP_EXACT``); off only to measure what that rule buys."""
         self.model = model
         self.layer_specs = discover_units(model)
         self.unit_names = [u.name for layer in self.layer_specs for u in layer.units]
         self.codec = get_codec(codec)
+        self.attention_core_exact = attention_core_exact
         self._step: Optional["Step"] = None
+        self._core_depth = self._child_depth = 0  # inside an attention module / inside one of its children
         self._hooks = []
+        for layer in self.layer_specs:
+            for unit in layer.units:
+                if unit.kind == "attn":
+                    self._watch_attention_core(unit.modules[-1])
         for li, layer in enumerate(self.layer_specs):
             self._hooks.append(layer.module.register_forward_pre_hook(partial(self._layer_pre, li), with_kwargs=True))
             for ui, unit in enumerate(layer.units):
@@ -96,6 +104,22 @@ class RecoveryEngine:
                 for k, m in enumerate(unit.modules):
                     self._hooks.append(m.register_forward_pre_hook(partial(self._module_pre, li, ui, k), with_kwargs=True))
                     self._hooks.append(m.register_forward_hook(partial(self._module_post, li, ui, k, k == last)))
+
+    def _watch_attention_core(self, attn: torch.nn.Module) -> None:
+        """The attention core is the attention module's own code, outside its child modules
+        (projections, q/k norms): whatever it saves is the kernel's (rules.KEEP_EXACT)."""
+
+        def enter(name, *_):
+            setattr(self, name, getattr(self, name) + 1)
+
+        def leave(name, *_):
+            setattr(self, name, getattr(self, name) - 1)
+
+        self._hooks += [attn.register_forward_pre_hook(partial(enter, "_core_depth")),
+                        attn.register_forward_hook(partial(leave, "_core_depth"))]
+        for child in attn.children():
+            self._hooks += [child.register_forward_pre_hook(partial(enter, "_child_depth")),
+                            child.register_forward_hook(partial(leave, "_child_depth"))]
 
     def detach(self) -> None:
         """Remove the engine's hooks; the model behaves as before attaching."""
@@ -204,7 +228,12 @@ class RecoveryEngine:
             u.external.add(idx)
         if u.plan == CHECKPOINT:
             u.entries[idx] = None
-        elif u.plan == COMPRESSED and not ext:
+        elif ext:
+            u.entries[idx] = st.canonical(t)
+        elif self.attention_core_exact and self._core_depth > 0 and self._child_depth == 0:
+            u.kept.add(idx)  # the attention core: exact even under L (rules.KEEP_EXACT)
+            u.entries[idx] = st.canonical(t)
+        elif u.plan == COMPRESSED:
             u.entries[idx] = st.compress(t, u)
         else:
             u.entries[idx] = st.canonical(t)

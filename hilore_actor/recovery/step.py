@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import torch
 
+from .rules import exact_reason
 from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, LayerState, Replay, UnitState, storage_key,
                     unit_bytes)
 
 if TYPE_CHECKING:
     from .engine import RecoveryEngine
 
-MIN_COMPRESS_NUMEL = 1024  # smaller or non-float saved tensors stay exact under L
 
 
 class Step:
@@ -52,6 +52,7 @@ class Step:
         if self.engine._step is not None:
             raise RuntimeError("hilore: an engine step is already active; steps do not nest")
         self.param_keys = {storage_key(p) for p in self.engine.model.parameters() if p.numel() > 0}
+        self.engine._core_depth = self.engine._child_depth = 0  # a failed forward may have left them set
         self.engine._step = self
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.engine._pack, self.engine._unpack)
         self._hooks_ctx.__enter__()
@@ -83,8 +84,9 @@ class Step:
         return t
 
     def compress(self, t: torch.Tensor, unit: UnitState):
-        """The L representation of one saved tensor (or ``t`` itself when it cannot be scaled)."""
-        if not t.is_floating_point() or t.numel() < MIN_COMPRESS_NUMEL:
+        """The L representation of one saved tensor (``t`` itself when a ``rules.KEEP_EXACT``
+        rule keeps it exact)."""
+        if exact_reason(t) is not None:
             return t
         # Dedup a tensor saved several times by its identity (a weak reference proves it is
         # still the same live tensor: addresses and ids are reused once a tensor is freed).
@@ -125,7 +127,7 @@ class Step:
                 u.entries.clear()
             elif a == L and u.plan == EXACT:
                 for idx, v in list(u.entries.items()):
-                    if isinstance(v, torch.Tensor) and idx not in u.external:
+                    if isinstance(v, torch.Tensor) and idx not in u.external and idx not in u.kept:
                         u.entries[idx] = self.compress(v, u)
         for ls in self.layers:
             ls.joint = all(u.action == R for u in ls.units)

@@ -1,0 +1,41 @@
+"""Which saved tensors L keeps exact: the one table (issue 12, item 2).
+
+L compresses a unit's saved tensors, except the kinds below. Measured per kind on SmolLM2-135M
+with its real weights (``benchmarks/results/codecs-smollm2.md``, kinds as in
+``bench/saved_kinds.py``; relative error of one update's gradient when only that kind is
+compressed in every layer): the rotated queries alone move it by 1.3% in bf16 and 7.3% in
+int8, the keys by 1.3% / 7.0%, the softmax log-sum-exp by 1.5% / 3.3%, while the
+projections' inputs stay at or below 0.13% in int8. Errors in queries and keys shift the
+attention logits, and errors in the log-sum-exp rescale whole rows of attention
+probabilities: both act multiplicatively on the attention gradient. So the attention core's
+saved tensors stay exact.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+MIN_COMPRESS_NUMEL = 1024
+
+KEEP_EXACT: Dict[str, str] = {
+    "not float": "integer and boolean tensors (indices, boolean masks, RNG offsets) have no scale to take",
+    "small": f"fewer than {MIN_COMPRESS_NUMEL} elements (norm statistics, LoRA scalars): nothing worth saving",
+    "not finite": "inf/NaN values (additive -inf attention masks): no scale represents them, and equal masks "
+                  "stay shared across layers",
+    "attention core": "whatever the attention module saves outside its projections: the rotated queries and "
+                      "keys, the values, the kernel's output and its softmax log-sum-exp (sdpa, flash or eager "
+                      "alike), the rotary tables",
+}
+
+
+def exact_reason(t: torch.Tensor, in_attention_core: bool = False) -> Optional[str]:
+    """The ``KEEP_EXACT`` rule that keeps ``t`` exact under L, or None when L may compress it
+    (``not finite`` is found by the codec's encode: ``Payload.finite``)."""
+    if not t.is_floating_point():
+        return "not float"
+    if t.numel() < MIN_COMPRESS_NUMEL:
+        return "small"
+    if in_attention_core:
+        return "attention core"
+    return None
