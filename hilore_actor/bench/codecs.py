@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     head = {"model": args.model, "workload": wl.describe(), "tokens": args.tokens, "sets": args.sets,
             "microbatches_per_set": wl.microbatches, "inputs": inputs.provenance, "saved_bytes_by_kind": saved,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": git[0], "git_dirty": git[1],
-            "command": "python -m hilore_actor.bench.codecs " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python -m hilore_actor.bench.codecs " + shlex.join(argv if argv is not None else sys.argv[1:])}
     Path(args.json).write_text(json.dumps({**head, "codecs": result}, indent=1))
     md = markdown(head, result, args.scope_names)
     if args.markdown:

@@ -6,15 +6,15 @@ of compressing that kind alone in every layer, everything else exact.
 
 How a saved tensor gets its kind. Autograd saves an op's inputs *before* the op runs and its
 outputs after, so "the op that saves this" is not observable from a pack hook. What is: module
-hooks tell which module runs, innermost first (a projection's ``Linear`` saves only its input; LoRA's
-``lora_A`` / ``lora_B`` their rank-r intermediates), and a ``TorchFunctionMode`` brackets each
+hooks tell which module runs, innermost first (a projection's ``Linear`` saves only its
+input; LoRA's ``lora_A`` / ``lora_B`` their inputs), and a ``TorchFunctionMode`` brackets each
 call of ``scaled_dot_product_attention``, whose arguments are the rotated queries, the keys
 and the values; anything else saved inside that call is the attention core's own output
 (4-dim) or its softmax statistics (the log-sum-exp, 3-dim). The kinds:
 
 - ``query`` / ``key`` / ``value``: the attention core's inputs (queries and keys after the
-  rotary embedding); ``softmax stats``: its log-sum-exp (flash / efficient kernels) or softmax
-  probabilities (eager); ``attention core output``: its output;
+  rotary embedding); ``softmax stats``: its log-sum-exp; ``attention core output``: its
+  output (eager attention makes no such call: its tensors count as ``attention internal``);
 - ``attention input`` (q/k/v projections' input), ``attention output`` (o_proj's input),
   ``mlp input`` (gate/up projections' input), ``activation`` (down_proj's input): what the
   projections save for their weight gradients;
@@ -26,8 +26,8 @@ and the values; anything else saved inside that call is the attention core's own
   product); ``other``: outside the decoder layers (the head).
 
 The function mode costs Python time on every torch call: fine for a study, not for the
-engine's hot path. "Compressing" here is ``decode(encode(x))`` at pack time, which gives
-backward the same
+engine's hot path (the engine's rule, ``recovery/rules.py``, needs only module hooks).
+"Compressing" here is ``decode(encode(x))`` at pack time, which gives backward the same
 values L's decode would.
 """
 from __future__ import annotations
