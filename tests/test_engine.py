@@ -228,3 +228,31 @@ def test_padded_batch_with_kv_cache_is_bitwise_no_gc(arch):
     for plan in ("all-r", mixed):
         got = step(eng, plan)
         assert set(got) == set(ref) and all(torch.equal(got[n], ref[n]) for n in ref), plan
+
+
+def test_token_norms_are_the_unit_inputs_norms_and_skip_checkpoint_units():
+    """Exposure weights (Eq. 7): each unit's per-token input norm, against a forward hook on
+    the unit's first module; units planned ``checkpoint`` (R only) are not tracked."""
+    model = tiny("llama", "lora")
+    ids, pos = packed_microbatch(96, VOCAB)
+    engine = RecoveryEngine(model)
+    seen, hooks = {}, []
+
+    def keep(name):
+        def hook(_m, args, kwargs):
+            seen.setdefault(name, (args[0] if args else kwargs["hidden_states"]).detach().clone())
+        return hook
+
+    for layer in engine.layer_specs:
+        for u in layer.units:
+            hooks.append(u.modules[0].register_forward_pre_hook(keep(u.name), with_kwargs=True))
+    plan = {n: "checkpoint" if i % 3 == 0 else ("compressed" if i % 3 == 1 else "exact") for i, n in enumerate(engine.unit_names)}
+    with engine.step(plan, track_tokens=True) as step:
+        loss = grpo_loss(model, ids, pos)
+        norms = step.token_norms()
+        loss.backward()
+    for h in hooks:
+        h.remove()
+    assert set(norms) == {n for n, q in plan.items() if q != "checkpoint"}
+    for n, v in norms.items():
+        assert torch.allclose(v, seen[n].float().norm(dim=-1))

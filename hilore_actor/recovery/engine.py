@@ -171,7 +171,7 @@ class RecoveryEngine:
         if k == 0:
             st.current = u
             u.outputs.clear()
-            if st.track_tokens:
+            if st.track_tokens and u.plan != CHECKPOINT:  # exposure only matters where L may be chosen
                 x = next(iter_tensors((args, kwargs)), None)
                 if x is not None and x.dim() >= 2:
                     u.token_norms = x.detach().float().norm(dim=-1)

@@ -154,7 +154,8 @@ class Step:
         return {u.name: {"recompute": u.replay_seconds, "codec": u.codec_seconds} for u in self.units}
 
     def token_norms(self) -> Dict[str, torch.Tensor]:
-        """Per-token L2 norm of each unit's input hidden state (``track_tokens=True``)."""
+        """Per-token L2 norm of each unit's input hidden state (``track_tokens=True``), for the
+        units whose plan admits L (a ``checkpoint`` unit can only be R: no exposure needed)."""
         return {u.name: u.token_norms for u in self.units if u.token_norms is not None}
 
     def ensure_actions(self) -> None:
