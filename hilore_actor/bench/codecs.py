@@ -76,13 +76,13 @@ def capture_kinds(model, mb, codecs: Dict) -> Tuple[Dict, Dict[str, int]]:
     saves for backward (kinds: ``saved_kinds``; the tensors L would compress), and the saved
     bytes of each kind (parameters excluded)."""
     from ..grpo.microbatch import microbatch_loss
-    from ..recovery.rules import MIN_COMPRESS_NUMEL
+    from ..recovery.rules import exact_reason
     from .saved_kinds import SavedKinds
 
     kinds = _Kinds(codecs)
 
     def record(kind, t):
-        if t.numel() >= MIN_COMPRESS_NUMEL:
+        if exact_reason(t) is None:
             kinds.add(kind, t)
         return t
 

@@ -37,7 +37,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..recovery.rules import MIN_COMPRESS_NUMEL
+from ..recovery.rules import exact_reason
 
 PROJ_KINDS = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input",
               "o_proj": "attention output", "gate_proj": "mlp input", "up_proj": "mlp input",
@@ -153,7 +153,7 @@ def kind_grad_errors(model, loss_fn, mbs, codec, kinds=KINDS) -> Dict[str, float
 
     def only(k):
         def transform(kind, t):
-            if kind != k or t.numel() < MIN_COMPRESS_NUMEL:
+            if kind != k or exact_reason(t) is not None:
                 return t
             p = codec.encode(t)
             return codec.decode(p) if p.finite() else t  # as the engine: unscalable tensors stay exact
