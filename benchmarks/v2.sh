@@ -17,7 +17,7 @@ OUTDIR=${OUTDIR:-benchmarks/results}
 export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184}
 export PYTHONUNBUFFERED=1
 ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore
-PIECES=(no-gc,gc,gc+full,sac,all-l gc,sac-budget gc,hilore-hr,hilore-static,hilore gc,compile-budget)
+PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,all-l,hilore-hr,hilore-static,hilore gc,compile-budget)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
   run=${spec%%:*}
