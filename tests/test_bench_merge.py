@@ -29,3 +29,13 @@ def test_mismatched_pieces_are_refused(tmp_path, capsys):
     (tmp_path / "b.json").write_text(json.dumps(piece([("gc", None, 1.0)], base=999)))
     assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "o.json")]) == 2
     assert "budget_base_bytes" in capsys.readouterr().err
+
+
+def test_a_later_piece_replaces_a_method_it_re_measured(capsys):
+    old = piece([("gc", None, 1.0), ("no-gc", None, 1.25), ("all-l", None, 1.2)])
+    new = piece([("gc", None, 1.0), ("all-l", None, 1.1)])
+    _, recs = merge([("old", old), ("new", new)])
+    by = {r["method"]: r for r in recs}
+    assert by["all-l"]["piece"] == "new" and by["all-l"]["speed_over_gc"] == 1.1
+    assert by["gc"]["piece"] == "old" and by["no-gc"]["piece"] == "old" and len(recs) == 3
+    assert "kept new" in capsys.readouterr().err

@@ -7,7 +7,9 @@ Pieces combine only when they measured the same thing: same workload, inputs, he
 base and scope, and the same B (its base run's peak, which is deterministic for the same
 inputs); anything else is an error. Speeds stay paired with the gc of their own piece (as a
 compiled peer's phase is), so they remain comparable; each record keeps the name of its piece.
-A method measured in several pieces keeps the first record and says so on stderr.
+A method measured in several pieces keeps the record of the last piece given (a re-run piece
+replaces the rows it re-measured, e.g. after a change made them stale) and says so on stderr;
+gc keeps its first record (every piece has its own).
 """
 from __future__ import annotations
 
@@ -33,16 +35,17 @@ def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
         for k in MUST_MATCH:
             if d.get(k) != first.get(k):
                 raise ValueError(f"{name} and {first_name} differ in {k!r}: {d.get(k)!r} vs {first.get(k)!r}")
-    seen, records = set(), []
+    chosen: Dict[Tuple, Dict] = {}
     for name, d in pieces:
         for r in d["records"]:
             key = (r["method"], r.get("budget_ratio"))
-            if key in seen:
-                if r["method"] != "gc":
-                    print(f"[merge] {r['method']} @ {r.get('budget_ratio')} is in several pieces; kept the first", file=sys.stderr)
-                continue
-            seen.add(key)
-            records.append(dict(r, piece=name))
+            if key in chosen:
+                if r["method"] == "gc":
+                    continue
+                print(f"[merge] {r['method']} @ {r.get('budget_ratio')} is in {chosen[key]['piece']} and {name}; "
+                      f"kept {name}", file=sys.stderr)
+            chosen[key] = dict(r, piece=name)
+    records = list(chosen.values())
     for r in records:
         r.pop("gap_recovered", None)
     add_gap_recovered(records)
