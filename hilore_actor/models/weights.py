@@ -1,8 +1,9 @@
 """Weights the learner sends to rollout workers after every update.
 
-- ``adapter``: the LoRA adapter tensors only (HF generate workers hold the same peft model);
+- ``adapter``: the LoRA adapter tensors only (into a peft model of the same shape);
 - ``merged``: base weights with each LoRA delta folded in (``W + scale * B @ A``), under the
-  base model's parameter names, for engines that load plain HF weights (vLLM);
+  base model's parameter names, for engines that load plain HF weights (vLLM, HF generate
+  workers: no LoRA branch while sampling);
 - ``full``: every parameter (full fine-tuning).
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ def load_weights(model, weights: Dict[str, torch.Tensor], kind: str) -> None:
         unexpected = getattr(res, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"adapter weights do not match the rollout model: unexpected {unexpected[:3]}")
-    elif kind == "full":
+    elif kind in ("full", "merged"):  # merged: a plain (non-peft) model takes the base names
         model.load_state_dict(weights, strict=True)
     else:
-        raise ValueError(f"HF rollout workers take adapter or full weights, not {kind!r}")
+        raise ValueError(f"unknown weight kind {kind!r}; choose one of {KINDS}")

@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .config import hierarchize, lora_spec, param_dtype, worker_device
+from .config import hierarchize, param_dtype, worker_device
 
 
 def _threads(cfg) -> None:
@@ -22,6 +22,10 @@ def _threads(cfg) -> None:
 
 
 class HFRolloutWorker:
+    """HF ``generate`` on a plain copy of the policy: with LoRA, the learner sends the base
+    weights with the LoRA deltas merged in (``models.weights``, exact and deterministic), so
+    sampling runs no LoRA branch; all of a step's prompts go through one batched call."""
+
     def __init__(self, flat_cfg: Dict, index: int):
         from ..models.source import load_policy
 
@@ -29,12 +33,12 @@ class HFRolloutWorker:
         _threads(self.cfg)
         self.index = index
         self.device = worker_device()
-        self.model, self.tok = load_policy(self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg),
-                                           lora=lora_spec(self.cfg, dropout=False), seed=self.cfg.train.seed)
+        self.model, self.tok = load_policy(self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), lora=None,
+                                           seed=self.cfg.train.seed)
         self.model.to(self.device).eval()
 
     def weight_kind(self) -> str:
-        return "adapter" if self.cfg.ds.lora.rank > 0 else "full"
+        return "merged" if self.cfg.ds.lora.rank > 0 else "full"
 
     def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
         from ..models.weights import load_weights
@@ -45,7 +49,8 @@ class HFRolloutWorker:
         from ..rollout.hf_generate import generate_groups
 
         c = self.cfg.rollout
-        r = generate_groups(self.model, self.tok, prompts, c.n_samples_per_prompt, c.max_new_tokens, c.temperature, seed, c.top_p)
+        r = generate_groups(self.model, self.tok, prompts, c.n_samples_per_prompt, c.max_new_tokens, c.temperature, seed,
+                            c.top_p, batched=True)
         return {"sequences": r.sequences.cpu(), "prompt_lens": r.prompt_lens, "response_lens": r.response_lens,
                 "texts": r.texts}
 
