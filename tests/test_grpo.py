@@ -158,3 +158,45 @@ def test_partial_group_is_a_clear_error():
         group_advantages(torch.zeros(12), 8)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         group_advantages(torch.zeros(8), 8, "gae")
+
+
+def test_microbatch_prefix_is_the_first_tokens_of_every_row():
+    from hilore_actor.grpo.microbatch import Microbatch
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    B, T, t = 2, 40, 17
+    per_token = [torch.randn(B, T - 1, generator=g) for _ in range(4)]
+    mb = Microbatch(torch.randint(0, 50, (B, T), generator=g), torch.arange(T).repeat(B, 1), *per_token,
+                    loss_options={"kl_coef": 0.1})
+    p = mb.prefix(t)
+    assert p.num_tokens == B * t and p.loss_options == mb.loss_options
+    assert torch.equal(p.input_ids, mb.input_ids[:, :t]) and torch.equal(p.position_ids, mb.position_ids[:, :t])
+    for name, full in zip(("old_log_probs", "ref_log_probs", "advantages", "action_mask"), per_token):
+        assert torch.equal(getattr(p, name), full[:, : t - 1])
+    with pytest.raises(ValueError, match="prefix of 41 tokens"):
+        mb.prefix(T + 1)
+
+
+def test_one_preparation_serves_loss_and_coefficients():
+    """``microbatch_loss`` validates its inputs once; loss, stats and omega equal the separate
+    ``policy_loss`` and ``token_coefficients`` calls bitwise."""
+    from hilore_actor.grpo.coefficients import coefficients_from
+    from hilore_actor.grpo.inputs import prepare_loss_inputs
+    from hilore_actor.grpo.loss import loss_from
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3, 17
+    logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
+    old, ref = logp.detach() + 0.2 * torch.randn(B, T, generator=g), logp.detach() + 0.1 * torch.randn(B, T, generator=g)
+    adv, mask = torch.randn(B, generator=g), (torch.rand(B, T, generator=g) > 0.3).float()
+    opts = dict(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k3", loss_agg_mode="seq-mean-token-mean")
+    inp = prepare_loss_inputs(logp, old, adv, mask, ref, **opts)
+    loss, stats = loss_from(inp)
+    ref_loss, ref_stats = policy_loss(logp, old, adv, mask, ref, **opts)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(stats[k], ref_stats[k]) for k in ref_stats)
+    assert torch.equal(coefficients_from(inp), token_coefficients(logp, old, adv, mask, ref, **opts))
+    assert loss.requires_grad and not coefficients_from(inp).requires_grad

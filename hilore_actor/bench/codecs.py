@@ -87,7 +87,7 @@ def capture_kinds(model, mb, codecs: Dict) -> Tuple[Dict, Dict[str, int]]:
         return t
 
     with SavedKinds(model, record) as sk:
-        microbatch_loss(model, mb, lean_head=True)  # the graph is dropped unused
+        microbatch_loss(model, mb, chunked_head=True)  # the graph is dropped unused
     return kinds.summary(), sk.bytes
 
 
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     if args.kind_codec_names:
         log(f"[codecs] gradient error per saved-tensor kind ({', '.join(args.kind_codec_names)}), first set")
     for c in args.kind_codec_names:
-        result[c]["kind_grad_rel_err"] = kind_grad_errors(inputs.model, partial(microbatch_loss, lean_head=True),
+        result[c]["kind_grad_rel_err"] = kind_grad_errors(inputs.model, partial(microbatch_loss, chunked_head=True),
                                                           inputs.updates[0], codecs[c], [k for k, b in saved.items() if b])
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
     errs = grad_errors(runner, inputs.updates, codecs, args.scope_names, log)

@@ -34,7 +34,7 @@ def head_runners(model, engine) -> Dict[str, object]:
     from ..allocation import Runner
     from ..grpo.microbatch import microbatch_loss
 
-    return {"full": Runner(model, engine), "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, lean_head=True))}
+    return {"full": Runner(model, engine), "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, chunked_head=True))}
 
 
 def split_name(name: str):

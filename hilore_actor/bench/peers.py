@@ -98,7 +98,7 @@ def tune_sac_layers(measure: Callable[[List[int]], int], n_layers: int, room: in
 
 
 class _DecoderOnly:
-    """What the chunked head needs of a model (``models/lean_head.py``), with a compiled decoder."""
+    """What the chunked head needs of a model (``models/chunked_head.py``), with a compiled decoder."""
 
     def __init__(self, model, decoder):
         self._model, self._decoder = model, decoder

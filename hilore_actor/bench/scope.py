@@ -1,7 +1,7 @@
 """What a budget counts, and the peaks of one update in both scopes.
 
 Two definitions of "memory" are legitimate, and every number must say which it uses
-(``../shared/HILORE.md`` section 7):
+(``docs/DESIGN.md`` section 6):
 
 - ``device`` (default, the paper's B_GC): everything alive on the rank during the update:
   the model's weights and buffers, the trainable parameters' gradients, the optimizer state,

@@ -1,4 +1,4 @@
-"""Group-relative advantages (HILORE.md section 2).
+"""Group-relative advantages (docs/DESIGN.md section 2).
 
 Rewards arrive flat, group-contiguous: ``[p0_s0, p0_s1, ..., p0_s{G-1}, p1_s0, ...]``, the
 order OpenRLHF 0.11.2 uses (``rewards.reshape(-1, n_samples_per_prompt)``). Every token of a

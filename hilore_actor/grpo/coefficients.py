@@ -1,4 +1,4 @@
-"""Exact per-token update coefficients ``omega_t = dL/ds_t`` (Eq. 4 of HILORE.md).
+"""Exact per-token update coefficients ``omega_t = dL/ds_t`` (Eq. 4 of docs/DESIGN.md).
 
 Computed in closed form from the loss inputs, without autograd, so they are available right
 after the learner's forward and before its backward (Proposition 1: ``grad L = sum_t omega_t
@@ -14,6 +14,7 @@ passes its half, and the token keeps its full coefficient ``-(w_t) r A``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -99,6 +100,13 @@ def token_coefficients(
             log_probs.detach(), old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low,
             clip_eps_high, dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences,
         )
+    return coefficients_from(inp)
+
+
+def coefficients_from(inp: LossInputs) -> torch.Tensor:
+    """``token_coefficients`` on inputs already validated by ``inputs.prepare``."""
+    with torch.no_grad():
+        inp = dataclasses.replace(inp, log_probs=inp.log_probs.detach())
         per_token = policy_term_derivative(inp)
         if inp.ref_log_probs is not None:
             per_token = per_token + inp.kl_coef * kl_derivative(inp)

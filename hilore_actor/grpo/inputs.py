@@ -111,6 +111,16 @@ def prepare(
     )
 
 
+def prepare_loss_inputs(log_probs, old_log_probs, advantages, action_mask=None, ref_log_probs=None, *,
+                        clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None, dual_clip: Optional[float] = None,
+                        kl_coef: float = 0.0, kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
+                        num_tokens: Optional[float] = None, num_sequences: Optional[float] = None) -> LossInputs:
+    """``prepare`` with ``policy_loss``'s signature and defaults: validate once, then call
+    ``loss.loss_from`` and ``coefficients.coefficients_from`` on the result."""
+    return prepare(log_probs, old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low, clip_eps_high,
+                   dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over unmasked entries; 0 (not NaN) when everything is masked."""
     return (x * mask).sum() / mask.sum().clamp(min=1)

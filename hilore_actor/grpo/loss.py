@@ -1,4 +1,4 @@
-"""GRPO policy loss, Eq. 1 of HILORE.md, with OpenRLHF 0.11.2 semantics.
+"""GRPO policy loss, Eq. 1 of docs/DESIGN.md, with OpenRLHF 0.11.2 semantics.
 
 ``loss = agg(-min(r A, clip(r, 1-eps_low, 1+eps_high) A)) + kl_coef * agg(KL)`` where ``agg`` is
 the chosen loss aggregation, exactly as OpenRLHF's ``actor_loss + kl_loss * kl_ctl``.
@@ -86,6 +86,12 @@ def policy_loss(
         log_probs, old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low, clip_eps_high,
         dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences,
     )
+    return loss_from(inp)
+
+
+def loss_from(inp: LossInputs) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``policy_loss`` on inputs already validated by ``inputs.prepare`` (a learner prepares
+    a microbatch's inputs once for both the loss and ``coefficients.coefficients_from``)."""
     raw_log_ratio = inp.log_probs - inp.old_log_probs
     ratio = raw_log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()
     adv = inp.advantages

@@ -12,8 +12,9 @@ from typing import Any, Dict
 
 import torch
 
-from .coefficients import token_coefficients
-from .loss import policy_loss
+from .coefficients import coefficients_from
+from .inputs import prepare_loss_inputs
+from .loss import loss_from
 
 
 @dataclass
@@ -30,6 +31,16 @@ class Microbatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    def prefix(self, tokens: int) -> "Microbatch":
+        """The first ``tokens`` positions of every row: a shorter microbatch of the same
+        sequences (profiling measures bytes on it when the whole one would not fit B)."""
+        if not 2 <= tokens <= self.input_ids.shape[1]:
+            raise ValueError(f"prefix of {tokens} tokens: choose 2 .. {self.input_ids.shape[1]}")
+        cut = lambda t, n: t[:, :n]  # noqa: E731
+        return Microbatch(cut(self.input_ids, tokens), cut(self.position_ids, tokens),
+                          *(cut(getattr(self, f), tokens - 1) for f in ("old_log_probs", "ref_log_probs", "advantages", "action_mask")),
+                          loss_options=self.loss_options)
+
     def to(self, device) -> "Microbatch":
         return Microbatch(*(getattr(self, f).to(device) for f in
                             ("input_ids", "position_ids", "old_log_probs", "ref_log_probs", "advantages", "action_mask")),
@@ -44,20 +55,19 @@ class LossOutput:
     stats: Dict[str, torch.Tensor]
 
 
-def microbatch_loss(model, mb: Microbatch, lean_head: bool = False) -> LossOutput:
+def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False) -> LossOutput:
     """Forward the packed microbatch, then Eq. 1 and Eq. 4 on its response tokens.
-    ``lean_head``: token log-probs through the chunked head (``models/lean_head.py``) instead
+    ``chunked_head``: token log-probs through the chunked head (``models/chunked_head.py``) instead
     of the model's full logits."""
-    if lean_head:
-        from ..models.lean_head import lean_token_log_probs
+    if chunked_head:
+        from ..models.chunked_head import chunked_token_log_probs
 
-        logp = lean_token_log_probs(model, mb.input_ids, mb.position_ids)
+        logp = chunked_token_log_probs(model, mb.input_ids, mb.position_ids)
     else:
         from ..models.logprobs import token_log_probs
 
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
         logp = token_log_probs(out.logits[:, :-1], mb.input_ids[:, 1:])
-    args = (logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs)
-    loss, stats = policy_loss(*args, **mb.loss_options)
-    omega = token_coefficients(*args, **mb.loss_options)
-    return LossOutput(loss, omega, mb.action_mask, stats)
+    inp = prepare_loss_inputs(logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options)
+    loss, stats = loss_from(inp)  # Eq. 1
+    return LossOutput(loss, coefficients_from(inp), mb.action_mask, stats)  # Eq. 4, from the same prepared inputs

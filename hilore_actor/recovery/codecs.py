@@ -1,4 +1,4 @@
-"""Low-precision codecs for the L action (HILORE.md section 3).
+"""Low-precision codecs for the L action (docs/DESIGN.md section 3).
 
 A codec turns one saved activation into a compact payload and back. The tensor is viewed as
 rows of its last dimension (hidden / head / feature channels). Why several codecs: real LLM

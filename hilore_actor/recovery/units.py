@@ -1,4 +1,4 @@
-"""Recovery units of an HF decoder model (HILORE.md section 3).
+"""Recovery units of an HF decoder model (docs/DESIGN.md section 3).
 
 Each decoder layer of the Llama family (Llama, Qwen2, Phi3, Mistral, Qwen3, Gemma, ...) has
 ``input_layernorm -> self_attn -> (+residual) -> post_attention_layernorm -> mlp -> (+residual)``.

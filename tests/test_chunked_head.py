@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hilore_actor.models import LoraSpec, build_model, tiny_config
-from hilore_actor.models.lean_head import ChunkedTokenLogProbs, lean_token_log_probs
+from hilore_actor.models.chunked_head import ChunkedTokenLogProbs, chunked_token_log_probs
 from hilore_actor.models.logprobs import sequence_log_probs
 
 
@@ -34,7 +34,7 @@ def test_model_log_probs_and_grads_match(arch, tied):
     (lp_ref * w).sum().backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    lp = lean_token_log_probs(model, ids, pos, chunk=16)
+    lp = chunked_token_log_probs(model, ids, pos, chunk=16)
     (lp * w).sum().backward()
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():

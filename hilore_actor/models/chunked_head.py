@@ -60,7 +60,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         return gh, (gw.to(weight.dtype) if need_w else None), (gb.to(bias.dtype) if need_b else None), None, None
 
 
-def lean_token_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+def chunked_token_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                          chunk: Optional[int] = None) -> torch.Tensor:
     """``[B, T-1]`` log-probs of ``input_ids[:, 1:]``, like ``sequence_log_probs`` but through
     the decoder and a chunked head (``model`` is an HF causal LM, peft-wrapped or not)."""
