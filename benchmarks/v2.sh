@@ -4,6 +4,7 @@
 #   cpu-ref-a         view (a) at 1.10 and 1.25          cpu-real-a   the same on real weights
 #   cpu-ref-b         view (b): --budget-from gc+full at 1.10, plus the gc+full row
 #   cpu-real-b        the same on real weights
+#   cpu-ref-allr      gc, hilore-hr, hilore head for head at 1.10 (activation scope): all-R plans against gc
 # A run too long for one session goes in pieces: RUN:1 .. RUN:4 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
 # exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
@@ -20,7 +21,7 @@ ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static
 PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,all-l,hilore-hr,hilore-static,hilore gc,compile-budget)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
-  run=${spec%%:*}
+  run=${spec%%:*} only=
   piece=${spec#"$run"}; piece=${piece#:}
   case "$run" in
     cpu-small-sweep) a=(--workload cpu-small --budgets 1.05,1.10,1.25,1.5,2.0 --calib 4 --calib-tokens 512) ;;
@@ -28,6 +29,9 @@ for spec in "$@"; do
     cpu-real-a) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo) ;;
     cpu-ref-b)  a=(--workload cpu-ref --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
     cpu-real-b) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
+    # issue 13: head for head at 1.10 in the activation scope nothing fits, so HiLoRe's plan is all-R
+    cpu-ref-allr) a=(--workload cpu-ref --budget-scope activations --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo)
+                  only=gc,hilore-hr,hilore ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ "$piece" = merge ]; then
@@ -35,7 +39,7 @@ for spec in "$@"; do
       --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
     continue
   fi
-  methods=$ALL name=$run
+  methods=${only:-$ALL} name=$run
   if [ -n "$piece" ]; then
     methods=${PIECES[$((piece - 1))]} name=$run.$piece
     a+=(--calibration "$OUTDIR/$run.calibration.json")

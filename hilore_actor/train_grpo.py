@@ -84,7 +84,7 @@ class Job:
     def __init__(self, cfg, resume_dir: Optional[str]):
         import ray
 
-        from hilore_actor.train.coordinator import BudgetCoordinator
+        from hilore_actor.learner.coordinator import BudgetCoordinator
         from hilore_actor.train.learner import Learner
         from hilore_actor.train.workers import HFRolloutWorker, ReferenceWorker, VLLMRolloutWorker
 
@@ -111,6 +111,30 @@ class Job:
 
     def get(self, refs):
         return self.ray.get(refs)
+
+    @property
+    def calibration_pending(self) -> bool:
+        return any(i.get("calibration") == "pending" for i in self.infos)
+
+    def calibrate(self) -> None:
+        """L's risk, once for the job, on this step's real rollout microbatches: every rank
+        runs the interventions on its share of ``--hilore.calibration_batches`` of them, the
+        samples are pooled into one calibration, and every rank re-plans with it (the
+        checkpoint keeps it; ``--hilore.calibration PATH`` saves it too)."""
+        from dataclasses import asdict
+
+        from hilore_actor.allocation.calibration import Calibration, merge
+
+        t = time.perf_counter()
+        share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
+        parts = [Calibration(**p) for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
+        cal = merge(parts)
+        if self.cfg.hilore.calibration:
+            cal.save(self.cfg.hilore.calibration)
+        self.infos = self.get([l.adopt_calibration.remote(asdict(cal)) for l in self.learners])
+        n = len({(s["batch"]) for s in cal.samples})
+        print(f"[train] calibrated L's risk on {n} real microbatches in {time.perf_counter() - t:.0f}s; "
+              f"plan {self.infos[0].get('plan')}", flush=True)
 
     def sync_weights(self) -> None:
         w = self.get([l.export_weights.remote(self.weight_kind) for l in self.learners])[0]
@@ -177,10 +201,13 @@ def run(cfg) -> int:
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
     info = job.infos[0]
+    peaks = [i["plan_peak_over_budget"] for i in job.infos if "plan_peak_over_budget" in i]
+    plan_peak = max(peaks) if peaks else None  # the highest planning pass over B (None: a checkpoint from before)
     print(f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
-          f"{info['budget_bytes'] / 2**20:.0f} MiB ({cfg.hilore.budget} x gc peak {info['gc_peak_bytes'] / 2**20:.0f} MiB "
-          f"on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; ready in {time.perf_counter() - t0:.0f}s",
-          flush=True)
+          f"{info['budget_bytes'] / 2**20:.0f} MiB ({cfg.hilore.budget}, {info.get('budget_scope', 'activations')} scope; "
+          f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident {info.get('resident_bytes', 0) / 2**20:.0f} "
+          f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
+          f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B; ready in {time.perf_counter() - t0:.0f}s", flush=True)
     log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None)
     G = cfg.rollout.n_samples_per_prompt
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
@@ -206,12 +233,15 @@ def run(cfg) -> int:
             per_update.append(job.get([l.update.remote(step, u) for l in job.learners]))
             job.sync_weights()
         m = step_metrics(rewards, out, per_update, rollout_s, ref_s, job.get(job.coordinator.step_record.remote(step)))
+        m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info.get("budget_scope", "activations")
         if cfg.compare_gc:
             cmp = job.get([l.compare.remote() for l in job.learners])
             for key in cmp[0]:
                 m[key] = max(c[key] for c in cmp)
             m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
         log.log(step + 1, m)
+        if job.calibration_pending:  # the first step ran H/R; from the next one on, the wanted mode
+            job.calibrate()
         bar.set_postfix_str(summary(m))
         tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
         if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps:

@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 
-from hilore_actor.train.coordinator import BudgetCoordinator
+from hilore_actor.learner.coordinator import BudgetCoordinator
 
 
 def test_directives_match_brute_force():

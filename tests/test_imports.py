@@ -13,8 +13,8 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import hilore_actor, hilore_actor.grpo, hilore_actor.runtime, hilore_actor.models, hilore_actor.data, hilore_actor.rollout
 import hilore_actor.recovery, hilore_actor.workloads
-import hilore_actor.train, hilore_actor.train.config, hilore_actor.train.coordinator, hilore_actor.train.checkpoint
-import hilore_actor.train.planning, hilore_actor.train_grpo, hilore_actor.openrlhf, hilore_actor.openrlhf.training_step
+import hilore_actor.train, hilore_actor.train.config, hilore_actor.train.checkpoint, hilore_actor.learner.coordinator
+import hilore_actor.learner.plan, hilore_actor.learner.step, hilore_actor.learner.settings, hilore_actor.train_grpo, hilore_actor.openrlhf, hilore_actor.openrlhf.training_step
 import hilore_actor.openrlhf.train_ppo_ray
 import hilore_actor.grpo as g, torch
 s = torch.randn(2, 3, requires_grad=True)
@@ -27,3 +27,54 @@ def test_package_imports_with_only_torch():
     code = BLOCKER.format(blocked=set(HEAVY))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# The floors of the package, lowest first: a module imports only from lower floors (or its own
+# package). The integrations share the learner room and never import one another.
+FLOORS = [{"runtime", "models", "recovery"}, {"grpo", "data"}, {"rollout", "workloads"}, {"allocation"},
+          {"learner", "diagnostics"}, {"train", "train_grpo", "openrlhf", "bench", "verl"}]
+SAME_APP = {"train_grpo": "train"}  # the job's entry point is part of the training job
+
+
+def _package_imports():
+    """(importing package, imported package, file:line) for every import of hilore_actor's own modules,
+    lazy (inside functions) ones included."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "hilore_actor"
+    for f in root.rglob("*.py"):
+        parts = f.relative_to(root).parts
+        here = parts[0] if len(parts) > 1 else parts[0][:-3]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0:
+                if not (node.module or "").startswith("hilore_actor."):
+                    continue
+                target = node.module.split(".")[1]
+            elif node.level == len(parts):  # from the package root: from ..x import y
+                target = node.module.split(".")[0] if node.module else node.names[0].name
+            else:
+                target = here
+            if target != here and target != "":
+                yield here, target, f"{f.relative_to(root.parent)}:{node.lineno}"
+
+
+def test_no_upward_imports_and_integrations_stay_apart():
+    floor = {p: i for i, ps in enumerate(FLOORS) for p in ps}
+    bad = []
+    for here, target, where in _package_imports():
+        a, b = SAME_APP.get(here, here), SAME_APP.get(target, target)
+        if a == b or "__init__" in (here, target):
+            continue
+        assert here in floor and target in floor, f"{where}: {here} -> {target}: give the package a floor in FLOORS"
+        if floor[target] >= floor[here]:
+            bad.append(f"{where}: {here} (floor {floor[here]}) imports {target} (floor {floor[target]})")
+    assert not bad, "imports that go up or sideways:\n" + "\n".join(bad)
+
+
+def test_the_graph_check_sees_lazy_imports():
+    seen = {(h, t) for h, t, _ in _package_imports()}
+    assert ("openrlhf", "learner") in seen and ("train", "learner") in seen  # lazy, inside functions
+    assert ("recovery", "allocation") not in seen

@@ -69,9 +69,9 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
 
     from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.recovery import RecoveryEngine
-    from hilore_actor.train.coordinator import BudgetCoordinator
-    from hilore_actor.train.config import hilore_settings
-    from hilore_actor.train.planning import plan_before_wrapping
+    from hilore_actor.learner.coordinator import BudgetCoordinator
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.learner.plan import plan_before_wrapping
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
 
     seed = torch.seed() % 2**31
@@ -116,8 +116,8 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
-    from hilore_actor.train.config import hilore_settings
-    from hilore_actor.train.planning import plan_before_wrapping
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.learner.plan import plan_before_wrapping
 
     seed = torch.seed() % 2**31
     model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=4, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
@@ -136,7 +136,7 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     assert float((g - g_ref).norm() / g_ref.norm()) < 0.05
     seen = {}
     real = wrapper.plan.actions
-    wrapper.plan.actions = lambda st, out: seen.setdefault("omega", out.omega) is not None and real(st, out)
+    wrapper.plan.actions = lambda st, out, sp=None: seen.setdefault("omega", out.omega) is not None and real(st, out, sp)
     _run(trainer, exp)
     omega = seen["omega"]
     assert omega.shape == (4, exp.sequences.shape[1] - 1)

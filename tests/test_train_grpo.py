@@ -70,6 +70,26 @@ def test_resume_reproduces_step_three(uninterrupted, tmp_path):
         assert resumed[2][key] == ref[2][key], key
 
 
+def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(tmp_path):
+    """Mode hilore: the first step runs H/R, then L's risk is calibrated once for the job on
+    that step's real microbatches (both ranks' shares pooled), every rank re-plans with it,
+    and a resumed run reads it from the checkpoint instead of calibrating again."""
+    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "2", "--hilore.calibration_batches", "4")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("calibrated L's risk on 4 real microbatches") == 1, r.stdout[-3000:]
+    rows = metrics(tmp_path)
+    assert rows[0]["fraction_L"] == 0.0  # step 1: H/R while the calibration is pending
+    saved = [json.loads((tmp_path / "checkpoints" / "step_2" / f"hilore_rank{k}.json").read_text()) for k in (0, 1)]
+    assert saved[0]["calibration"] == saved[1]["calibration"]  # one calibration for the job
+    assert {s["batch"] for s in saved[0]["calibration"]["samples"]} == {0, 1, 2, 3}
+    assert saved[0]["info"]["calibration"] == "job"
+    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "3", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout and "calibrated L's risk" not in r.stdout
+    again = json.loads((tmp_path / "checkpoints" / "step_3" / "hilore_rank0.json").read_text())
+    assert again["calibration"] == saved[0]["calibration"]
+
+
 def test_dead_worker_fails_cleanly_and_resumes(tmp_path):
     r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "learner:1:2"})  # rank 1 dies in step 3 (index 2)
     assert r.returncode == 1

@@ -1,7 +1,8 @@
-"""Calibrated risk of L (HILORE.md section 4).
+"""Calibrated risk of L (Eq. 10 and 11 of docs/DESIGN.md).
 
 On C independent microbatches, for each L-eligible unit u: two passes that differ only in u's
-recovery (u -> L, every other unit H) give the reconstruction error ``e_ub``, the gradient
+recovery (u -> L against u -> R, every other unit R: within the budget, and all-R's gradient
+is bitwise the exact one) give the reconstruction error ``e_ub``, the gradient
 error ``y_ub = ||g_L - g_ex|| / (||g_ex|| + eps)`` and ``x_ub = E_ub * e_ub``. Per
 state/layer group c (unit kind x depth third) the susceptibility is the least-squares slope
 through the origin ``kappa_c = sum x y / sum x^2``. At training time the risk of L is
@@ -82,28 +83,50 @@ def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=N
     n_layers = len(engine.layer_specs)
     groups = {n: unit_group(n, n_layers, specs[n].layer, specs[n].kind) for n in engine.unit_names}
     samples, done, total = [], 0, len(batches) * (len(names) + 1)
+    all_r = {n: "R" for n in engine.unit_names}
     for b, mb in enumerate(batches):
-        ref = runner.run(mb, "all-h", grads=True, track_tokens=True, seed=b)
+        ref = runner.run(mb, "all-r", grads=True, seed=b)
         done += 1
         gnorm = float(ref.grad.norm())
         for name in names:
-            res = runner.run(mb, {name: "L"}, grads=True, track_error=True, seed=b)
+            res = runner.run(mb, dict(all_r, **{name: "L"}), grads=True, track_error=True, track_tokens=True, seed=b)
             e = res.reconstruction.get(name, 0.0)
             y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
-            E = unit_exposure(ref.omega, ref.token_norms[name], ref.mask)
-            E_adv = unit_exposure(mb.advantages, ref.token_norms[name], ref.mask)  # advantage-only proxy
+            E = unit_exposure(ref.omega, res.token_norms[name], ref.mask)
+            E_adv = unit_exposure(mb.advantages, res.token_norms[name], ref.mask)  # advantage-only proxy
             samples.append({"unit": name, "batch": b, "group": groups[name], "exposure": E, "adv_exposure": E_adv,
                             "recon": e, "grad_err": y})
             done += 1
             if progress:
                 progress(done, total)
-    kappa = fit_kappa(samples)
-    by_unit = {n: [s for s in samples if s["unit"] == n] for n in names}
+    return from_samples(engine.codec.name, groups, samples)
+
+
+def from_samples(codec: str, groups: Dict[str, str], samples: List[dict]) -> Calibration:
+    """Eq. 10 on intervention samples: kappa per group, e_bar and mean exposure per unit."""
+    by_unit: Dict[str, List[dict]] = {}
+    for smp in samples:
+        by_unit.setdefault(smp["unit"], []).append(smp)
     return Calibration(
-        codec=engine.codec.name,
-        kappa=kappa,
+        codec=codec,
+        kappa=fit_kappa(samples),
         e_bar={n: statistics.fmean(s["recon"] for s in v) for n, v in by_unit.items()},
         exposure_mean={n: statistics.fmean(s["exposure"] for s in v) for n, v in by_unit.items()},
         groups=groups,
         samples=samples,
     )
+
+
+def merge(parts: Sequence[Calibration]) -> Calibration:
+    """One calibration from several ranks' shares of the interventions (each rank ran them
+    on its own microbatches): the samples pooled, then Eq. 10 once over all of them."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    codecs = {c.codec for c in parts}
+    if len(codecs) != 1:
+        raise ValueError(f"calibrations of different codecs cannot be merged: {sorted(codecs)}")
+    batches, samples = 0, []
+    for c in parts:  # renumber batches so that every rank's microbatches stay distinct
+        samples += [dict(smp, batch=smp["batch"] + batches) for smp in c.samples]
+        batches += 1 + max((smp["batch"] for smp in c.samples), default=-1)
+    return from_samples(parts[0].codec, parts[0].groups, samples)

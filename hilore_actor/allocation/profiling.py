@@ -7,15 +7,24 @@ unit's forward replay in backward (exactly the time H removes), and under all-L 
 each unit's encode + decode (what L adds back). Runs are warmed up and repeated; medians are
 kept. Memory: the bytes each unit's bundle holds after forward, exact (H) or compressed (L),
 from the engine's allocator-level accounting, counted as if the unit were the only one kept
-(a storage shared by several units, such as an attention mask, is charged to each), plus, for an attention unit, the MLP input
-that must then be kept for the MLP's own replay. Schedule validation (``schedule.py``)
-measures the joint effect: real peak, and leave-one-out utility.
+(a storage shared by several units, such as an attention mask, is charged to each), plus,
+for an attention unit, the MLP input that must then be kept for the MLP's own replay.
+Schedule validation (``schedule.py``) measures the joint effect: real peak, and
+leave-one-out utility.
+
+Within a budget (``cap``): all-H holds every unit's bundle, several times B, so bytes and
+codec times are measured on prefixes of the microbatch that fit and scaled to its tokens
+(``scaled``). A unit's saved tensors grow linearly with tokens when attention keeps no
+tokens x tokens matrix (SDPA, flash-attention), except a packed microbatch's attention mask;
+``bytes_linear_error`` says how far from a line the probes are.
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
+
+import numpy as np
 
 from ..grpo.microbatch import Microbatch
 
@@ -33,41 +42,141 @@ class UnitCosts:
     base_peak: int  # all-R measured peak bytes (M_base)
     dtau: Dict[str, Dict[str, float]] = field(default_factory=dict)  # unit -> {"H": s, "L": s}
     dm: Dict[str, Dict[str, int]] = field(default_factory=dict)  # unit -> {"H": bytes, "L": bytes}
+    tokens: int = 0  # tokens of the microbatch these costs describe
+    probe_tokens: List[int] = field(default_factory=list)  # where bytes and codec times were measured
+    bytes_linear_error: float = 0.0  # worst relative residual of a straight line through the probes' bytes
+    points: List[Dict] = field(default_factory=list)  # measured (tokens, all-R peak, dm) for costs_at
 
 
-def profile_units(runner, mb: Microbatch, repeats: int = 3) -> UnitCosts:
+def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] = None) -> UnitCosts:
+    """Eq. 9's costs of every unit on ``mb``. ``cap``: no profiling pass may peak above it
+    (the budget B): the all-R passes run on ``mb`` (they are the plan's floor), the all-H and
+    all-L passes, which hold far more, on prefixes of ``mb`` that fit, and their bytes and
+    codec times are scaled to ``mb``'s tokens (``probe_bytes``)."""
     names = runner.engine.unit_names
     runner.run(mb, "all-r")  # warm-up
-    runner.run(mb, "all-l")
     rec: Dict[str, List[float]] = {n: [] for n in names}
-    codec: Dict[str, List[float]] = {n: [] for n in names}
     base: List[float] = []
     for _ in range(repeats):
         r = runner.run(mb, "all-r", profile=True)
         base.append(r.seconds)
         for n in names:
             rec[n].append(r.unit_seconds[n]["recompute"])
-        l_run = runner.run(mb, "all-l", profile=True)
-        for n in names:
-            codec[n].append(l_run.unit_seconds[n]["codec"])
-    exact = runner.run(mb, "all-h").bytes_alone
-    comp = l_run.bytes_alone
     peak = runner.run(mb, "all-r", measure_peak=True).peak_bytes
-    # keeping a layer's attention while its MLP is R breaks the shared layer replay: the MLP
-    # then needs its own input kept (one hidden-state tensor)
-    mixed = {}
-    for layer in runner.engine.layer_specs:
-        if [u.kind for u in layer.units] == ["attn", "mlp"]:
-            mixed[layer.units[0].name] = layer.units[1].name
-    mixed_bytes = {}
-    if mixed:
-        plan = {n: ("exact" if n in mixed else "checkpoint") for n in names}
-        held = runner.run(mb, plan).bytes_by_unit
-        mixed_bytes = {a: held[m]["checkpoint"] for a, m in mixed.items()}
-    costs = UnitCosts(shape_class(mb), statistics.median(base), int(peak))
+    if cap is not None and peak > cap:
+        raise ValueError(f"budget {cap} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
+    probes = probe_bytes(runner, mb, repeats, cap)
+    costs = UnitCosts(shape_class(mb), statistics.median(base), int(peak), tokens=mb.num_tokens,
+                      probe_tokens=sorted(probes))
+    est, costs.bytes_linear_error = scaled(probes, mb.num_tokens)
     for n in names:
         t = statistics.median(rec[n])
-        extra = mixed_bytes.get(n, 0)
-        costs.dtau[n] = {"H": t, "L": max(0.0, t - statistics.median(codec[n]))}
-        costs.dm[n] = {"H": exact[n]["exact"] + extra, "L": comp[n]["compressed"] + comp[n]["exact"] + extra}
+        costs.dtau[n] = {"H": t, "L": max(0.0, t - est["codec"][n])}
+        costs.dm[n] = _dm(est, n)
+    costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n) for n in names}}
+                    for x, v in sorted(probes.items())]
     return costs
+
+
+def _dm(values: Dict, unit: str) -> Dict[str, int]:
+    extra = values["mixed"].get(unit, 0.0)
+    return {"H": int(values["H"][unit] + extra), "L": int(values["L"][unit] + extra)}
+
+
+def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:
+    """``costs`` for a microbatch of ``tokens`` tokens (same rows, fewer columns), for plans
+    sized to each microbatch: bytes from a polynomial through the measured points (as
+    ``scaled``), the all-R base peak from a line through them and the whole microbatch's
+    (kept as measured when that is the only point: a constant part makes scaling it down
+    optimistic), recompute and codec times in proportion to tokens."""
+    if tokens == costs.tokens:
+        return costs
+    pts = [p for p in costs.points if p["tokens"] != costs.tokens] + [{"tokens": costs.tokens, "base_peak": costs.base_peak, "dm": costs.dm}]
+    xs = [p["tokens"] for p in pts]
+    f = tokens / costs.tokens
+    out = UnitCosts(shape=f"{costs.shape}@{tokens}", base_seconds=costs.base_seconds * f,
+                    base_peak=int(_poly_at(xs, [p["base_peak"] for p in pts], 1, tokens)) if len(pts) > 1 else costs.base_peak,
+                    tokens=tokens, probe_tokens=list(costs.probe_tokens), bytes_linear_error=costs.bytes_linear_error)
+    for n in costs.dm:
+        out.dtau[n] = {a: v * f for a, v in costs.dtau[n].items()}
+        out.dm[n] = {a: int(max(0.0, _poly_at(xs, [p["dm"][n][a] for p in pts], 2, tokens))) for a in ("H", "L")}
+    return out
+
+
+def _bytes_at(runner, mb: Microbatch, repeats: int) -> Dict[str, Dict[str, float]]:
+    """Per unit on ``mb``: H and L bytes as if held alone, L's encode + decode seconds, and
+    for an attention unit the MLP input that must then be kept; plus the all-H peak."""
+    names = runner.engine.unit_names
+    r = runner.run(mb, "all-r", measure_peak=True)
+    h = runner.run(mb, "all-h", measure_peak=True)
+    l_run = runner.run(mb, "all-l", measure_peak=True)  # also the codec passes' warm-up
+    codec: Dict[str, List[float]] = {n: [] for n in names}
+    for _ in range(repeats):
+        r = runner.run(mb, "all-l", profile=True)
+        for n in names:
+            codec[n].append(r.unit_seconds[n]["codec"])
+    out = {"H": {n: float(h.bytes_alone[n]["exact"]) for n in names},
+           "L": {n: float(l_run.bytes_alone[n]["compressed"] + l_run.bytes_alone[n]["exact"]) for n in names},
+           "codec": {n: statistics.median(codec[n]) for n in names}, "mixed": {},
+           "peak": {"all-h": float(max(h.peak_bytes, l_run.peak_bytes)), "all-r": float(r.peak_bytes)}}
+    # keeping a layer's attention while its MLP is R breaks the shared layer replay: the MLP
+    # then needs its own input kept (one hidden-state tensor)
+    mixed = {layer.units[0].name: layer.units[1].name for layer in runner.engine.layer_specs
+             if [u.kind for u in layer.units] == ["attn", "mlp"]}
+    if mixed:
+        held = runner.run(mb, {n: ("exact" if n in mixed else "checkpoint") for n in names}).bytes_by_unit
+        out["mixed"] = {a: float(held[m]["checkpoint"]) for a, m in mixed.items()}
+    return out
+
+
+def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], margin: float = 1.15):
+    """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``cap`` is None, else up to three
+    prefixes (a sixteenth of ``mb``, then halfway to, then at the longest prefix whose all-H
+    peak, extrapolated per token from the last probe times ``margin`` for anything
+    superlinear, fits ``cap``), ending at ``mb`` itself when it fits."""
+    T = mb.input_ids.shape[1]
+    rows = mb.input_ids.shape[0]
+    if cap is None:
+        return {mb.num_tokens: _bytes_at(runner, mb, repeats)}
+    t = min(T, max(64, T // 16))
+    probes = {}
+    while True:
+        part = mb.prefix(t) if t < T else mb
+        probes[part.num_tokens] = got = _bytes_at(runner, part, repeats)
+        if t == T:
+            return probes
+        per_token = got["peak"]["all-h"] / part.num_tokens * margin
+        nxt = min(T, int(cap / per_token / rows) // 64 * 64)
+        if nxt <= t or len(probes) == 3:
+            return probes  # one probe: bytes proportional to tokens
+        t = nxt if len(probes) == 2 or nxt == T else min(nxt, max(t + 64, nxt // 2 // 64 * 64))
+
+
+def scaled(probes: Dict[int, Dict], tokens: int):
+    """The probes' per-unit values at ``tokens``: measured there, else extrapolated.
+    Bytes: a polynomial in tokens through the probes, of degree 2 with three probes (a
+    packed microbatch's attention mask, tokens x tokens, is saved with the attention unit
+    beside its token-linear tensors; bytes are exact counts, so three probes fix it), 1
+    with two, proportional with one. Codec seconds: linear (they are noisy; the codec's work
+    is per element). Also the worst relative residual of a straight line through the bytes
+    at three probes: how far from linear in tokens the units really are."""
+    if tokens in probes:
+        return probes[tokens], 0.0
+    xs = sorted(probes)
+    out: Dict[str, Dict[str, float]] = {}
+    worst = 0.0
+    for key in ("H", "L", "codec", "mixed"):
+        out[key] = {}
+        for n in probes[xs[-1]][key]:
+            ys = [probes[x][key][n] for x in xs]
+            out[key][n] = max(0.0, _poly_at(xs, ys, 1 if key == "codec" else 2, tokens))
+            if key != "codec" and len(xs) > 2:
+                line = np.polyfit(xs, ys, 1)
+                worst = max(worst, max(abs(np.polyval(line, x) - y) / max(y, 1.0) for x, y in zip(xs, ys)))
+    return out, float(worst)
+
+
+def _poly_at(xs: List[int], ys: List[float], degree: int, x: float) -> float:
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    return float(np.polyval(np.polyfit(xs, ys, min(degree, len(xs) - 1)), x))

@@ -3,13 +3,18 @@
 Every allocation measurement goes through here so that all methods see the same inputs,
 the same RNG seed and the same bookkeeping: baselines (``no-gc``, ``gc``), engine policies
 and plans, and HiLoRe's online choice (a callable that picks actions after the loss).
+
+``Runner.watching()`` records the peak of every pass while planning (``plan_peak_bytes``):
+every run is measured except timed ones (``profile`` or ``timed``), whose program also runs
+once measured (a warm-up, or the measured run after the timed repeats), since on CPU the
+meter's profiler would slow the very code being timed.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -49,6 +54,16 @@ class Runner:
         self.loss_fn = loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.watch: Optional[List[int]] = None  # peaks of the passes run while watching
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Measure every untimed pass inside the block; yields the list of their peaks."""
+        self.watch = []
+        try:
+            yield self.watch
+        finally:
+            self.watch = None
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -68,14 +83,17 @@ class Runner:
         track_error: bool = False,
         accumulate: bool = False,
         seed: int = 0,
+        timed: bool = False,
     ) -> RunResult:
         """``method``: a baseline name, ``"as-is"`` (the model as currently configured, e.g. a
         peer's own checkpointing), an engine policy name, or a plan / action map.
         ``actions``: fixed actions, or a callable ``(step, loss_output) -> actions``.
         ``loss_fn`` overrides the runner's (e.g. to call a compiled model).
         ``accumulate``: keep the gradients of earlier microbatches (as an update accumulates
-        them) instead of starting from none; ``grads`` then returns the running sum."""
+        them) instead of starting from none; ``grads`` then returns the running sum.
+        ``timed``: the caller uses ``seconds``, so a watching runner leaves the run unmeasured."""
         loss_fn = loss_fn or self.loss_fn
+        measure_peak = measure_peak or (self.watch is not None and not (profile or timed))
         if not accumulate:
             for p in self.params:
                 p.grad = None
@@ -120,6 +138,8 @@ class Runner:
                         omega=out.omega, mask=out.mask, **info)
         if meter is not None:
             res.peak_bytes = meter.report.peak_bytes
+            if self.watch is not None:
+                self.watch.append(res.peak_bytes)
         if grads:
             res.grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
                                   for p in self.params])

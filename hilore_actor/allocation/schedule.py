@@ -25,15 +25,14 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT
+from ..recovery.policies import stores_nothing
+from ..recovery.state import ALLOWED, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLAN_FOR_ACTION
 from .calibration import Calibration
 from .exposure import exposures
 from .knapsack import Option, solve
-from .profiling import UnitCosts, profile_units, shape_class
+from .profiling import UnitCosts, costs_at, profile_units, shape_class
 
 MODES = ("hilore", "hilore-hr", "hilore-static")
-PLAN_OF = {"H": EXACT, "L": COMPRESSED, "R": CHECKPOINT}
-ALLOWED = {EXACT: ("R", "H", "L"), COMPRESSED: ("R", "L"), CHECKPOINT: ("R",)}
 
 
 @dataclass
@@ -70,8 +69,14 @@ class HiLoRe:
         profile_repeats: int = 3,
         loo: bool = True,
         costs_cache: Optional[Dict[str, UnitCosts]] = None,
+        within_budget: bool = True,
+        first_fit: float = 0.9,
         log=print,
     ):
+        """``within_budget``: no planning pass may peak above B (profiling measures what
+        would not fit on prefixes, ``profiling.probe_bytes``; the exact reference is all-R);
+        ``first_fit``: the share of the memory room the first candidate plan may use (the
+        real peak per predicted byte is not known before one plan has run)."""
         if mode not in MODES:
             raise ValueError(f"unknown HiLoRe mode {mode!r}; choose one of {MODES}")
         if mode != "hilore-hr" and calibration is None:
@@ -86,6 +91,7 @@ class HiLoRe:
         self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
             mode, tuple(plan_risk_scales))
         self.profile_repeats, self.loo, self.log = profile_repeats, loo, log
+        self.within_budget, self.first_fit = within_budget, first_fit
         self.plans: Dict[str, ShapePlan] = {}
         self.costs_cache = costs_cache if costs_cache is not None else {}  # shape class -> UnitCosts (share across budgets)
         self._calls = 0
@@ -117,7 +123,8 @@ class HiLoRe:
         """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
         shape = shape_class(dev[0])
         if shape not in self.costs_cache:
-            self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats)
+            self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
+                                                    cap=self.budget if self.within_budget else None)
         costs = self.costs_cache[shape]
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
@@ -143,9 +150,28 @@ class HiLoRe:
         """Profiled recompute time that ``actions`` avoid (Eq. 9's utilities, summed)."""
         return float(sum(costs.dtau[n][a] for n, a in actions.items() if a != "R"))
 
+    def sized(self, sp: ShapePlan, tokens: int) -> ShapePlan:
+        """``sp`` re-solved for a microbatch of ``tokens`` tokens (fewer than it was planned
+        for): its costs scaled (``profiling.costs_at``) and its memory budget the room left
+        above that microbatch's all-R peak, times the real-to-predicted correction ``sp``
+        measured when it was fitted (and any tightening since). Units the leave-one-out check
+        sent to R stay R. Milliseconds: the knapsack only, no pass."""
+        costs = costs_at(sp.costs, tokens)
+        room = self.budget - sp.costs.base_peak
+        factor = sp.memory_budget / room if room > 0 else 0.0
+        out = ShapePlan(costs.shape, costs, {}, max(0.0, (self.budget - costs.base_peak) * factor), sp.risk_budget,
+                        sp.plan_risk_budget, report={"sized_from_tokens": sp.costs.tokens,
+                                                     "loo_recomputed": list(sp.report.get("loo_recomputed", []))})
+        self.replan(out)
+        return out
+
     def replan(self, sp: ShapePlan) -> None:
-        actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget)
-        sp.plan = {n: PLAN_OF[a] for n, a in actions.items()}
+        """Re-solve ``sp``'s plan for its current budgets; units the leave-one-out check sent
+        to R stay R."""
+        dropped = set(sp.report.get("loo_recomputed", []))
+        limits = {n: CHECKPOINT if n in dropped else EXACT for n in self.engine.unit_names} if dropped else None
+        actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget, plan=limits)
+        sp.plan = {n: PLAN_FOR_ACTION[a] for n, a in actions.items()}
 
     def _fit(self, sp: ShapePlan, mb, attempts: int = 4):
         """Plan, measure the real peak, and rescale the memory budget by the measured ratio of
@@ -155,6 +181,7 @@ class HiLoRe:
         base = sp.costs.base_peak
         room = self.budget - base
         best = None
+        sp.memory_budget *= self.first_fit
         for _ in range(attempts):
             self.replan(sp)
             t, peak, actions = self._measure(sp, [mb])
@@ -182,7 +209,7 @@ class HiLoRe:
         times, peak = [], 0
         for mb in batches:
             for _ in range(repeats):
-                times.append(self._run(sp, mb).seconds)
+                times.append(self._run(sp, mb, timed=True).seconds)
             res = self._run(sp, mb, measure_peak=True)
             peak = max(peak, res.peak_bytes)
         return statistics.median(times), peak, res.actions
@@ -209,13 +236,14 @@ class HiLoRe:
 
     def accumulated_error(self, sp: ShapePlan, dev, accumulate: int) -> float:
         """Relative error of the gradient summed over each ``accumulate`` microbatches (an
-        update), against exact (all-H) gradients on the same inputs; the worst update."""
+        update), against exact gradients on the same inputs; the worst update. The exact
+        reference is all-R: bitwise equal to all-H (tests/test_engine.py), within B."""
         worst = 0.0
         for i in range(0, len(dev), accumulate):
             g = g_ex = None
             for j, mb in enumerate(dev[i:i + accumulate]):
                 a = self._run(sp, mb, grads=True, seed=j).grad
-                b = self.runner.run(mb, "all-h", grads=True, seed=j).grad
+                b = self.runner.run(mb, "all-r", grads=True, seed=j).grad
                 g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
             worst = max(worst, float((g - g_ex).norm() / g_ex.norm().clamp(min=1e-30)))
         return worst
@@ -225,10 +253,13 @@ class HiLoRe:
             without = dict(sp.plan, **{n: CHECKPOINT})
             diffs = []
             alt = ShapePlan(sp.shape, sp.costs, without, sp.memory_budget, sp.risk_budget, sp.plan_risk_budget)
+            if self.runner.watch is not None:
+                self._run(alt, mb)  # measured once (planning's peak), not timed
             for _ in range(repeats):  # paired: with, without, interleaved
-                diffs.append(self._run(alt, mb).seconds - self._run(sp, mb).seconds)
+                diffs.append(self._run(alt, mb, timed=True).seconds - self._run(sp, mb, timed=True).seconds)
             if statistics.median(diffs) <= 0:
                 sp.plan[n] = CHECKPOINT
+                sp.report.setdefault("loo_recomputed", []).append(n)
                 self.log(f"[hilore] leave-one-out: {n} saves no time ({statistics.median(diffs) * 1e3:.1f} ms); recompute it")
 
     # ---- online -------------------------------------------------------------------------------
@@ -263,9 +294,13 @@ class HiLoRe:
         backward, inside ``engine.step(self.plan_for(mb).plan, track_tokens=True)``."""
         sp = self.plan_for(mb)
         chooser = self.chooser_for(sp)
-        return chooser(step, loss_output) if chooser else {n: {EXACT: "H", COMPRESSED: "L", CHECKPOINT: "R"}[q] for n, q in sp.plan.items()}
+        return chooser(step, loss_output) if chooser else {n: DEFAULT_ACTION[q] for n, q in sp.plan.items()}
 
     def _run(self, sp: ShapePlan, mb, **kw):
+        if stores_nothing(sp.plan):  # all-R: plain layer checkpointing, without the engine's bookkeeping
+            res = self.runner.run(mb, "gc", **{k: v for k, v in kw.items() if k != "track_tokens"})
+            res.actions = {n: "R" for n in sp.plan}
+            return res
         return self.runner.run(mb, sp.plan, self.chooser_for(sp), track_tokens=self.mode == "hilore", **kw)
 
     def run(self, mb, **kw):

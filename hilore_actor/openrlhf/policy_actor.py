@@ -6,7 +6,7 @@
 
 1. turns OpenRLHF's gradient checkpointing off (the recovery engine decides per unit);
 2. plans on the bare model just before OpenRLHF's ``strategy.prepare`` wraps it in
-   DeepSpeed (``train/planning.py``; ZeRO-2 only for now: under ZeRO-3 the model is
+   DeepSpeed (``learner/plan.py``; ZeRO-2 only for now: under ZeRO-3 the model is
    partitioned at load);
 3. lets OpenRLHF build everything else unchanged, then attaches the recovery engine to the
    DeepSpeed module and wraps the trainer's ``training_step`` (``training_step.py``), with
@@ -30,7 +30,7 @@ COORDINATOR_NAME = "hilore_budget_coordinator"
 
 def hilore_settings() -> SimpleNamespace:
     """The ``--hilore.*`` settings the launcher put into the workers' environment."""
-    from ..train.config import hilore_settings as with_defaults
+    from ..learner.settings import hilore_settings as with_defaults
 
     return with_defaults(**json.loads(os.environ.get(CONFIG_ENV, "{}")))
 
@@ -39,8 +39,9 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from ..grpo.microbatch import microbatch_loss
         from ..recovery import RecoveryEngine
-        from ..train.coordinator import BudgetCoordinator
-        from ..train.planning import plan_before_wrapping
+        from ..learner.coordinator import BudgetCoordinator
+        from ..learner.plan import plan_before_wrapping
+        from ..learner.scope import estimate_resident, resident_now
         from .training_step import HiLoReTrainingStep
 
         args, hcfg = strategy.args, hilore_settings()
@@ -64,6 +65,8 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
                                       kl_estimator=args.algo.kl.estimator),
                     loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,  # OpenRLHF's forward keeps full logits
                     device=torch.device("cuda", torch.cuda.current_device()), seed=args.train.seed,
+                    resident=estimate_resident(first.model, world=torch.distributed.get_world_size(),
+                                               zero_stage=args.ds.zero_stage, mixed_precision=True),  # bf16/fp16 weights
                     write_calibration=torch.distributed.get_rank() == 0, log=strategy.print)
             return real_prepare(*models, **kwargs)
 
@@ -73,6 +76,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         finally:
             del strategy.prepare
         plan = holder["plan"]
+        plan.rebase(resident_now(torch.device("cuda", torch.cuda.current_device()), self.actor.model))
         engine = RecoveryEngine(self.actor.model, codec=hcfg.codec)
         coordinator = ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
         rank = torch.distributed.get_rank()

@@ -57,22 +57,13 @@ def split_flags(argv: List[str]) -> Tuple[str, Dict[str, str], List[str]]:
 
 
 def hilore_config(raw: Dict[str, str]) -> Dict:
-    """Typed, validated ``--hilore.*`` values (types, defaults and checks of the training job's flags)."""
-    from ..train.config import FLAGS, hilore_errors, hilore_settings
+    """Typed, validated ``--hilore.*`` values (the learner room's flag table and checks)."""
+    from ..learner.settings import parse_hilore
 
-    types = {spec[0][len("hilore."):]: spec[1] for spec in FLAGS if spec[0].startswith("hilore.")}
-    out = {}
-    for k, v in raw.items():
-        if k not in types:
-            raise PluginError(f"unknown flag --hilore.{k}; known: {', '.join('--hilore.' + t for t in types)}")
-        try:
-            out[k] = types[k](v) if v is not None else None
-        except ValueError:
-            raise PluginError(f"--hilore.{k} {v!r}: expected {types[k].__name__}") from None
-    errors = hilore_errors(hilore_settings(**out))
-    if errors:
-        raise PluginError("; ".join(errors))
-    return out
+    try:
+        return parse_hilore(raw)
+    except ValueError as e:
+        raise PluginError(str(e)) from None
 
 
 def import_cli():

@@ -12,6 +12,8 @@ KL loss), ``strategy.backward`` and ``strategy.optimizer_step``. The wrapper
 4. measures the step's peak and reports it to the budget coordinator; on ``tighten`` the
    rank re-plans before its next microbatch.
 
+Steps 1 and 4 are the learner room's microbatch sequence (``learner/step.py``).
+
 Imports torch and this package only: the tests drive it with OpenRLHF's real trainer code.
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Dict, Optional
 
 import torch
 
-from ..runtime import MemoryMeter
-from ..train.coordinator import call
+from ..learner.scope import resident_now
+from ..learner.step import report, run_microbatch
 
 
 def _aligned(action_values: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -48,16 +50,16 @@ class HiLoReTrainingStep:
 
         trainer.training_step = training_step
 
-    def _choose(self, st, logp: torch.Tensor, loss: torch.Tensor, experience) -> Dict[str, str]:
+    def _choose(self, rec, logp: torch.Tensor, loss: torch.Tensor, experience) -> Dict[str, str]:
         omega = torch.autograd.grad(loss, logp, retain_graph=True)[0].detach()
         T = experience.sequences.shape[1]
         out = SimpleNamespace(omega=_aligned(omega.float(), T), mask=_aligned(experience.action_mask.float(), T))
-        norms = st.token_norms() if self.plan.track_tokens else {}
+        norms = rec.step.token_norms() if self.plan.track_tokens else {}
         B = experience.sequences.shape[0]
         if any(v.shape[0] != B or v.shape[-1] < T - 1 for v in norms.values()):
             # packed samples: activations are unpadded [1, nnz]; weigh tokens uniformly
             norms = {k: torch.ones(B, T) for k in norms}
-        return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out)
+        return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out, rec.sp)
 
     def __call__(self, trainer, original, experience, kl_ctl, step, loss_batch_info=None):
         captured = {}
@@ -68,33 +70,27 @@ class HiLoReTrainingStep:
         state = {}
 
         def backward(loss, model, optimizer, **kwargs):
-            st = state.get("step")
-            if st is not None and "logp" in captured:
-                st.set_actions(self._choose(st, captured["logp"], loss, experience))
+            rec = state.get("rec")
+            if rec is not None and rec.step is not None and "logp" in captured:
+                rec.step.set_actions(self._choose(rec, captured["logp"], loss, experience))
             return real_backward(loss, model, optimizer, **kwargs)
 
         strategy.backward = backward
-        meter = MemoryMeter(self.device)
         try:
-            with meter:
-                with self.engine.step(self.plan.sp.plan, track_tokens=self.plan.track_tokens, track_error=False) as st:
-                    state["step"] = st
-                    result = original(experience, kl_ctl, step, loss_batch_info)
-                    actions = st.actions()
+            resident = resident_now(self.device, trainer.actor.model) if self.plan.scope == "device" else 0
+            with run_microbatch(self.plan, self.engine, self.device, experience.sequences.numel(), resident) as rec:
+                state["rec"] = rec
+                result = original(experience, kl_ctl, step, loss_batch_info)
         finally:
             del strategy.backward  # the class's method again
             hook.remove()
-        peak = meter.report.peak_bytes
-        counts = {a: sum(v == a for v in actions.values()) for a in "HLR"}
-        self.last = {"peak_bytes": peak, "peak_over_budget": peak / self.plan.budget, "actions": actions}
-        if self.coordinator is not None:
-            d = call(self.coordinator.report, self.rank, step, step, peak, counts)
-            if d["action"] == "tighten":
-                self.plan.tighten(d["by_bytes"], f" rank {self.rank}")
+        counts = rec.counts
+        self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget, "actions": rec.actions}
+        report(self.plan, self.coordinator, self.rank, step, step, rec)
         if isinstance(result, dict) and isinstance(result.get("metrics"), dict):
             result["metrics"]["hilore_peak_over_budget"] = self.last["peak_over_budget"]
             result["weights"]["hilore_peak_over_budget"] = None
             for a, n in counts.items():
-                result["metrics"][f"hilore_fraction_{a}"] = n / max(1, len(actions))
+                result["metrics"][f"hilore_fraction_{a}"] = n / max(1, len(rec.actions))
                 result["weights"][f"hilore_fraction_{a}"] = None
         return result

@@ -97,8 +97,8 @@ def main(argv=None) -> int:
     from ..models.source import load_policy
     from ..recovery import RecoveryEngine
     from ..runtime import MemoryMeter
-    from ..train.config import hilore_settings
-    from ..train.planning import plan_before_wrapping
+    from ..learner.plan import plan_before_wrapping
+    from ..learner.settings import hilore_settings
     from ..grpo.microbatch import microbatch_loss
     from .training_step import HiLoReTrainingStep
 

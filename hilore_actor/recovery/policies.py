@@ -6,13 +6,13 @@ explicit maps run through the engine.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Tuple, Union
 
-from .state import ACTIONS, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLANS, H, L, R
+from .state import ACTIONS, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLAN_FOR_ACTION, PLANS, H, L, R
 
 ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-r": (CHECKPOINT, R)}
 BASELINES = ("no-gc", "gc")
-PLAN_FOR_ACTION = {H: EXACT, L: COMPRESSED, R: CHECKPOINT}
 
 
 def _check_names(mapping: Dict[str, str], unit_names) -> None:
@@ -71,3 +71,23 @@ def apply_baseline(model, name: str) -> None:
         (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     else:
         raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")
+
+
+def stores_nothing(plan: Dict[str, str]) -> bool:
+    """True when every unit is planned ``checkpoint``: the run is plain layer checkpointing,
+    and torch's own (``layer_checkpointing``) does it without the engine's bookkeeping."""
+    return bool(plan) and all(q == CHECKPOINT for q in plan.values())
+
+
+@contextlib.contextmanager
+def layer_checkpointing(model):
+    """HF decoder-layer checkpointing (``gc``) for the block, off again afterwards: what an
+    all-R plan runs, bitwise the same gradients as the engine's all-R and as no checkpointing.
+    A wrapper with a ``module`` (DeepSpeed's engine) is unwrapped to the model it holds."""
+    model = getattr(model, "module", model)
+    apply_baseline(model, "gc")
+    try:
+        yield
+    finally:
+        apply_baseline(model, "no-gc")
+

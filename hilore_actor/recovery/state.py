@@ -13,12 +13,17 @@ import torch
 from .codecs import Payload
 from .units import LayerSpec, UnitSpec
 
+# The one table of actions and representations. An action (H: store exactly, L: keep a
+# low-precision copy, R: recompute) is chosen after forward; the representation a unit keeps
+# during forward (its plan) bounds it: an exact bundle can still become H, L or R, a
+# compressed one L or R, a checkpointed one only R.
 H, L, R = "H", "L", "R"
 EXACT, COMPRESSED, CHECKPOINT = "exact", "compressed", "checkpoint"
 PLANS = (EXACT, COMPRESSED, CHECKPOINT)
 ACTIONS = (H, L, R)
 ALLOWED = {EXACT: (H, L, R), COMPRESSED: (L, R), CHECKPOINT: (R,)}
-DEFAULT_ACTION = {EXACT: H, COMPRESSED: L, CHECKPOINT: R}
+DEFAULT_ACTION = {EXACT: H, COMPRESSED: L, CHECKPOINT: R}  # plan -> the action it was made for
+PLAN_FOR_ACTION = {H: EXACT, L: COMPRESSED, R: CHECKPOINT}
 
 
 class Link:

@@ -16,6 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..learner.settings import HILORE_FLAGS, hilore_errors
+
 BACKENDS = ("hilore", "gc", "none")
 
 
@@ -89,20 +91,8 @@ FLAGS = [
     ("compare_gc", "flag", False, "after every update, time gc and the backend on the same microbatches, "
      "interleaved (no optimizer step), and report the ratio"),
     ("log_workers", "flag", False, "show the workers' own output (planning messages, warnings) on the driver"),
-    # HiLoRe
-    ("hilore.budget", str, "1.10", "memory budget B per rank: a ratio of the gc peak (1.10) or a size (6GiB); "
-     "it bounds each microbatch's peak above the memory held when the microbatch starts"),
-    ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
-    ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
-    ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
-    ("hilore.refresh_every", int, 1, "recompute online actions every N microbatches"),
-    ("hilore.calibration_batches", int, 4, "synthetic microbatches for the risk calibration (mode hilore)"),
-    ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
-    ("hilore.codec", str, "int8", "low-precision codec for L (hilore_actor.recovery.CODECS): int8, int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2"),
-    ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
-     "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
-    ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
 ]
+FLAGS += HILORE_FLAGS  # the --hilore.* flags, shared with the OpenRLHF drop-in (learner/settings.py)
 ALIASES = {"pretrain": "actor.model_name_or_path", "actor_backend": "actor.backend", "resume": "ckpt.load_enable",
            "ckpt.output_dir": "save_path", "prompt_data": "data.prompt_dataset"}
 
@@ -238,32 +228,7 @@ def world_size(cfg) -> int:
     return cfg.actor.num_nodes * cfg.actor.num_gpus_per_node
 
 
-# ---- settings derived from the flags, shared by the learner, the workers and the OpenRLHF actor ----
-def hilore_settings(**values) -> SimpleNamespace:
-    """The ``--hilore.*`` defaults as ``ns.budget``, ``ns.mode`` ..., updated with ``values``."""
-    out = {k[len("hilore."):]: v for k, v in DEFAULTS.items() if k.startswith("hilore.")}
-    out.update(values)
-    return SimpleNamespace(**out)
-
-
-def hilore_errors(hcfg) -> List[str]:
-    """What is wrong with ``--hilore.budget``, ``--hilore.mode`` and ``--hilore.codec`` (empty when nothing)."""
-    from ..allocation.budget import BudgetError, parse_budget
-    from ..allocation.schedule import MODES
-    from ..recovery.codecs import CODECS
-
-    errors = []
-    if hcfg.mode not in MODES:
-        errors.append(f"--hilore.mode {hcfg.mode!r}: choose {', '.join(MODES)}")
-    if hcfg.codec not in CODECS:
-        errors.append(f"--hilore.codec {hcfg.codec!r}: choose one of {', '.join(sorted(CODECS))}")
-    try:
-        parse_budget(hcfg.budget)
-    except BudgetError as e:
-        errors.append(f"--hilore.budget: {e}")
-    return errors
-
-
+# ---- settings derived from the flags, shared by the learner and the workers ----
 def plan_tokens(cfg, longest_prompt: int) -> int:
     """``--hilore.plan_tokens``, or the largest microbatch the job can make: micro batch x
     (longest prompt + max new tokens), rounded up to 64."""

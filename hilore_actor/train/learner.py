@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -31,7 +32,7 @@ import torch
 
 from ..grpo.microbatch import Microbatch, microbatch_loss
 from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size, worker_device
-from .coordinator import call
+from ..learner.coordinator import call
 
 
 def _fault(point: str, rank: int, step: int) -> None:
@@ -62,14 +63,15 @@ class Learner:
         model, _ = load_policy(cfg.actor.model_name_or_path, dtype=self.dtype, lora=lora_spec(cfg), seed=cfg.train.seed)
         model.to(self.device)
         self.backend = cfg.actor.backend
-        self.lean = self.backend == "hilore" and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
+        self.chunked_head = self.backend == "hilore" and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
         self.plan = self._plan(model, resume_dir)
-        self.budget = self.plan.budget
         if self.backend == "gc":
             from ..recovery import apply_baseline
 
             apply_baseline(model, "gc")
         self.ds = self._deepspeed(model)
+        self.plan.rebase(self._resident())  # device scope: measured resident bytes replace the estimate
+        self.budget = self.plan.budget
         self.rec = None
         if self.backend == "hilore":
             from ..recovery import RecoveryEngine
@@ -83,7 +85,7 @@ class Learner:
 
     # ---- setup ------------------------------------------------------------------------------
     def loss_fn(self, model, mb):
-        return microbatch_loss(model, mb, lean_head=self.lean)
+        return microbatch_loss(model, mb, chunked_head=self.chunked_head)
 
     def loss_options(self) -> Dict:
         cfg = self.cfg
@@ -93,8 +95,9 @@ class Learner:
                     loss_agg_mode=cfg.actor.loss_agg_mode)
 
     def _plan(self, model, resume_dir: Optional[str]):
-        """B, and for hilore the validated plan, before DeepSpeed (``train/planning.py``)."""
-        from .planning import plan_before_wrapping, restore_rank_plan
+        """B, and for hilore the validated plan, before DeepSpeed (``learner/plan.py``)."""
+        from ..learner.plan import plan_before_wrapping, restore_rank_plan
+        from ..learner.scope import estimate_resident
 
         cfg = self.cfg
         saved = Path(resume_dir) / f"hilore_rank{self.rank}.json" if resume_dir else None
@@ -106,7 +109,20 @@ class Learner:
             seqs_per_microbatch=cfg.train.micro_batch_size,
             group_size=cfg.rollout.n_samples_per_prompt, loss_options=self.loss_options(), loss_fn=self.loss_fn,
             std_loss_fn=microbatch_loss, device=self.device, seed=cfg.train.seed + 7, write_calibration=self.rank == 0,
-            log=self._log)
+            resident=estimate_resident(model, world=self.world, zero_stage=cfg.ds.zero_stage,
+                                       mixed_precision=self.dtype != torch.float32),
+            # L's risk is calibrated on the first step's real rollouts (Learner.calibration_share); under
+            # ZeRO-3 passes outside DeepSpeed's gradient path are not possible, so synthetic ones before it
+            calibrate_later=cfg.ds.zero_stage < 3, log=self._log)
+
+    def _resident(self) -> int:
+        """What the rank holds between microbatches, when B's scope counts it (device)."""
+        if self.plan.scope != "device":
+            return 0
+        from ..learner.scope import resident_now
+
+        ds = getattr(self, "ds", None)
+        return resident_now(self.device, ds.module, ds.optimizer) if ds is not None else 0
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:
@@ -162,7 +178,7 @@ class Learner:
 
     def update(self, step: int, u: int) -> Dict:
         """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
-        from ..runtime import MemoryMeter
+        from ..learner.step import report, run_microbatch
 
         _fault("learner", self.rank, step)
         rows = self.rows[u * self.gas:(u + 1) * self.gas]
@@ -172,30 +188,17 @@ class Learner:
         for i, r in enumerate(rows):
             mb = self._microbatch(r)
             tokens += mb.num_tokens
-            meter = MemoryMeter(self.device)
-            acts: Dict[str, str] = {}
-            with meter:
-                if self.rec is not None:
-                    with self.rec.step(self.plan.sp.plan, track_tokens=self.plan.track_tokens, track_error=False) as st:
-                        out = self.loss_fn(self.ds, mb)
-                        st.set_actions(self.plan.actions(st, out))
-                        self.ds.backward(out.loss)
-                        acts = st.actions()
-                else:
-                    out = self.loss_fn(self.ds, mb)
-                    self.ds.backward(out.loss)
+            with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident()) as rec:
+                out = self.loss_fn(self.ds, mb)
+                rec.set_actions(self.plan, out)
+                self.ds.backward(out.loss)
             self.ds.step()
-            mb_counts = {a: sum(x == a for x in acts.values()) for a in "HLR"}
-            for a, n in mb_counts.items():
+            for a, n in rec.counts.items():
                 counts[a] += n
-            peak = meter.report.peak_bytes
-            peaks.append(peak)
+            peaks.append(rec.scope_peak)
             for k, v in dict(out.stats, loss=out.loss.detach()).items():
                 stats.setdefault(k, []).append(float(v))
-            if self.coordinator is not None:
-                d = call(self.coordinator.report, self.rank, step, i + u * self.gas, peak, mb_counts)
-                if d["action"] == "tighten":
-                    self.plan.tighten(d["by_bytes"], f" rank {self.rank}")
+            report(self.plan, self.coordinator, self.rank, step, i + u * self.gas, rec)
         seconds = time.perf_counter() - t0
         grad_norm = self.ds.get_global_grad_norm()
         total = max(1, sum(counts.values()))
@@ -205,6 +208,58 @@ class Learner:
                 "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
                 "fraction_H": counts["H"] / total, "fraction_L": counts["L"] / total, "fraction_R": counts["R"] / total,
                 "lr": self.ds.get_lr()[0]}
+
+    # ---- calibration on real rollouts -------------------------------------------------------
+    @contextlib.contextmanager
+    def _side_runner(self):
+        """A runner on the DeepSpeed module outside DeepSpeed's gradient path: gradients go
+        straight into ``.grad`` (``torch.autograd.grad``) and are cleared afterwards, so no
+        planning pass leaves gradients for the next real update."""
+        from ..allocation import Runner
+
+        module = self.ds.module
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def backward(loss):
+            for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+                p.grad = g
+
+        try:
+            yield Runner(module, self.rec, loss_fn=self.loss_fn, backward=backward)
+        finally:
+            for p in params:
+                p.grad = None
+
+    def calibration_share(self, n: int) -> Optional[Dict]:
+        """This rank's share of the job's calibration (Eq. 10): single-unit L interventions on
+        up to ``n`` of its microbatches of the current step; the driver pools every rank's
+        samples (``allocation.calibration.merge``). None when the plan needs no calibration."""
+        from dataclasses import asdict
+
+        from ..allocation import calibrate
+
+        if not self.plan.calibration_pending or self.rec is None:
+            return None
+        mbs = [self._microbatch(r) for r in self.rows[:n]]
+        t = time.perf_counter()
+        with self._side_runner() as runner:
+            cal = calibrate(runner, mbs)
+        self._log(f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s")
+        return asdict(cal)
+
+    def adopt_calibration(self, cal: Dict) -> Dict:
+        """Switch from H/R to the wanted mode with the job's calibration (re-fit and validate the
+        plan on the planning microbatch, outside DeepSpeed's gradient path); returns ``info``."""
+        from ..allocation.calibration import Calibration
+        from ..learner.plan import planning_microbatches
+
+        cfg = self.cfg
+        dev = planning_microbatches(self.ds.module, 1, tokens=self.plan.info["plan_tokens"],
+                                    seqs_per_microbatch=cfg.train.micro_batch_size, group_size=cfg.rollout.n_samples_per_prompt,
+                                    seed=cfg.train.seed + 7, loss_options=self.loss_options(), device=self.device)[0]
+        with self._side_runner() as runner:
+            self.plan.adopt_calibration(Calibration(**cal), runner, dev, cfg.hilore)
+        return self.info()
 
     def compare(self, repeats: int = 1) -> Dict[str, float]:
         """Time gc and this rank's backend on the step's microbatches, interleaved, outside the
@@ -225,7 +280,8 @@ class Learner:
                     if name == "gc":
                         t += gc.run(mb, "gc").seconds
                     elif name == "hilore":
-                        t += ours.run(mb, self.plan.sp.plan, self.plan.actions, track_tokens=self.plan.track_tokens).seconds
+                        sp = self.plan.for_tokens(mb.num_tokens)
+                        t += ours.run(mb, sp.plan, partial(self.plan.actions, sp=sp), track_tokens=self.plan.track_tokens).seconds
                     else:  # none: the model as it is, everything stored
                         t += ours.run(mb, "as-is").seconds
                 times[name].append(t)

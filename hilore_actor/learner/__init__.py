@@ -1,0 +1,10 @@
+"""The learner room: what every learner integration shares (the training job, the OpenRLHF
+drop-in, later verl), so that none of them imports another.
+
+- ``settings``: the ``--hilore.*`` flags, their defaults and checks;
+- ``plan``: a rank's budget B and plan, made on the bare model before DeepSpeed wraps it;
+- ``step``: one microbatch's sequence (meter -> engine step -> actions -> report -> tighten);
+- ``coordinator``: the budget coordinator every rank reports its peaks to.
+
+Imports torch and the package's lower floors only; the integrations import it.
+"""

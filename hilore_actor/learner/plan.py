@@ -1,0 +1,248 @@
+"""A learner rank's budget and plan: plan first, on the bare model, act online after.
+
+Shared by every learner integration (the training job's ``train/learner.py``, the OpenRLHF
+policy actor ``openrlhf/policy_actor.py``). ``plan_before_wrapping`` runs on the bare model, before
+``deepspeed.initialize``: ZeRO's gradient hooks and parameter gathers need every rank in
+lockstep, and planning runs a data-dependent number of extra passes. Synthetic GRPO
+microbatches as large as the job can make (``workloads.replayed_microbatches``) give:
+
+1. the peak of gradient checkpointing as users run it (HF gc, full logits) -> B when the
+   budget is a ratio (``allocation.budget``);
+2. for modes with L: the calibration (Eq. 10 of docs/DESIGN.md), or a saved one;
+3. the validated plan (``allocation.schedule.HiLoRe.prepare``).
+
+Every one of these passes stays within B, so a device sized for B can plan (the gc pass is
+B's own base; profiling measures what would not fit on prefixes of the microbatch; the exact
+reference is all-R). The runner measures each pass; ``info["plan_peak_over_budget"]`` is the
+highest over B.
+
+A smaller microbatch uses the same plan: each unit then holds fewer bytes than planned.
+Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
+``RankPlan.tighten`` answers the budget coordinator's ``tighten`` directive.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from ..recovery.state import DEFAULT_ACTION
+
+SIZE_BUCKET = 64  # tokens: microbatches within one bucket share a sized plan
+
+
+class RankPlan:
+    """One rank's budget, HiLoRe scheduler and current plan (``hl``/``sp`` are None for the
+    ``gc`` and ``none`` backends, which only report peaks). ``sized_plans``: re-solve the plan
+    for each microbatch's own token count (``for_tokens``); off, every microbatch uses the
+    planning-size plan."""
+
+    sized_plans = True
+
+    def __init__(self, budget: int, info: Dict, hl=None, sp=None, log: Callable[[str], None] = print):
+        self.budget, self.info, self.hl, self.sp, self.log = int(budget), info, hl, sp, log
+        self._sized: Dict[int, object] = {}  # token bucket -> plan sized to it
+
+    @property
+    def scope(self) -> str:
+        return self.info.get("budget_scope", "activations")  # checkpoints from before scopes: activations
+
+    @property
+    def offset(self) -> int:
+        """Resident bytes B counts besides a microbatch's own (0 in the activation scope)."""
+        return int(self.info.get("resident_bytes", 0)) if self.scope == "device" else 0
+
+    def rebase(self, resident: int) -> bool:
+        """Device scope, once DeepSpeed is built: the measured resident bytes replace the
+        planning estimate; a ratio budget moves with them (B = ratio x (gc + resident)); the
+        cap B - resident, the plan's memory budget and the plan follow. True when B changed."""
+        if self.scope != "device":
+            return False
+        old_budget, old_cap = self.budget, self.budget - self.offset
+        kind, value = ("bytes", self.budget)
+        if str(self.info.get("budget_spec", "")).strip().lower() not in ("", "auto"):
+            from ..allocation.budget import parse_budget
+
+            kind, value = parse_budget(self.info["budget_spec"])
+        if kind == "ratio":
+            self.budget = int(value * (self.info["gc_peak_bytes"] + resident))
+        self.info.update(budget_bytes=self.budget, resident_estimate_bytes=self.offset, resident_bytes=int(resident))
+        delta = (self.budget - resident) - old_cap
+        if self.hl is not None and abs(delta) > 0.005 * max(old_cap, 1):
+            self.hl.budget += delta
+            self.sp.memory_budget = max(0.0, self.sp.memory_budget + delta)
+            self.hl.replan(self.sp)
+            self._sized.clear()
+        self.log(f"[hilore] resident bytes measured {resident / 2**20:.1f} MiB (estimated "
+                 f"{self.info['resident_estimate_bytes'] / 2**20:.1f}); B = {self.budget / 2**20:.1f} MiB, "
+                 f"a microbatch may allocate {(self.budget - resident) / 2**20:.1f} MiB")
+        return self.budget != old_budget
+
+    @property
+    def track_tokens(self) -> bool:
+        return self.hl is not None and self.hl.mode == "hilore"
+
+    def for_tokens(self, tokens: int):
+        """The plan for a microbatch of ``tokens`` tokens: the validated plan at the planning
+        size (the largest the job makes), else one re-solved for the microbatch's own size
+        (``HiLoRe.sized``; per 64-token bucket, rounded up), so a short microbatch stores more."""
+        if self.hl is None:
+            return None
+        bucket = -(-int(tokens) // SIZE_BUCKET) * SIZE_BUCKET
+        if bucket >= self.sp.costs.tokens or not self.sized_plans:
+            return self.sp
+        if bucket not in self._sized:
+            self._sized[bucket] = self.hl.sized(self.sp, bucket)
+        return self._sized[bucket]
+
+    def actions(self, step, loss_output, sp=None) -> Dict[str, str]:
+        """Online actions for a microbatch run under ``sp`` (default: the planning-size plan)."""
+        sp = sp or self.sp
+        chooser = self.hl.chooser_for(sp)
+        if chooser is not None:
+            return chooser(step, loss_output)
+        return {n: DEFAULT_ACTION[q] for n, q in sp.plan.items()}
+
+    def tighten(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
+        """Shrink the allocation budget by the coordinator's overshoot and re-plan: the plan
+        of the microbatch's size and the planning-size plan lose ``by_bytes`` each; the
+        other sizes are re-solved from the latter when next used."""
+        if self.hl is None:
+            return
+        sp = self.for_tokens(tokens) if tokens else self.sp
+        for plan in {id(sp): sp, id(self.sp): self.sp}.values():
+            plan.memory_budget = max(0.0, plan.memory_budget - by_bytes)
+            self.hl.replan(plan)
+        self._sized = {k: v for k, v in self._sized.items() if v is sp}
+        self.log(f"[hilore{who}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
+
+    @property
+    def calibration_pending(self) -> bool:
+        return self.info.get("calibration") == "pending"
+
+    def adopt_calibration(self, calibration, runner, dev_microbatch, hcfg) -> None:
+        """Leave the first step's H/R plan for the wanted mode, now that L's risk is
+        calibrated (on the job's real rollouts): re-fit and validate the plan at the planning
+        size on ``runner`` (outside DeepSpeed's gradient path); unit costs are reused."""
+        self.hl = _scheduler(runner, self.hl.budget, calibration, hcfg, self.log, costs_cache=self.hl.costs_cache)
+        self.sp = self.hl.prepare([dev_microbatch], accumulate=1)
+        self._sized.clear()
+        self.info.update(calibration="job", plan={q: sum(v == q for v in self.sp.plan.values()) for q in DEFAULT_ACTION},
+                         plan_report=self.sp.report)
+
+    def state(self) -> Dict:
+        """JSON-ready, for checkpoints: a resumed rank keeps its budget and plan."""
+        out = {"budget": self.budget, "info": self.info}
+        if self.hl is not None:
+            out.update(plan=self.sp.to_dict(), calibration=asdict(self.hl.calibration) if self.hl.calibration else None)
+        return out
+
+
+def _scheduler(runner, budget: int, calibration, hcfg, log, costs_cache=None):
+    """HiLoRe in the wanted mode, or H/R only (``hilore-hr``) while L's calibration is pending."""
+    from ..allocation import HiLoRe
+
+    mode = hcfg.mode if calibration is not None else "hilore-hr"
+    return HiLoRe(runner, budget, calibration, mode=mode, delta=hcfg.delta, tolerance=hcfg.tolerance,
+                  refresh_every=hcfg.refresh_every, profile_repeats=hcfg.profile_repeats, loo=hcfg.loo,
+                  costs_cache=costs_cache, log=log)
+
+
+def planning_microbatches(model, n: int, *, tokens: int, seqs_per_microbatch: int, group_size: int, seed: int,
+                          loss_options: Dict, device):
+    """The synthetic GRPO microbatches planning runs on: as large as the job can make."""
+    from ..workloads import replayed_microbatches
+
+    dev = replayed_microbatches(model, n, tokens, group_size=group_size, mean_len=max(8, tokens // seqs_per_microbatch),
+                                seed=seed, loss_options=loss_options)
+    return [mb.to(device) for mb in dev]
+
+
+def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print) -> RankPlan:
+    from ..allocation import Runner, ShapePlan
+    from ..allocation.calibration import Calibration
+
+    if backend != "hilore":
+        return RankPlan(state["budget"], state["info"], log=log)
+    cal = Calibration(**state["calibration"]) if state.get("calibration") else None
+    runner = Runner(model, loss_fn=loss_fn)
+    plan = RankPlan(state["budget"], state["info"], None, ShapePlan.from_dict(state["plan"]), log)
+    plan.hl = _scheduler(runner, plan.budget - plan.offset, cal, hcfg, log)
+    runner.engine.detach()
+    return plan
+
+
+def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_microbatch: int, group_size: int,
+                         loss_options: Dict, loss_fn, std_loss_fn, device, seed: int, resident: int = 0,
+                         write_calibration: bool = True, calibrate_later: bool = False, log=print) -> RankPlan:
+    """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
+    ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``),
+    which the device scope counts. ``calibrate_later``: a mode with L and no saved calibration
+    plans H/R (``info["calibration"] == "pending"``) until the job calibrates on its real
+    rollouts (``RankPlan.adopt_calibration``); else calibration runs here on synthetic
+    microbatches. ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope,
+    over B."""
+    from ..allocation import Runner
+
+    t0 = time.perf_counter()
+    saved = bool(hcfg.calibration and Path(hcfg.calibration).is_file())
+    wants_l = backend == "hilore" and hcfg.mode != "hilore-hr"
+    n_cal = hcfg.calibration_batches if wants_l and not saved and not calibrate_later else 0
+    dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
+                                group_size=group_size, seed=seed, loss_options=loss_options, device=device)
+    runner = Runner(model, loss_fn=loss_fn)
+    offset = int(resident) if hcfg.budget_scope == "device" else 0
+    with runner.watching() as peaks:  # every planning pass, measured (plan_peak_over_budget)
+        gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
+        budget = _budget(hcfg, gc_peak, int(resident), offset, device, log)
+        info = {"plan_tokens": tokens, "gc_peak_bytes": gc_peak, "budget_bytes": budget, "budget_spec": str(hcfg.budget),
+                "budget_scope": hcfg.budget_scope, "resident_bytes": offset}
+        hl = sp = None
+        if backend == "hilore":
+            cal = _calibration(runner, dev[1:], hcfg, write_calibration, log) if (saved or n_cal) else None
+            info["calibration"] = "pending" if wants_l and cal is None else ("file" if saved else "synthetic" if cal else None)
+            hl = _scheduler(runner, budget - offset, cal, hcfg, log)
+            sp = hl.prepare(dev[:1], accumulate=1)
+            info.update(plan={q: sum(v == q for v in sp.plan.values()) for q in DEFAULT_ACTION}, plan_report=sp.report)
+    runner.engine.detach()
+    info.update(plan_seconds=time.perf_counter() - t0, plan_peak_bytes=offset + max(peaks),
+                plan_peak_over_budget=(offset + max(peaks)) / budget)
+    return RankPlan(budget, info, hl, sp, log)
+
+
+def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
+    """B in its scope: a ratio of gc's peak in that scope (gc's in-microbatch peak, plus the
+    resident bytes in the device scope), a size, or ``auto`` (``scope.auto_budget``)."""
+    from ..allocation import resolve_budget
+    from ..allocation.budget import BudgetError
+    from .scope import CPU_AUTO_RATIO, auto_budget
+
+    if str(hcfg.budget).strip().lower() != "auto":
+        return resolve_budget(hcfg.budget, gc_peak + offset, gc_peak + offset)
+    device_bytes = auto_budget(device)
+    if device_bytes is None:
+        device_bytes = int(CPU_AUTO_RATIO * (gc_peak + resident))
+        log(f"[hilore] --hilore.budget auto on CPU (no capacity to read): {CPU_AUTO_RATIO} x gc's device peak")
+    budget = device_bytes - (resident - offset)  # the activation scope: what the device leaves a microbatch
+    if budget < gc_peak + offset:
+        raise BudgetError(f"--hilore.budget auto: the device has {device_bytes / 2**20:.0f} MiB for this rank, less than "
+                          f"gradient checkpointing needs ({(gc_peak + resident) / 2**20:.0f} MiB with the weights and "
+                          f"optimizer state); free memory (a colocated vLLM's share?) or use fewer tokens per microbatch")
+    return budget
+
+
+def _calibration(runner, batches, hcfg, write: bool, log):
+    """L's calibrated risk: None for hilore-hr, a saved file, or measured on ``batches``."""
+    from ..allocation import calibrate
+    from ..allocation.calibration import Calibration
+
+    if hcfg.mode == "hilore-hr":
+        return None
+    if hcfg.calibration and Path(hcfg.calibration).is_file():
+        return Calibration.load(hcfg.calibration)
+    log(f"[hilore] calibrating L's risk on {len(batches)} microbatches")
+    cal = calibrate(runner, batches)
+    if hcfg.calibration and write:
+        cal.save(hcfg.calibration)
+    return cal

@@ -1,0 +1,91 @@
+"""What a rank's budget B counts (``--hilore.budget_scope``; docs/DESIGN.md section 6).
+
+- ``device`` (default; the paper's B_GC): the rank's whole peak during the update: what a
+  microbatch starts with (weights, gradients, optimizer state, DeepSpeed's buffers: the
+  *resident* bytes) plus what it allocates. This is what a GPU's capacity bounds. A ratio
+  budget is that ratio of gc's device peak, resident + gc's in-microbatch peak.
+- ``activations``: only what a microbatch allocates above what it starts with. Stricter: at
+  the same ratio it leaves far less room, because the weights are not part of the base.
+
+Either way the recovery engine gets a cap on the in-microbatch peak, ``B - offset`` with
+``offset`` the resident bytes (device) or 0 (activations). Planning runs before DeepSpeed
+exists, so it estimates them from the parameters (``estimate_resident``); the learner
+measures them once DeepSpeed is built (``resident_now``) and the plan is rebased.
+
+``--hilore.budget auto`` (``auto_budget``): on CUDA, the memory free when the learner plans
+plus what its allocator already holds, less ``AUTO_MARGIN`` of the device (allocator fragmentation,
+NCCL and CUDA-graph buffers); a colocated vLLM's share is not free, so it is left alone. On
+CPU there is no capacity to read: ``CPU_AUTO_RATIO`` x gc's peak, said so in the log.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+SCOPES = ("device", "activations")
+AUTO_MARGIN = 0.08
+CPU_AUTO_RATIO = 1.25
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            s = t.untyped_storage()
+            key = (s.data_ptr(), str(s.device))
+            if key not in seen:
+                seen.add(key)
+                total += s.nbytes()
+    return total
+
+
+def estimate_resident(model, *, world: int = 1, zero_stage: int = 2, mixed_precision: bool = False) -> int:
+    """Bytes a rank will hold between microbatches once DeepSpeed wraps ``model``: weights and
+    buffers, plus per trainable parameter its gradient (partitioned from ZeRO-2 on), AdamW's
+    two float32 moments and, with bf16 weights, a float32 master copy (partitioned from
+    ZeRO-1 on). An estimate: DeepSpeed's buckets and alignment padding come on top, which
+    the measured rebase and the coordinator's ``tighten`` absorb."""
+    params = list(model.parameters())
+    weights = _storage_bytes(params + list(model.buffers()))
+    trainable = [p for p in params if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    grad = sum(p.numel() * p.element_size() for p in trainable)
+    state = n * 4 * (3 if mixed_precision else 2)
+    world = max(1, int(world))
+    return int(weights + (grad / world if zero_stage >= 2 else grad) + (state / world if zero_stage >= 1 else state))
+
+
+def _optimizer_tensors(optimizer):
+    """Tensors an optimizer (or DeepSpeed's ZeRO optimizer around one) holds."""
+    out, seen = [], set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        for st in getattr(optimizer, "state", {}).values():
+            if isinstance(st, dict):
+                out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        for name in ("single_partition_of_fp32_groups", "bit16_groups_flat", "fp32_groups_flat_partition"):
+            out += [t for t in getattr(optimizer, name, None) or [] if isinstance(t, torch.Tensor)]
+        optimizer = getattr(optimizer, "optimizer", None)
+    return out
+
+
+def resident_now(device, module, optimizer=None) -> int:
+    """Bytes held right now between microbatches. CUDA: the allocator's count (everything on
+    the device, exact). CPU: the unique storages of the module's parameters, buffers and
+    gradients and of the optimizer's state (DeepSpeed's flat partitions included)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    params = list(module.parameters())
+    return _storage_bytes(params + list(module.buffers()) + [p.grad for p in params if p.grad is not None]
+                          + _optimizer_tensors(optimizer))
+
+
+def auto_budget(device) -> Optional[int]:
+    """Device bytes for ``--hilore.budget auto``, or None on CPU (see the module docstring)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(torch.cuda.memory_reserved(device) + free - AUTO_MARGIN * total)

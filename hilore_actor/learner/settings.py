@@ -1,0 +1,95 @@
+"""HiLoRe's ``--hilore.*`` settings: one definition for every learner integration.
+
+The training job adds these flags to its own (``train/config.py``), the OpenRLHF launcher
+parses them beside OpenRLHF's flags (``openrlhf/train_ppo_ray.py``) and its policy actor reads
+them back from the environment. The flag names, their types, defaults and checks live here
+only, so the two integrations cannot drift apart.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Dict, List
+
+
+
+def boolean(value) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off) for flags that are on by default."""
+    v = str(value).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+boolean.__name__ = "true|false"
+
+# (flag, type, default, help), as in the job's flag table
+HILORE_FLAGS = [
+    ("hilore.budget", str, "1.10", "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
+     "(CUDA: the memory free at start-up plus what the learner holds, less 8% of the device; CPU: 1.25 x gc)"),
+    ("hilore.budget_scope", str, "device", "what B counts: device (the rank's whole peak: weights, gradients, "
+     "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
+     "what a microbatch allocates above what it starts with: stricter)"),
+    ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
+    ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
+    ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
+    ("hilore.refresh_every", int, 1, "recompute online actions every N microbatches"),
+    ("hilore.calibration_batches", int, 16, "microbatches for L's risk calibration (C; modes with L): the first step's real "
+     "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)"),
+    ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
+    ("hilore.codec", str, "int8", "low-precision codec for L (hilore_actor.recovery.CODECS): int8, int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2"),
+    ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
+     "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
+    ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
+    ("hilore.loo", boolean, True, "leave-one-out check of the plan: recompute each stored unit whose paired timing "
+     "shows it saves no time (false skips it: faster start-up)"),
+]
+DEFAULTS = {spec[0][len("hilore."):]: spec[2] for spec in HILORE_FLAGS}
+TYPES = {spec[0][len("hilore."):]: spec[1] for spec in HILORE_FLAGS}
+
+
+def hilore_settings(**values) -> SimpleNamespace:
+    """The ``--hilore.*`` defaults as ``ns.budget``, ``ns.mode`` ..., updated with ``values``."""
+    unknown = sorted(set(values) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown HiLoRe settings {unknown}; known: {', '.join(DEFAULTS)}")
+    return SimpleNamespace(**dict(DEFAULTS, **values))
+
+
+def hilore_errors(hcfg) -> List[str]:
+    """What is wrong with the budget, its scope, the mode and the codec (empty when nothing)."""
+    from ..allocation.budget import BudgetError, parse_budget
+    from ..allocation.schedule import MODES
+    from ..recovery.codecs import CODECS
+    from .scope import SCOPES
+
+    errors = []
+    if hcfg.mode not in MODES:
+        errors.append(f"--hilore.mode {hcfg.mode!r}: choose {', '.join(MODES)}")
+    if hcfg.codec not in CODECS:
+        errors.append(f"--hilore.codec {hcfg.codec!r}: choose one of {', '.join(sorted(CODECS))}")
+    if hcfg.budget_scope not in SCOPES:
+        errors.append(f"--hilore.budget_scope {hcfg.budget_scope!r}: choose {' or '.join(SCOPES)}")
+    if str(hcfg.budget).strip().lower() != "auto":
+        try:
+            parse_budget(hcfg.budget)
+        except BudgetError as e:
+            errors.append(f"--hilore.budget: {e}")
+    return errors
+
+
+def parse_hilore(raw: Dict[str, str]) -> Dict:
+    """Typed values of ``--hilore.KEY VALUE`` strings; ``ValueError`` names the bad flag."""
+    out = {}
+    for k, v in raw.items():
+        if k not in TYPES:
+            raise ValueError(f"unknown flag --hilore.{k}; known: {', '.join('--hilore.' + t for t in TYPES)}")
+        try:
+            out[k] = TYPES[k](v) if v is not None else None
+        except ValueError:
+            raise ValueError(f"--hilore.{k} {v!r}: expected {TYPES[k].__name__}") from None
+    errors = hilore_errors(hilore_settings(**out))
+    if errors:
+        raise ValueError("; ".join(errors))
+    return out

@@ -1,0 +1,84 @@
+"""One learner microbatch under HiLoRe: the sequence every integration runs.
+
+meter -> the plan sized to the microbatch's tokens -> recovery-engine step (that plan's
+storage during forward) -> the integration's own forward, loss and backward, which sets the
+actions (Eq. 7 -> Eq. 13 of docs/DESIGN.md) between loss and backward -> the actions taken
+and their H/L/R counts -> the measured peak to the budget coordinator -> ``tighten``: the
+rank re-plans before its next microbatch.
+
+The training job (``train/learner.py``) calls its loss and ``engine.backward`` inside the
+block; the OpenRLHF drop-in (``openrlhf/training_step.py``) calls OpenRLHF's whole
+``training_step`` there and sets the actions from its intercepted ``strategy.backward``. Without
+a recovery engine (backends ``gc`` and ``none``) the block only measures the peak.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional
+
+from ..recovery.policies import layer_checkpointing, stores_nothing
+from ..recovery.state import ACTIONS
+from ..runtime import MemoryMeter
+from .coordinator import call
+
+
+@dataclass
+class MicrobatchRecord:
+    """What one microbatch did: the engine step while it runs, then its actions and peak."""
+
+    step: Optional[object] = None  # the recovery engine's Step (None without an engine)
+    sp: Optional[object] = None  # the plan sized to this microbatch (``RankPlan.for_tokens``)
+    tokens: int = 0
+    resident: int = 0  # bytes held when the microbatch began, as B's scope counts them (0: activations)
+    actions: Dict[str, str] = field(default_factory=dict)  # unit -> H | L | R
+    peak_bytes: int = 0  # allocated inside the microbatch, above what it began with
+
+    @property
+    def scope_peak(self) -> int:
+        """The peak as B counts it: resident + in-microbatch (device), or in-microbatch only."""
+        return self.resident + self.peak_bytes
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        return {a: sum(v == a for v in self.actions.values()) for a in ACTIONS}
+
+    def set_actions(self, plan, loss_output) -> None:
+        """The plan's online actions for this microbatch (needs its omega: call after the loss)."""
+        if self.step is not None:
+            self.step.set_actions(plan.actions(self.step, loss_output, self.sp))
+
+
+@contextlib.contextmanager
+def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iterator[MicrobatchRecord]:
+    """Run the block as one microbatch of ``tokens`` tokens under ``plan`` (a ``RankPlan``;
+    its plan sized to those tokens) on ``engine`` (a ``RecoveryEngine`` or None); the record
+    is complete when the block exits. ``resident``: what the rank holds as the microbatch
+    begins, in B's scope (``scope.resident_now`` for the device scope, 0 otherwise)."""
+    rec = MicrobatchRecord(tokens=int(tokens), resident=int(resident))
+    meter = MemoryMeter(device)
+    with meter:
+        if engine is None:
+            yield rec
+        else:
+            rec.sp = plan.for_tokens(tokens)
+            if stores_nothing(rec.sp.plan):  # all-R: plain layer checkpointing, no engine bookkeeping
+                with layer_checkpointing(engine.model):
+                    yield rec
+                rec.actions = {n: "R" for n in rec.sp.plan}
+            else:
+                with engine.step(rec.sp.plan, track_tokens=plan.track_tokens, track_error=False) as st:
+                    rec.step = st
+                    yield rec
+                    rec.actions = st.actions()
+    rec.peak_bytes = meter.report.peak_bytes
+
+
+def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchRecord) -> Optional[dict]:
+    """Send the microbatch's peak to the coordinator and obey its directive (None without one)."""
+    if coordinator is None:
+        return None
+    d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts)
+    if d["action"] == "tighten":
+        plan.tighten(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
+    return d

@@ -1,0 +1,27 @@
+"""The --hilore.* settings: one table, typed parsing, and errors that name the flag."""
+import pytest
+
+from hilore_actor.learner.settings import DEFAULTS, boolean, hilore_errors, hilore_settings, parse_hilore
+
+
+def test_defaults_and_typed_values():
+    s = hilore_settings()
+    assert s.loo is True and s.mode == DEFAULTS["mode"] and not hilore_errors(s)
+    got = parse_hilore({"loo": "false", "delta": "0.02", "codec": "bf16", "budget": "6GiB"})
+    assert got == {"loo": False, "delta": 0.02, "codec": "bf16", "budget": "6GiB"}
+    assert [boolean(v) for v in ("1", "True", "on", "no", "OFF", "0")] == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("raw, match", [({"loo": "maybe"}, r"--hilore.loo 'maybe': expected true\|false"),
+                                        ({"delta": "x"}, "--hilore.delta 'x': expected float"),
+                                        ({"nope": "1"}, "unknown flag --hilore.nope"),
+                                        ({"codec": "int4"}, "--hilore.codec 'int4'"),
+                                        ({"mode": "fast"}, "--hilore.mode 'fast'")])
+def test_bad_values_name_the_flag(raw, match):
+    with pytest.raises(ValueError, match=match):
+        parse_hilore(raw)
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(ValueError, match="unknown HiLoRe settings"):
+        hilore_settings(lo=False)

@@ -1,0 +1,49 @@
+"""Unit costs within a budget: bytes measured on prefixes and scaled to the whole microbatch
+agree with bytes measured on the whole one, and no profiling pass peaks above the cap."""
+import pytest
+import torch
+
+from hilore_actor.allocation import Runner, resolve_budget
+from hilore_actor.allocation.profiling import profile_units, scaled
+from hilore_actor.models import LoraSpec, build_model, tiny_config
+from hilore_actor.workloads import replayed_microbatches
+
+
+@pytest.fixture(scope="module")
+def setup():
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    cfg = tiny_config("qwen2", hidden_size=128, intermediate_size=704, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=4096)
+    model = build_model(cfg, lora=LoraSpec(8, 16), seed=seed)
+    model.train()
+    mb = replayed_microbatches(model, 1, 1024, seed=seed)[0]
+    runner = Runner(model)
+    budget = resolve_budget(1.10, runner.run(mb, "gc", measure_peak=True).peak_bytes, 0)
+    return runner, mb, budget
+
+
+def test_prefix_probes_match_the_whole_microbatch(setup):
+    runner, mb, budget = setup
+    whole = profile_units(runner, mb, repeats=1)
+    assert runner.run(mb, "all-h", measure_peak=True).peak_bytes > budget  # all-H itself would not fit
+    with runner.watching() as peaks:
+        capped = profile_units(runner, mb, repeats=1, cap=budget)
+    print(f"probes {capped.probe_tokens}; bytes off a line by {capped.bytes_linear_error:.4f}; "
+          f"peaks/B {[round(p / budget, 3) for p in peaks]}")
+    assert max(capped.probe_tokens) < mb.num_tokens and len(capped.probe_tokens) >= 2
+    assert max(peaks) <= budget
+    assert capped.base_peak == whole.base_peak
+    for n in whole.dm:
+        for a in ("H", "L"):
+            assert capped.dm[n][a] == pytest.approx(whole.dm[n][a], rel=0.01), (n, a)
+
+
+def test_scaled_is_exact_on_quadratic_bytes_and_reports_the_curvature():
+    def probe(t):
+        return {"H": {"u": 100 + 8 * t + t * t / 64}, "L": {"u": 2 * t}, "codec": {"u": 1e-6 * t}, "mixed": {}}
+
+    est, off_line = scaled({t: probe(t) for t in (64, 256, 512)}, 2048)
+    assert est["H"]["u"] == pytest.approx(probe(2048)["H"]["u"]) and est["L"]["u"] == pytest.approx(4096)
+    assert est["codec"]["u"] == pytest.approx(2048e-6) and off_line > 0.01
+    one, _ = scaled({256: probe(256)}, 1024)
+    assert one["L"]["u"] == pytest.approx(2048)  # one probe: proportional
