@@ -123,16 +123,16 @@ class Job:
         checkpoint keeps it; ``--hilore.calibration PATH`` saves it too)."""
         from dataclasses import asdict
 
-        from hilore_actor.allocation.calibration import Calibration, merge
+        from hilore_actor.allocation.calibration import Calibration, merge, save_levels
 
         t = time.perf_counter()
         share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
-        parts = [Calibration(**p) for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
-        cal = merge(parts)
+        parts = [p for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
+        cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples
         if self.cfg.hilore.calibration:
-            cal.save(self.cfg.hilore.calibration)
-        self.infos = self.get([l.adopt_calibration.remote(asdict(cal)) for l in self.learners])
-        n = len({(s["batch"]) for s in cal.samples})
+            save_levels(cal, self.cfg.hilore.calibration)
+        self.infos = self.get([l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners])
+        n = len({s["batch"] for s in next(iter(cal.values())).samples})
         print(f"[train] calibrated L's risk on {n} real microbatches in {time.perf_counter() - t:.0f}s; "
               f"plan {self.infos[0].get('plan')}", flush=True)
 

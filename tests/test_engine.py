@@ -74,6 +74,36 @@ def test_all_l_is_close_and_reported(arch, lora, codec):
     assert set(recon) == set(engine.unit_names) and all(0 < e < 0.2 for e in recon.values())
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_l_levels_name_their_codec_per_unit(arch):
+    """``L:bf16`` / ``compressed:bf16`` on an int8 engine give bitwise the gradients of a bf16
+    engine's L, before or after forward; units may mix codecs, each holding its own bytes; a
+    compressed copy keeps the codec it was made with."""
+    model = tiny(arch, "lora")
+    ids, pos = packed_microbatch(96, VOCAB)
+    ref_bf16, _ = run(model, ids, pos, RecoveryEngine(model, codec="bf16"), "all-l")
+    engine = RecoveryEngine(model, codec="int8")
+    names = engine.unit_names
+    for plan, actions in [({n: "compressed:bf16" for n in names}, None), (None, {n: "L:bf16" for n in names}),
+                          ({n: "L:bf16" for n in names}, None)]:
+        g, _ = run(model, ids, pos, engine, plan, actions)
+        assert all(torch.equal(g[n], ref_bf16[n]) for n in ref_bf16), (plan, actions)
+    mixed = {n: ("L:bf16" if ".layers.1." in n else "L") for n in names}  # layer 0 int8, layer 1 bf16
+    with engine.step(mixed) as step:
+        loss = grpo_loss(model, ids, pos)
+        held = step.bytes_by_unit(shared=False)
+        loss.backward()
+    assert step.actions() == {n: "L" for n in names}
+    mlp_int8, mlp_bf16 = held["model.layers.0.mlp"]["compressed"], held["model.layers.1.mlp"]["compressed"]
+    assert 0 < mlp_int8 < 0.75 * mlp_bf16  # same shapes: about 1 byte per value against 2
+    with engine.step({names[0]: "compressed:bf16"}) as step:
+        grpo_loss(model, ids, pos)
+        with pytest.raises(ValueError, match="keeps the codec it was made with"):
+            step.set_actions({names[0]: "L:int8"})
+    with pytest.raises(ValueError, match="unknown codec"):
+        engine.step({names[0]: "L:int3"})
+
+
 def test_downgrade_to_r_frees_bundle_memory():
     """Peak of set_actions + backward: R after an exact forward is lower than H by >= 80% of the
     exact bundle bytes (8 layers: backward rebuilds one layer at a time)."""

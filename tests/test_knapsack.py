@@ -1,4 +1,4 @@
-"""The Eq. 13 knapsack against brute force on the same grid."""
+"""The Eq. 13 knapsack against brute force on the same grid (R, H and up to two L levels per unit)."""
 import itertools
 import random
 
@@ -30,6 +30,8 @@ def random_items(rng, n):
             opts.append(Option("H", rng.uniform(0, 1), rng.uniform(0, 60), 0.0))
         if rng.random() < 0.8:
             opts.append(Option("L", rng.uniform(0, 1), rng.uniform(0, 20), rng.uniform(0, 0.02)))
+        if rng.random() < 0.6:  # a second L level: another codec, its own bytes, time and risk
+            opts.append(Option("L:bf16", rng.uniform(0, 1), rng.uniform(0, 40), rng.uniform(0, 0.005)))
         if rng.random() < 0.1:  # exact ties in value
             opts.append(Option("H", opts[-1].value, rng.uniform(0, 60), 0.0))
         items.append(opts)

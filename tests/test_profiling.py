@@ -40,10 +40,10 @@ def test_prefix_probes_match_the_whole_microbatch(setup):
 
 def test_scaled_is_exact_on_quadratic_bytes_and_reports_the_curvature():
     def probe(t):
-        return {"H": {"u": 100 + 8 * t + t * t / 64}, "L": {"u": 2 * t}, "codec": {"u": 1e-6 * t}, "mixed": {}}
+        return {"H": {"u": 100 + 8 * t + t * t / 64}, "L": {"u": 2 * t}, "codec|L": {"u": 1e-6 * t}, "mixed": {}}
 
     est, off_line = scaled({t: probe(t) for t in (64, 256, 512)}, 2048)
     assert est["H"]["u"] == pytest.approx(probe(2048)["H"]["u"]) and est["L"]["u"] == pytest.approx(4096)
-    assert est["codec"]["u"] == pytest.approx(2048e-6) and off_line > 0.01
+    assert est["codec|L"]["u"] == pytest.approx(2048e-6) and off_line > 0.01
     one, _ = scaled({256: probe(256)}, 1024)
     assert one["L"]["u"] == pytest.approx(2048)  # one probe: proportional

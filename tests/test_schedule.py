@@ -61,3 +61,31 @@ def test_prepare_keeps_the_candidate_that_saves_most(setup):
     print(f"candidates (scale -> saved s): {cands}; kept {sp.report['plan_risk_scale']}")
     assert cands, "no candidate fitted B"
     assert cands[sp.report["plan_risk_scale"]] == max(cands.values())
+
+
+def test_two_l_levels_replay_within_budget_and_tolerance(setup):
+    """Two L levels (the engine's int8 and bf16): each unit's knapsack sees R, H and both L
+    options with their own bytes and calibrated risk; the replay stays within B and within
+    the tolerance."""
+    from hilore_actor.allocation.calibration import calibrate
+
+    runner, cal, mbs, budget = setup
+    cals = {"L": cal, "L:bf16": calibrate(runner, mbs[:4], level="L:bf16")}
+    assert cals["L:bf16"].codec == "bf16" and cal.codec == "int8"
+    h = HiLoRe(runner, budget, cals, mode="hilore", loo=False, log=lambda *_: None)
+    sp = h.prepare(mbs[4:6])
+    unit = next(iter(sp.costs.dm))
+    assert set(sp.costs.dm[unit]) == {"H", "L", "L:bf16"} and sp.costs.dm[unit]["L"] < sp.costs.dm[unit]["L:bf16"]
+    g = g_ex = None
+    chosen = {}
+    for i, mb in enumerate(mbs[6:16]):
+        res = h.run(mb, measure_peak=True)
+        assert res.peak_bytes <= budget, f"microbatch {i}: peak {res.peak_bytes} > B {budget}"
+        for q in sp.plan.values():
+            chosen[q] = chosen.get(q, 0) + 1
+        a = h.run(mb, grads=True, seed=i).grad
+        b = runner.run(mb, "all-r", grads=True, seed=i).grad
+        g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
+    err = float((g - g_ex).norm() / g_ex.norm())
+    print(f"plans over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
+    assert err <= 0.015

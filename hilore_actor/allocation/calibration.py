@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..recovery.state import split_label
 from .exposure import unit_exposure
 
 EPS_NUM = 1e-12
@@ -63,6 +64,30 @@ class Calibration:
             raise ValueError(f"{path}: not a hilore calibration file ({e})") from None
 
 
+def save_levels(calibrations: Dict[str, "Calibration"], path) -> None:
+    """One file for one or several L levels (one level: the single-calibration format)."""
+    if set(calibrations) == {"L"}:
+        calibrations["L"].save(path)
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"levels": {a: asdict(c) for a, c in calibrations.items()}}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_levels(path) -> Dict[str, "Calibration"]:
+    """``{level: calibration}`` from ``save_levels`` (or a single calibration: level ``"L"``)."""
+    try:
+        d = json.loads(Path(path).read_text())
+        if "levels" in d:
+            return {a: Calibration(**v) for a, v in d["levels"].items()}
+        return {"L": Calibration(**d)}
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{path}: not a hilore calibration file ({e})") from None
+
+
 def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
     """Least squares through the origin per group: ``kappa = sum x y / sum x^2``."""
     sxy: Dict[str, float] = {}
@@ -74,10 +99,12 @@ def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
     return {g: (sxy[g] / sxx[g] if sxx[g] > 0 else 0.0) for g in sxy}
 
 
-def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=None) -> Calibration:
+def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=None, level: str = "L") -> Calibration:
     """Single-unit L interventions on ``batches`` (see module docstring). ``runner`` is an
-    ``allocation.runner.Runner``; ``progress`` an optional callable(done, total)."""
+    ``allocation.runner.Runner``; ``progress`` an optional callable(done, total); ``level``
+    the L action label (``"L"``: the engine's codec; ``"L:bf16"``: that codec)."""
     engine = runner.engine
+    codec = split_label(level)[1] or engine.codec.name
     names = list(units or engine.unit_names)
     specs = {u.name: u for layer in engine.layer_specs for u in layer.units}
     n_layers = len(engine.layer_specs)
@@ -89,7 +116,7 @@ def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=N
         done += 1
         gnorm = float(ref.grad.norm())
         for name in names:
-            res = runner.run(mb, dict(all_r, **{name: "L"}), grads=True, track_error=True, track_tokens=True, seed=b)
+            res = runner.run(mb, dict(all_r, **{name: level}), grads=True, track_error=True, track_tokens=True, seed=b)
             e = res.reconstruction.get(name, 0.0)
             y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
             E = unit_exposure(ref.omega, res.token_norms[name], ref.mask)
@@ -99,7 +126,12 @@ def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=N
             done += 1
             if progress:
                 progress(done, total)
-    return from_samples(engine.codec.name, groups, samples)
+    return from_samples(codec, groups, samples)
+
+
+def calibrate_levels(runner, batches, levels: Sequence[str], progress=None) -> Dict[str, Calibration]:
+    """``{level: calibration}`` for several L levels (every enabled codec's single-unit error)."""
+    return {a: calibrate(runner, batches, progress=progress, level=a) for a in levels}
 
 
 def from_samples(codec: str, groups: Dict[str, str], samples: List[dict]) -> Calibration:

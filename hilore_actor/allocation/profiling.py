@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..grpo.microbatch import Microbatch
+from ..recovery.state import plan_for_label
 
 
 def shape_class(mb: Microbatch, bucket: int = 256) -> str:
@@ -48,11 +49,13 @@ class UnitCosts:
     points: List[Dict] = field(default_factory=list)  # measured (tokens, all-R peak, dm) for costs_at
 
 
-def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] = None) -> UnitCosts:
-    """Eq. 9's costs of every unit on ``mb``. ``cap``: no profiling pass may peak above it
-    (the budget B): the all-R passes run on ``mb`` (they are the plan's floor), the all-H and
-    all-L passes, which hold far more, on prefixes of ``mb`` that fit, and their bytes and
-    codec times are scaled to ``mb``'s tokens (``probe_bytes``)."""
+def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] = None,
+                  levels: Sequence[str] = ("L",)) -> UnitCosts:
+    """Eq. 9's costs of every unit on ``mb``, for H and each L level in ``levels`` (action
+    labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another one). ``cap``: no profiling pass
+    may peak above it (the budget B): the all-R passes run on ``mb`` (they are the plan's
+    floor), the all-H and all-L passes, which hold far more, on prefixes of ``mb`` that fit,
+    and their bytes and codec times are scaled to ``mb``'s tokens (``probe_bytes``)."""
     names = runner.engine.unit_names
     runner.run(mb, "all-r")  # warm-up
     rec: Dict[str, List[float]] = {n: [] for n in names}
@@ -65,22 +68,25 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
     peak = runner.run(mb, "all-r", measure_peak=True).peak_bytes
     if cap is not None and peak > cap:
         raise ValueError(f"budget {cap} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
-    probes = probe_bytes(runner, mb, repeats, cap)
+    probes = probe_bytes(runner, mb, repeats, cap, levels)
     costs = UnitCosts(shape_class(mb), statistics.median(base), int(peak), tokens=mb.num_tokens,
                       probe_tokens=sorted(probes))
     est, costs.bytes_linear_error = scaled(probes, mb.num_tokens)
     for n in names:
         t = statistics.median(rec[n])
-        costs.dtau[n] = {"H": t, "L": max(0.0, t - est["codec"][n])}
-        costs.dm[n] = _dm(est, n)
-    costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n) for n in names}}
+        costs.dtau[n] = dict({"H": t}, **{a: max(0.0, t - est[CODEC + a][n]) for a in levels})
+        costs.dm[n] = _dm(est, n, levels)
+    costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n, levels) for n in names}}
                     for x, v in sorted(probes.items())]
     return costs
 
 
-def _dm(values: Dict, unit: str) -> Dict[str, int]:
+CODEC = "codec|"  # key prefix of an L level's encode + decode seconds in a probe
+
+
+def _dm(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
     extra = values["mixed"].get(unit, 0.0)
-    return {"H": int(values["H"][unit] + extra), "L": int(values["L"][unit] + extra)}
+    return {a: int(values[a][unit] + extra) for a in ("H", *levels)}
 
 
 def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:
@@ -99,26 +105,30 @@ def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:
                     tokens=tokens, probe_tokens=list(costs.probe_tokens), bytes_linear_error=costs.bytes_linear_error)
     for n in costs.dm:
         out.dtau[n] = {a: v * f for a, v in costs.dtau[n].items()}
-        out.dm[n] = {a: int(max(0.0, _poly_at(xs, [p["dm"][n][a] for p in pts], 2, tokens))) for a in ("H", "L")}
+        out.dm[n] = {a: int(max(0.0, _poly_at(xs, [p["dm"][n][a] for p in pts], 2, tokens))) for a in costs.dm[n]}
     return out
 
 
-def _bytes_at(runner, mb: Microbatch, repeats: int) -> Dict[str, Dict[str, float]]:
-    """Per unit on ``mb``: H and L bytes as if held alone, L's encode + decode seconds, and
-    for an attention unit the MLP input that must then be kept; plus the all-H peak."""
+def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str]) -> Dict[str, Dict[str, float]]:
+    """Per unit on ``mb``: H and each L level's bytes as if held alone, each level's encode +
+    decode seconds, and for an attention unit the MLP input that must then be kept; plus the
+    all-R peak and the highest all-H / all-L peak."""
     names = runner.engine.unit_names
     r = runner.run(mb, "all-r", measure_peak=True)
     h = runner.run(mb, "all-h", measure_peak=True)
-    l_run = runner.run(mb, "all-l", measure_peak=True)  # also the codec passes' warm-up
-    codec: Dict[str, List[float]] = {n: [] for n in names}
-    for _ in range(repeats):
-        r = runner.run(mb, "all-l", profile=True)
-        for n in names:
-            codec[n].append(r.unit_seconds[n]["codec"])
-    out = {"H": {n: float(h.bytes_alone[n]["exact"]) for n in names},
-           "L": {n: float(l_run.bytes_alone[n]["compressed"] + l_run.bytes_alone[n]["exact"]) for n in names},
-           "codec": {n: statistics.median(codec[n]) for n in names}, "mixed": {},
-           "peak": {"all-h": float(max(h.peak_bytes, l_run.peak_bytes)), "all-r": float(r.peak_bytes)}}
+    out = {"H": {n: float(h.bytes_alone[n]["exact"]) for n in names}, "mixed": {},
+           "peak": {"all-h": float(h.peak_bytes), "all-r": float(r.peak_bytes)}}
+    for a in levels:
+        plan = {n: plan_for_label(a) for n in names}
+        l_run = runner.run(mb, plan, measure_peak=True)  # also the codec passes' warm-up
+        codec: Dict[str, List[float]] = {n: [] for n in names}
+        for _ in range(repeats):
+            res = runner.run(mb, plan, profile=True)
+            for n in names:
+                codec[n].append(res.unit_seconds[n]["codec"])
+        out[a] = {n: float(l_run.bytes_alone[n]["compressed"] + l_run.bytes_alone[n]["exact"]) for n in names}
+        out[CODEC + a] = {n: statistics.median(codec[n]) for n in names}
+        out["peak"]["all-h"] = max(out["peak"]["all-h"], float(l_run.peak_bytes))
     # keeping a layer's attention while its MLP is R breaks the shared layer replay: the MLP
     # then needs its own input kept (one hidden-state tensor)
     mixed = {layer.units[0].name: layer.units[1].name for layer in runner.engine.layer_specs
@@ -129,7 +139,8 @@ def _bytes_at(runner, mb: Microbatch, repeats: int) -> Dict[str, Dict[str, float
     return out
 
 
-def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], margin: float = 1.15):
+def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels: Sequence[str] = ("L",),
+                margin: float = 1.15):
     """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``cap`` is None, else up to three
     prefixes (a sixteenth of ``mb``, then halfway to, then at the longest prefix whose all-H
     peak, extrapolated per token from the last probe times ``margin`` for anything
@@ -137,12 +148,12 @@ def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], margin
     T = mb.input_ids.shape[1]
     rows = mb.input_ids.shape[0]
     if cap is None:
-        return {mb.num_tokens: _bytes_at(runner, mb, repeats)}
+        return {mb.num_tokens: _bytes_at(runner, mb, repeats, levels)}
     t = min(T, max(64, T // 16))
     probes = {}
     while True:
         part = mb.prefix(t) if t < T else mb
-        probes[part.num_tokens] = got = _bytes_at(runner, part, repeats)
+        probes[part.num_tokens] = got = _bytes_at(runner, part, repeats, levels)
         if t == T:
             return probes
         per_token = got["peak"]["all-h"] / part.num_tokens * margin
@@ -165,12 +176,13 @@ def scaled(probes: Dict[int, Dict], tokens: int):
     xs = sorted(probes)
     out: Dict[str, Dict[str, float]] = {}
     worst = 0.0
-    for key in ("H", "L", "codec", "mixed"):
+    for key in (k for k in probes[xs[-1]] if k != "peak"):
+        timing = key.startswith(CODEC)
         out[key] = {}
         for n in probes[xs[-1]][key]:
             ys = [probes[x][key][n] for x in xs]
-            out[key][n] = max(0.0, _poly_at(xs, ys, 1 if key == "codec" else 2, tokens))
-            if key != "codec" and len(xs) > 2:
+            out[key][n] = max(0.0, _poly_at(xs, ys, 1 if timing else 2, tokens))
+            if not timing and len(xs) > 2:
                 line = np.polyfit(xs, ys, 1)
                 worst = max(worst, max(abs(np.polyval(line, x) - y) / max(y, 1.0) for x, y in zip(xs, ys)))
     return out, float(worst)

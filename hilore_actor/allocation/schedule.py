@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 from ..recovery.policies import stores_nothing
-from ..recovery.state import ALLOWED, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLAN_FOR_ACTION
+from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT, action_for_plan, allows, plan_for_label, split_label
 from .calibration import Calibration
 from .exposure import exposures
 from .knapsack import Option, solve
@@ -59,7 +59,7 @@ class HiLoRe:
         self,
         runner,
         budget_bytes: int,
-        calibration: Optional[Calibration],
+        calibration: Union[Calibration, Dict[str, Calibration], None],
         mode: str = "hilore",
         delta: float = 0.015,
         tolerance: float = 0.015,
@@ -73,7 +73,10 @@ class HiLoRe:
         first_fit: float = 0.9,
         log=print,
     ):
-        """``within_budget``: no planning pass may peak above B (profiling measures what
+        """``calibration``: L's calibrated risk, or ``{L level: calibration}`` for several L
+        levels (action labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another; each level
+        is one more option per unit in the knapsack, with its own bytes, time and risk).
+        ``within_budget``: no planning pass may peak above B (profiling measures what
         would not fit on prefixes, ``profiling.probe_bytes``; the exact reference is all-R);
         ``first_fit``: the share of the memory room the first candidate plan may use (the
         real peak per predicted byte is not known before one plan has run)."""
@@ -83,9 +86,12 @@ class HiLoRe:
             raise ValueError(f"{mode} needs a calibration (risk of L); hilore-hr does not")
         self.runner, self.engine = runner, runner.engine
         self.budget = int(budget_bytes)
-        self.calibration = calibration
+        self.calibrations: Dict[str, Calibration] = (
+            {} if calibration is None else dict(calibration) if isinstance(calibration, dict) else {"L": calibration})
+        self.calibration = self.calibrations.get("L") or next(iter(self.calibrations.values()), None)
         self.mode = mode
         self.delta = 0.0 if mode == "hilore-hr" else delta
+        self.levels = tuple(sorted(self.calibrations, key=lambda a: (a != "L", a))) if self.delta > 0 else ()
         self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
         # static has no online trimming, so its plan may not take more risk than delta
         self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
@@ -98,33 +104,40 @@ class HiLoRe:
         self._last: Optional[Dict[str, str]] = None
 
     # ---- allocation -----------------------------------------------------------------------
-    def _options(self, sp_costs: UnitCosts, unit: str, allowed, risk: float) -> List[Option]:
+    def _options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
+        """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
         opts = [Option("R", 0.0, 0.0, 0.0)]
-        if "H" in allowed:
-            opts.append(Option("H", sp_costs.dtau[unit]["H"], sp_costs.dm[unit]["H"], 0.0))
-        if "L" in allowed and self.delta > 0:
-            opts.append(Option("L", sp_costs.dtau[unit]["L"], sp_costs.dm[unit]["L"], risk))
+        for a in ("H", *self.levels):
+            if plan is None or allows(plan, a):
+                opts.append(Option(a, sp_costs.dtau[unit][a], sp_costs.dm[unit][a], risks.get(a, 0.0)))
         return opts
 
-    def allocate(self, costs: UnitCosts, risks: Dict[str, float], memory_budget: float, risk_budget: float,
+    def allocate(self, costs: UnitCosts, risks: Dict[str, Dict[str, float]], memory_budget: float, risk_budget: float,
                  plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11)."""
         names = self.engine.unit_names
-        items = [self._options(costs, n, ALLOWED[plan[n]] if plan else ("R", "H", "L"), risks.get(n, 0.0)) for n in names]
+        items = [self._options(costs, n, plan[n] if plan else None, risks.get(n, {})) for n in names]
         picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
         return {n: items[i][picks[i]].action for i, n in enumerate(names)}
 
-    def static_risks(self) -> Dict[str, float]:
-        if self.calibration is None:
-            return {}
-        return {n: self.calibration.static_risk(n) for n in self.engine.unit_names}
+    def risks(self, exposure: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, float]]:
+        """Eq. 11 per unit and L level: at the microbatch's exposures, else at the
+        calibration-mean exposure (``hilore-static``, and plans made before forward)."""
+        names = exposure if exposure is not None else self.engine.unit_names
+        return {n: {a: (cal.risk(n, exposure[n]) if exposure is not None else cal.static_risk(n))
+                    for a, cal in self.calibrations.items() if a in self.levels} for n in names}
+
+    def static_risks(self) -> Dict[str, Dict[str, float]]:
+        return self.risks()
 
     # ---- preparation ----------------------------------------------------------------------
     def prepare(self, dev: Sequence, accumulate: int = 2) -> ShapePlan:
         """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
         shape = shape_class(dev[0])
-        if shape not in self.costs_cache:
+        cached = self.costs_cache.get(shape)
+        if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in self.levels):
             self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
-                                                    cap=self.budget if self.within_budget else None)
+                                                    cap=self.budget if self.within_budget else None, levels=self.levels)
         costs = self.costs_cache[shape]
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
@@ -132,7 +145,7 @@ class HiLoRe:
         best = None
         for scale in self.scales:
             sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
-            n = {q: sum(v == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED)}
+            n = {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED)}
             saved = self.saved_seconds(costs, actions)
             self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[COMPRESSED]} compressed; "
                      f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B")
@@ -171,7 +184,7 @@ class HiLoRe:
         dropped = set(sp.report.get("loo_recomputed", []))
         limits = {n: CHECKPOINT if n in dropped else EXACT for n in self.engine.unit_names} if dropped else None
         actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget, plan=limits)
-        sp.plan = {n: PLAN_FOR_ACTION[a] for n, a in actions.items()}
+        sp.plan = {n: plan_for_label(a) for n, a in actions.items()}
 
     def _fit(self, sp: ShapePlan, mb, attempts: int = 4):
         """Plan, measure the real peak, and rescale the memory budget by the measured ratio of
@@ -188,7 +201,7 @@ class HiLoRe:
             if peak <= self.budget and (best is None or sp.memory_budget > best[0].memory_budget):
                 best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
                         t, peak, actions)
-            predicted = sum(sp.costs.dm[n]["H" if q == EXACT else "L"] for n, q in sp.plan.items() if q != CHECKPOINT)
+            predicted = sum(sp.costs.dm[n][action_for_plan(q)] for n, q in sp.plan.items() if q != CHECKPOINT)
             if predicted == 0 or (peak <= self.budget and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
             ratio = max(peak - base, 1) / predicted  # real bytes per predicted byte
@@ -281,10 +294,9 @@ class HiLoRe:
         def choose(step, out) -> Dict[str, str]:
             self._calls += 1
             if self._last is not None and (self._calls - 1) % self.refresh_every:
-                return {n: a if a in ALLOWED[sp.plan[n]] else "R" for n, a in self._last.items()}
+                return {n: a if allows(sp.plan[n], a) else "R" for n, a in self._last.items()}
             E = exposures(out.omega, step.token_norms(), out.mask)
-            risks = {n: self.calibration.risk(n, e) for n, e in E.items()}
-            self._last = self.allocate(sp.costs, risks, sp.memory_budget, sp.risk_budget, plan=sp.plan)
+            self._last = self.allocate(sp.costs, self.risks(E), sp.memory_budget, sp.risk_budget, plan=sp.plan)
             return self._last
 
         return choose
@@ -294,7 +306,7 @@ class HiLoRe:
         backward, inside ``engine.step(self.plan_for(mb).plan, track_tokens=True)``."""
         sp = self.plan_for(mb)
         chooser = self.chooser_for(sp)
-        return chooser(step, loss_output) if chooser else {n: DEFAULT_ACTION[q] for n, q in sp.plan.items()}
+        return chooser(step, loss_output) if chooser else {n: action_for_plan(q) for n, q in sp.plan.items()}
 
     def _run(self, sp: ShapePlan, mb, **kw):
         if stores_nothing(sp.plan):  # all-R: plain layer checkpointing, without the engine's bookkeeping

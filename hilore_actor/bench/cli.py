@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
     p.add_argument("--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget")
-    p.add_argument("--codec", default="int8", help="L codec (hilore_actor.recovery.CODECS): int8, int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2")
+    p.add_argument("--codec", default="int8", help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
+                   "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
+                   "level per unit for HiLoRe's knapsack (all-l uses the first)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write records here")
@@ -105,18 +107,25 @@ def needs_calibration(names) -> bool:
 
 
 def calibration_for(args, runner, inputs, names):
-    from ..allocation import Calibration, calibrate
+    """``{L level: calibration}`` for every codec of ``--codec`` (a comma list), or None."""
+    from ..allocation.calibration import calibrate_levels, load_levels, save_levels
+    from ..recovery.state import codec_levels
 
     if not needs_calibration(names):
         return None
+    levels = codec_levels(args.codec)[1]
     if args.calibration and Path(args.calibration).is_file():
         _log(f"[bench] calibration reused from {args.calibration}")
-        return Calibration.load(args.calibration)
+        cal = load_levels(args.calibration)
+        if set(cal) != set(levels):
+            raise ValueError(f"{args.calibration} calibrates L levels {sorted(cal)}, --codec {args.codec} needs {list(levels)}")
+        return cal
     t = time.perf_counter()
-    cal = calibrate(runner, inputs.calib, progress=lambda d, n: _log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
-    _log(f"[bench] calibrated on {len(inputs.calib)} microbatches in {time.perf_counter() - t:.0f}s")
+    cal = calibrate_levels(runner, inputs.calib, levels,
+                           progress=lambda d, n: _log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
+    _log(f"[bench] calibrated {', '.join(levels)} on {len(inputs.calib)} microbatches in {time.perf_counter() - t:.0f}s")
     if args.calibration:
-        cal.save(args.calibration)
+        save_levels(cal, args.calibration)
     return cal
 
 
@@ -191,6 +200,7 @@ def run(args, argv) -> int:
     import torch
 
     from ..recovery import RecoveryEngine
+    from ..recovery.state import codec_levels
     from . import report
     from .inputs import build_inputs
     from .methods import MethodContext, head_runners
@@ -202,7 +212,7 @@ def run(args, argv) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
     inputs = build_inputs(wl, args, device, args.calib if needs_calibration(names) else 0, log=_log)
-    runners = head_runners(inputs.model, RecoveryEngine(inputs.model, codec=args.codec))
+    runners = head_runners(inputs.model, RecoveryEngine(inputs.model, codec=codec_levels(args.codec)[0]))
     budget = measure_budget(runners, inputs, args)
     _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
          f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")

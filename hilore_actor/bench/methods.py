@@ -71,7 +71,7 @@ class MethodContext:
     runners: Dict[str, object]
     head: str
     budget: Budget
-    calibration: Optional[Calibration]
+    calibration: Optional[Dict[str, Calibration]]  # L level -> calibration
     dev: List
     log: Callable[[str], None] = print
     loo: bool = True

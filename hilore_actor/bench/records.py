@@ -67,8 +67,10 @@ def plan_evidence(h) -> Dict:
     unit was left R."""
     sp = next(iter(h.plans.values()))
     risks = h.static_risks()
-    units = {n: {"plan": sp.plan[n], "dtau_H": sp.costs.dtau[n]["H"], "dtau_L": sp.costs.dtau[n]["L"],
-                 "bytes_H": sp.costs.dm[n]["H"], "bytes_L": sp.costs.dm[n]["L"], "risk_L": risks.get(n)} for n in sp.plan}
+    units = {n: {"plan": sp.plan[n], "dtau_H": sp.costs.dtau[n]["H"], "dtau_L": sp.costs.dtau[n].get("L"),
+                 "bytes_H": sp.costs.dm[n]["H"], "bytes_L": sp.costs.dm[n].get("L"), "risk_L": risks.get(n, {}).get("L"),
+                 "levels": {a: {"dtau": sp.costs.dtau[n][a], "bytes": sp.costs.dm[n][a], "risk": risks.get(n, {}).get(a)}
+                            for a in h.levels}} for n in sp.plan}
     return {"plan": sp.plan, "validation": sp.report, "units": units, "room_bytes": h.budget,
             "all_r_peak_bytes": sp.costs.base_peak, "all_r_seconds": sp.costs.base_seconds,
             "memory_budget_bytes": sp.memory_budget, "risk_budget": sp.risk_budget}

@@ -86,11 +86,12 @@ def plans(records: List[Dict], top: int = 4) -> str:
         if "units" not in r:
             continue
         u = r["units"]
-        kept = {q: sum(v["plan"] == q for v in u.values()) for q in ("exact", "compressed")}
+        kept = {q: sum(v["plan"].split(":")[0] == q for v in u.values()) for q in ("exact", "compressed")}
         left = sorted((n for n, v in u.items() if v["plan"] == "checkpoint"),
                       key=lambda n: -u[n]["dtau_H"] / max(u[n]["bytes_H"], 1))[:top]
         desc = "; ".join(f"`{n}` saves {u[n]['dtau_H'] * 1e3:.1f} ms for {u[n]['bytes_H'] / 2**20:.1f} MiB H "
-                         f"(L: {u[n]['dtau_L'] * 1e3:.1f} ms, {u[n]['bytes_L'] / 2**20:.1f} MiB, risk {fmt(u[n]['risk_L'], '.4f')})"
+                         + (f"(L: {u[n]['dtau_L'] * 1e3:.1f} ms, {u[n]['bytes_L'] / 2**20:.1f} MiB, risk {fmt(u[n]['risk_L'], '.4f')})"
+                            if u[n].get("dtau_L") is not None else "(no L)")
                          for n in left)
         out.append(f"- `{r['method']}` at {fmt(r['budget_ratio'], '.2f')}: room {r['room_bytes'] / 2**20:.1f} MiB inside a "
                    f"microbatch, all-R peak {r['all_r_peak_bytes'] / 2**20:.1f} MiB, so {r['memory_budget_bytes'] / 2**20:.1f} MiB "

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from ..recovery.state import DEFAULT_ACTION
+from ..recovery.state import PLANS, action_for_plan, split_label
 
 SIZE_BUCKET = 64  # tokens: microbatches within one bucket share a sized plan
 
@@ -102,7 +102,7 @@ class RankPlan:
         chooser = self.hl.chooser_for(sp)
         if chooser is not None:
             return chooser(step, loss_output)
-        return {n: DEFAULT_ACTION[q] for n, q in sp.plan.items()}
+        return {n: action_for_plan(q) for n, q in sp.plan.items()}
 
     def tighten(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
         """Shrink the allocation budget by the coordinator's overshoot and re-plan: the plan
@@ -121,22 +121,35 @@ class RankPlan:
     def calibration_pending(self) -> bool:
         return self.info.get("calibration") == "pending"
 
-    def adopt_calibration(self, calibration, runner, dev_microbatch, hcfg) -> None:
+    def adopt_calibration(self, calibrations: Dict, runner, dev_microbatch, hcfg) -> None:
         """Leave the first step's H/R plan for the wanted mode, now that L's risk is
         calibrated (on the job's real rollouts): re-fit and validate the plan at the planning
         size on ``runner`` (outside DeepSpeed's gradient path); unit costs are reused."""
-        self.hl = _scheduler(runner, self.hl.budget, calibration, hcfg, self.log, costs_cache=self.hl.costs_cache)
+        self.hl = _scheduler(runner, self.hl.budget, calibrations, hcfg, self.log, costs_cache=self.hl.costs_cache)
         self.sp = self.hl.prepare([dev_microbatch], accumulate=1)
         self._sized.clear()
-        self.info.update(calibration="job", plan={q: sum(v == q for v in self.sp.plan.values()) for q in DEFAULT_ACTION},
-                         plan_report=self.sp.report)
+        self.info.update(calibration="job", plan=plan_counts(self.sp.plan), plan_report=self.sp.report)
 
     def state(self) -> Dict:
         """JSON-ready, for checkpoints: a resumed rank keeps its budget and plan."""
         out = {"budget": self.budget, "info": self.info}
         if self.hl is not None:
-            out.update(plan=self.sp.to_dict(), calibration=asdict(self.hl.calibration) if self.hl.calibration else None)
+            out.update(plan=self.sp.to_dict(), calibration=asdict(self.hl.calibration) if self.hl.calibration else None,
+                       calibrations={a: asdict(c) for a, c in self.hl.calibrations.items()})
         return out
+
+
+def plan_counts(plan: Dict[str, str]) -> Dict[str, int]:
+    """How many units a plan keeps in each representation (a named codec counts as compressed)."""
+    return {q: sum(split_label(v)[0] == q for v in plan.values()) for q in PLANS}
+
+
+def _engine(model, hcfg):
+    """A recovery engine with the codec ``--hilore.codec`` names first (``recovery.state.codec_levels``)."""
+    from ..recovery import RecoveryEngine
+    from ..recovery.state import codec_levels
+
+    return RecoveryEngine(model, codec=codec_levels(hcfg.codec)[0])
 
 
 def _scheduler(runner, budget: int, calibration, hcfg, log, costs_cache=None):
@@ -165,8 +178,11 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
 
     if backend != "hilore":
         return RankPlan(state["budget"], state["info"], log=log)
-    cal = Calibration(**state["calibration"]) if state.get("calibration") else None
-    runner = Runner(model, loss_fn=loss_fn)
+    if state.get("calibrations"):
+        cal = {a: Calibration(**v) for a, v in state["calibrations"].items()}
+    else:  # a checkpoint from before L levels
+        cal = {"L": Calibration(**state["calibration"])} if state.get("calibration") else None
+    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
     plan = RankPlan(state["budget"], state["info"], None, ShapePlan.from_dict(state["plan"]), log)
     plan.hl = _scheduler(runner, plan.budget - plan.offset, cal, hcfg, log)
     runner.engine.detach()
@@ -191,7 +207,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     n_cal = hcfg.calibration_batches if wants_l and not saved and not calibrate_later else 0
     dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
                                 group_size=group_size, seed=seed, loss_options=loss_options, device=device)
-    runner = Runner(model, loss_fn=loss_fn)
+    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
     offset = int(resident) if hcfg.budget_scope == "device" else 0
     with runner.watching() as peaks:  # every planning pass, measured (plan_peak_over_budget)
         gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
@@ -204,7 +220,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
             info["calibration"] = "pending" if wants_l and cal is None else ("file" if saved else "synthetic" if cal else None)
             hl = _scheduler(runner, budget - offset, cal, hcfg, log)
             sp = hl.prepare(dev[:1], accumulate=1)
-            info.update(plan={q: sum(v == q for v in sp.plan.values()) for q in DEFAULT_ACTION}, plan_report=sp.report)
+            info.update(plan=plan_counts(sp.plan), plan_report=sp.report)
     runner.engine.detach()
     info.update(plan_seconds=time.perf_counter() - t0, plan_peak_bytes=offset + max(peaks),
                 plan_peak_over_budget=(offset + max(peaks)) / budget)
@@ -233,16 +249,22 @@ def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
 
 
 def _calibration(runner, batches, hcfg, write: bool, log):
-    """L's calibrated risk: None for hilore-hr, a saved file, or measured on ``batches``."""
-    from ..allocation import calibrate
-    from ..allocation.calibration import Calibration
+    """L's calibrated risk per L level (``{level: Calibration}``): None for hilore-hr, a saved
+    file, or measured on ``batches``."""
+    from ..allocation.calibration import calibrate_levels, load_levels, save_levels
+    from ..recovery.state import codec_levels
 
     if hcfg.mode == "hilore-hr":
         return None
+    levels = codec_levels(hcfg.codec)[1]
     if hcfg.calibration and Path(hcfg.calibration).is_file():
-        return Calibration.load(hcfg.calibration)
-    log(f"[hilore] calibrating L's risk on {len(batches)} microbatches")
-    cal = calibrate(runner, batches)
+        cal = load_levels(hcfg.calibration)
+        if set(cal) != set(levels):
+            log(f"[hilore] {hcfg.calibration} calibrates L levels {sorted(cal)}, --hilore.codec asks for {list(levels)}: "
+                f"using the file's")
+        return cal
+    log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
+    cal = calibrate_levels(runner, batches, levels)
     if hcfg.calibration and write:
-        cal.save(hcfg.calibration)
+        save_levels(cal, hcfg.calibration)
     return cal

@@ -38,7 +38,9 @@ HILORE_FLAGS = [
     ("hilore.calibration_batches", int, 16, "microbatches for L's risk calibration (C; modes with L): the first step's real "
      "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)"),
     ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
-    ("hilore.codec", str, "int8", "low-precision codec for L (hilore_actor.recovery.CODECS): int8, int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2"),
+    ("hilore.codec", str, "int8", "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
+     "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
+     "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
      "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
     ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
@@ -67,8 +69,10 @@ def hilore_errors(hcfg) -> List[str]:
     errors = []
     if hcfg.mode not in MODES:
         errors.append(f"--hilore.mode {hcfg.mode!r}: choose {', '.join(MODES)}")
-    if hcfg.codec not in CODECS:
-        errors.append(f"--hilore.codec {hcfg.codec!r}: choose one of {', '.join(sorted(CODECS))}")
+    names = [c.strip() for c in str(hcfg.codec).split(",")]
+    bad = [c for c in names if c not in CODECS]
+    if bad or len(set(names)) != len(names):
+        errors.append(f"--hilore.codec {hcfg.codec!r}: a comma list of distinct codecs from {', '.join(sorted(CODECS))}")
     if hcfg.budget_scope not in SCOPES:
         errors.append(f"--hilore.budget_scope {hcfg.budget_scope!r}: choose {' or '.join(SCOPES)}")
     if str(hcfg.budget).strip().lower() != "auto":
@@ -93,3 +97,4 @@ def parse_hilore(raw: Dict[str, str]) -> Dict:
     if errors:
         raise ValueError("; ".join(errors))
     return out
+

@@ -39,6 +39,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         from ..grpo.microbatch import microbatch_loss
         from ..recovery import RecoveryEngine
+        from ..recovery.state import codec_levels
         from ..learner.coordinator import BudgetCoordinator
         from ..learner.plan import plan_before_wrapping
         from ..learner.scope import estimate_resident, resident_now
@@ -77,7 +78,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
             del strategy.prepare
         plan = holder["plan"]
         plan.rebase(resident_now(torch.device("cuda", torch.cuda.current_device()), self.actor.model))
-        engine = RecoveryEngine(self.actor.model, codec=hcfg.codec)
+        engine = RecoveryEngine(self.actor.model, codec=codec_levels(hcfg.codec)[0])
         coordinator = ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
         rank = torch.distributed.get_rank()
         ray.get(coordinator.register.remote(rank, plan.budget))

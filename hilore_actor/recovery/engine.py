@@ -135,7 +135,9 @@ class RecoveryEngine:
     ) -> "Step":
         """One microbatch. ``plan``: a policy name (``all-h``, ``all-l``, ``all-r``), a
         ``{unit: exact|compressed|checkpoint}`` map, or an ``{unit: H|L|R}`` action map (then
-        the plan is the cheapest that admits it). ``actions`` (optional) are applied before
+        the plan is the cheapest that admits it). ``compressed`` and ``L`` may name their codec
+        (``"compressed:bf16"``, ``"L:int8-g64"``; plain: the engine's ``codec``), so units
+        can keep copies of different precision in one step. ``actions`` (optional) are applied before
         backward unless ``set_actions`` is called. ``track_error`` measures each L unit's
         reconstruction error (one extra decode per compressed tensor)."""
         from .policies import resolve_plan
@@ -257,7 +259,7 @@ class RecoveryEngine:
         if not isinstance(v, Payload):
             return v
         t0 = st.clock() if st.profile else 0.0
-        out = self.codec.decode(v)
+        out = (u.codec or self.codec).decode(v)
         if st.profile:
             u.codec_seconds += st.clock() - t0
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Tuple, Union
 
-from .state import ACTIONS, CHECKPOINT, COMPRESSED, DEFAULT_ACTION, EXACT, PLAN_FOR_ACTION, PLANS, H, L, R
+from .state import ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PLANS, H, L, R, action_for_plan, plan_for_label, split_label
 
 ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-r": (CHECKPOINT, R)}
 BASELINES = ("no-gc", "gc")
@@ -34,26 +34,38 @@ def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Di
         return {n: p for n in unit_names}, {n: a for n in unit_names}
     _check_names(plan, unit_names)
     values = set(plan.values())
-    if values <= set(PLANS):
+    bases = {split_label(v)[0] for v in values}
+    _check_codecs(values)
+    if bases <= set(PLANS):
         return {n: plan.get(n, EXACT) for n in unit_names}, None
-    if values <= set(ACTIONS):
-        return {n: PLAN_FOR_ACTION[plan.get(n, H)] for n in unit_names}, {n: plan.get(n, H) for n in unit_names}
-    raise ValueError(f"a plan maps units to one of {PLANS} (or actions {ACTIONS}), got {sorted(values)}")
+    if bases <= set(ACTIONS):
+        return {n: plan_for_label(plan.get(n, H)) for n in unit_names}, {n: plan.get(n, H) for n in unit_names}
+    raise ValueError(f"a plan maps units to one of {PLANS} (or actions {ACTIONS}; L and compressed may name a codec, "
+                     f"e.g. L:bf16), got {sorted(values)}")
+
+
+def _check_codecs(labels) -> None:
+    from .codecs import CODECS
+
+    bad = sorted({c for c in (split_label(v)[1] for v in labels) if c is not None and c not in CODECS})
+    if bad:
+        raise ValueError(f"unknown codec(s) {bad} in a plan or actions; available: {sorted(CODECS)}")
 
 
 def resolve_actions(actions: Union[str, Dict[str, str], None], plans: Dict[str, str]) -> Dict[str, str]:
     """Actions per unit: a policy name, a partial ``{unit: H|L|R}`` map, or None (defaults)."""
     if actions is None:
-        return {n: DEFAULT_ACTION[p] for n, p in plans.items()}
+        return {n: action_for_plan(p) for n, p in plans.items()}
     if isinstance(actions, str):
         if actions not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {actions!r}; engine policies: {sorted(ENGINE_POLICIES)}")
         return {n: ENGINE_POLICIES[actions][1] for n in plans}
     _check_names(actions, plans)
-    bad = {a for a in actions.values() if a not in ACTIONS}
+    bad = {a for a in actions.values() if split_label(a)[0] not in ACTIONS}
     if bad:
-        raise ValueError(f"actions must be one of {ACTIONS}, got {sorted(bad)}")
-    return {n: actions.get(n, DEFAULT_ACTION[p]) for n, p in plans.items()}
+        raise ValueError(f"actions must be one of {ACTIONS} (L may name a codec, e.g. L:bf16), got {sorted(bad)}")
+    _check_codecs(actions.values())
+    return {n: actions.get(n, action_for_plan(p)) for n, p in plans.items()}
 
 
 def apply_baseline(model, name: str) -> None:

@@ -6,7 +6,7 @@ during backward; this module only holds data and accounting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -24,6 +24,44 @@ ACTIONS = (H, L, R)
 ALLOWED = {EXACT: (H, L, R), COMPRESSED: (L, R), CHECKPOINT: (R,)}
 DEFAULT_ACTION = {EXACT: H, COMPRESSED: L, CHECKPOINT: R}  # plan -> the action it was made for
 PLAN_FOR_ACTION = {H: EXACT, L: COMPRESSED, R: CHECKPOINT}
+# L may name its codec: the action "L:bf16" and the plan "compressed:bf16" keep a unit's copy
+# in bf16 whatever the engine's default codec is ("L" / "compressed": the default). Several L
+# levels per unit are then just more labels (allocation's knapsack picks among them).
+SEP = ":"
+
+
+def split_label(label: str) -> Tuple[str, Optional[str]]:
+    """``"L:bf16"`` -> ``("L", "bf16")``; ``"compressed"`` -> ``("compressed", None)``."""
+    base, _, codec = label.partition(SEP)
+    return base, (codec or None)
+
+
+def plan_for_label(label: str) -> str:
+    """The plan that admits an action label: ``"L:bf16"`` -> ``"compressed:bf16"``."""
+    base, codec = split_label(label)
+    return PLAN_FOR_ACTION[base] + (SEP + codec if codec else "")
+
+
+def action_for_plan(plan: str) -> str:
+    """The action a plan label was made for: ``"compressed:bf16"`` -> ``"L:bf16"``."""
+    base, codec = split_label(plan)
+    return DEFAULT_ACTION[base] + (SEP + codec if codec else "")
+
+
+def codec_levels(spec: str) -> Tuple[str, Tuple[str, ...]]:
+    """A comma list of codecs (``--hilore.codec int8-g64,bf16``) -> the engine's codec
+    ``int8-g64`` and the L levels ``("L", "L:bf16")`` a unit may choose among."""
+    names = [c.strip() for c in str(spec).split(",") if c.strip()]
+    if not names:
+        raise ValueError("no codec given")
+    return names[0], ("L",) + tuple(L + SEP + c for c in names[1:])
+
+
+def allows(plan: str, action: str) -> bool:
+    """Whether a unit planned ``plan`` can take ``action`` (a compressed copy keeps its codec)."""
+    p, pc = split_label(plan)
+    a, ac = split_label(action)
+    return a in ALLOWED[p] and not (p == COMPRESSED and a == L and pc != ac)
 
 
 class Link:
@@ -78,6 +116,7 @@ class UnitState:
     token_norms: Optional[torch.Tensor] = None  # [B, T] input norms, for exposure weights
     replay_seconds: float = 0.0  # profiling: time spent re-running this unit in backward
     codec_seconds: float = 0.0  # profiling: L encode + decode time
+    codec: Any = None  # the Codec of this unit's L copy (None: the engine's default)
     timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
 

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import torch
 
+from .codecs import get_codec
 from .rules import exact_reason
-from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, LayerState, Replay, UnitState, storage_key,
+from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, LayerState, Replay, UnitState, allows, split_label, storage_key,
                     unit_bytes)
 
 if TYPE_CHECKING:
@@ -31,10 +32,11 @@ class Step:
         self.track_tokens = track_tokens  # per-token input norms per unit (exposure weights, Eq. 7)
         self.profile = profile  # per-unit recompute and encode/decode seconds (utility, Eq. 9)
         self._device = next((p.device for p in engine.model.parameters()), torch.device("cpu"))
-        self.plans = plans
+        self.plans = plans  # labels: a compressed plan may name its codec ("compressed:bf16")
         self._pending_actions = actions
         self.layers = [
-            LayerState(spec, [UnitState(u, plan=plans[u.name]) for u in spec.units]) for spec in engine.layer_specs
+            LayerState(spec, [UnitState(u, plan=split_label(plans[u.name])[0], codec=self._codec(plans[u.name]))
+                              for u in spec.units]) for spec in engine.layer_specs
         ]
         self.units = [u for ls in self.layers for u in ls.units]
         self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
@@ -47,6 +49,11 @@ class Step:
         self._compressed: Dict[int, tuple] = {}
         self._masks: Dict[tuple, torch.Tensor] = {}
         self._hooks_ctx = None
+
+    def _codec(self, label: str):
+        """The codec a plan or action label names, else the engine's default."""
+        name = split_label(label)[1]
+        return get_codec(name) if name else self.engine.codec
 
     def __enter__(self) -> "Step":
         if self.engine._step is not None:
@@ -90,19 +97,20 @@ class Step:
             return t
         # Dedup a tensor saved several times by its identity (a weak reference proves it is
         # still the same live tensor: addresses and ids are reused once a tensor is freed).
-        hit = self._compressed.get(id(t))
+        codec = unit.codec or self.engine.codec
+        hit = self._compressed.get((id(t), codec.name))
         if hit is not None and hit[0]() is t:
             return hit[1]
         t0 = self.clock() if self.profile else 0.0
-        p = self.engine.codec.encode(t)
+        p = codec.encode(t)
         if self.profile:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
         out = p if p.finite() else self.canonical(t)
-        self._compressed[id(t)] = (weakref.ref(t), out)
+        self._compressed[(id(t), codec.name)] = (weakref.ref(t), out)
         if self.track_error and out is p:
             x = t.detach().float()
-            unit.err_sq += float((self.engine.codec.decode(p).float() - x).pow(2).sum())
+            unit.err_sq += float((codec.decode(p).float() - x).pow(2).sum())
             unit.norm_sq += float(x.pow(2).sum())
         return out
 
@@ -119,13 +127,16 @@ class Step:
             raise RuntimeError("hilore: actions were already set for this step")
         chosen = resolve_actions(actions, self.plans)
         for u in self.units:
-            a = chosen[u.name]
-            if a not in ALLOWED[u.plan]:
-                raise ValueError(f"{u.name}: action {a} is not available for a {u.plan!r} bundle (allowed: {ALLOWED[u.plan]})")
+            label = chosen[u.name]
+            if not allows(self.plans[u.name], label):
+                raise ValueError(f"{u.name}: action {label} is not available for a {self.plans[u.name]!r} bundle "
+                                 f"(allowed: {ALLOWED[u.plan]}; a compressed copy keeps the codec it was made with)")
+            a = split_label(label)[0]
             u.action = a
             if a == R:
                 u.entries.clear()
             elif a == L and u.plan == EXACT:
+                u.codec = self._codec(label)
                 for idx, v in list(u.entries.items()):
                     if isinstance(v, torch.Tensor) and idx not in u.external and idx not in u.kept:
                         u.entries[idx] = self.compress(v, u)

@@ -75,8 +75,9 @@ class Learner:
         self.rec = None
         if self.backend == "hilore":
             from ..recovery import RecoveryEngine
+            from ..recovery.state import codec_levels
 
-            self.rec = RecoveryEngine(self.ds, codec=cfg.hilore.codec)
+            self.rec = RecoveryEngine(self.ds, codec=codec_levels(cfg.hilore.codec)[0])
         self.coordinator = coordinator
         if coordinator is not None:
             call(coordinator.register, rank, self.budget)
@@ -236,20 +237,22 @@ class Learner:
         samples (``allocation.calibration.merge``). None when the plan needs no calibration."""
         from dataclasses import asdict
 
-        from ..allocation import calibrate
+        from ..allocation.calibration import calibrate_levels
+        from ..recovery.state import codec_levels
 
         if not self.plan.calibration_pending or self.rec is None:
             return None
         mbs = [self._microbatch(r) for r in self.rows[:n]]
         t = time.perf_counter()
         with self._side_runner() as runner:
-            cal = calibrate(runner, mbs)
+            cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1])
         self._log(f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s")
-        return asdict(cal)
+        return {a: asdict(c) for a, c in cal.items()}
 
     def adopt_calibration(self, cal: Dict) -> Dict:
-        """Switch from H/R to the wanted mode with the job's calibration (re-fit and validate the
-        plan on the planning microbatch, outside DeepSpeed's gradient path); returns ``info``."""
+        """Switch from H/R to the wanted mode with the job's calibration (``{level: fields}``;
+        re-fit and validate the plan on the planning microbatch, outside DeepSpeed's gradient
+        path); returns ``info``."""
         from ..allocation.calibration import Calibration
         from ..learner.plan import planning_microbatches
 
@@ -258,7 +261,7 @@ class Learner:
                                     seqs_per_microbatch=cfg.train.micro_batch_size, group_size=cfg.rollout.n_samples_per_prompt,
                                     seed=cfg.train.seed + 7, loss_options=self.loss_options(), device=self.device)[0]
         with self._side_runner() as runner:
-            self.plan.adopt_calibration(Calibration(**cal), runner, dev, cfg.hilore)
+            self.plan.adopt_calibration({a: Calibration(**v) for a, v in cal.items()}, runner, dev, cfg.hilore)
         return self.info()
 
     def compare(self, repeats: int = 1) -> Dict[str, float]:
