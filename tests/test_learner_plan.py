@@ -27,6 +27,7 @@ def test_planning_stays_within_the_budget(fresh_seed):
     info = plan.info
     print("\n".join(lines), f"\nplan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B")
     assert 0 < info["plan_peak_over_budget"] <= 1.0
+    assert all(p.grad is None for p in model.parameters())  # nothing left for the first real update
     assert info["plan_peak_bytes"] >= info["gc_peak_bytes"]  # the gc pass is one of them
     # what planning used to run as its references would not have fitted
     mb = replayed_microbatches(model, 1, 1024, seed=fresh_seed)[0]

@@ -222,6 +222,8 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
             sp = hl.prepare(dev[:1], accumulate=1)
             info.update(plan=plan_counts(sp.plan), plan_report=sp.report)
     runner.engine.detach()
+    for p in model.parameters():  # no planning gradient may reach the first real update (ZeRO adds .grad in)
+        p.grad = None
     info.update(plan_seconds=time.perf_counter() - t0, plan_peak_bytes=offset + max(peaks),
                 plan_peak_over_budget=(offset + max(peaks)) / budget)
     return RankPlan(budget, info, hl, sp, log)

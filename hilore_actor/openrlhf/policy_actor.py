@@ -7,7 +7,9 @@
 1. turns OpenRLHF's gradient checkpointing off (the recovery engine decides per unit);
 2. plans on the bare model just before OpenRLHF's ``strategy.prepare`` wraps it in
    DeepSpeed (``learner/plan.py``; ZeRO-2 only for now: under ZeRO-3 the model is
-   partitioned at load);
+   partitioned at load), after moving it to the GPU (DeepSpeed's ``module.to`` would do it
+   inside ``initialize``; OpenRLHF loads it on the CPU), and sizes ZeRO-2's reduce bucket to
+   the trainable parameters (OpenRLHF's ``auto`` leaves DeepSpeed's 5e8 elements);
 3. lets OpenRLHF build everything else unchanged, then attaches the recovery engine to the
    DeepSpeed module and wraps the trainer's ``training_step`` (``training_step.py``), with
    peaks going to the shared budget coordinator (a named Ray actor).
@@ -46,6 +48,8 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         from .training_step import HiLoReTrainingStep
 
         args, hcfg = strategy.args, hilore_settings()
+        if not torch.cuda.is_available():  # checked here, on the worker: the driver may be a CPU-only head node
+            raise RuntimeError("--actor_backend hilore: this OpenRLHF actor has no CUDA device")
         if args.ds.zero_stage == 3:
             raise ValueError("--actor_backend hilore with OpenRLHF supports --ds.zero_stage 0-2 for now "
                              "(ZeRO-3 partitions the model at load, before HiLoRe can plan on it)")
@@ -57,19 +61,36 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
 
         def prepare(*models, **kwargs):
             first = models[0][0] if isinstance(models[0], tuple) else models[0]
-            if "plan" not in holder:
-                holder["plan"] = plan_before_wrapping(
-                    first.model, hcfg, backend="hilore", tokens=args.train.micro_batch_size * args.data.max_len,
-                    seqs_per_microbatch=args.train.micro_batch_size, group_size=args.rollout.n_samples_per_prompt,
-                    loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
-                                      kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
-                                      kl_estimator=args.algo.kl.estimator),
-                    loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,  # OpenRLHF's forward keeps full logits
-                    device=torch.device("cuda", torch.cuda.current_device()), seed=args.train.seed,
-                    resident=estimate_resident(first.model, world=torch.distributed.get_world_size(),
-                                               zero_stage=args.ds.zero_stage, mixed_precision=True),  # bf16/fp16 weights
-                    write_calibration=torch.distributed.get_rank() == 0, log=strategy.print)
-            return real_prepare(*models, **kwargs)
+            if "plan" in holder:
+                return real_prepare(*models, **kwargs)
+            device = torch.device("cuda", torch.cuda.current_device())
+            first.model.to(device)  # where DeepSpeed would move it (module.to in initialize): plan on that device
+            holder["plan"] = plan_before_wrapping(
+                first.model, hcfg, backend="hilore", tokens=args.train.micro_batch_size * args.data.max_len,
+                seqs_per_microbatch=args.train.micro_batch_size, group_size=args.rollout.n_samples_per_prompt,
+                loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
+                                  kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
+                                  kl_estimator=args.algo.kl.estimator),
+                loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,  # OpenRLHF's forward keeps full logits
+                device=device, seed=args.train.seed,
+                resident=estimate_resident(first.model, world=torch.distributed.get_world_size(),
+                                           zero_stage=args.ds.zero_stage, mixed_precision=True),  # bf16/fp16 weights
+                write_calibration=torch.distributed.get_rank() == 0, log=strategy.print)
+            # ZeRO-2's reduce bucket: OpenRLHF's "auto" leaves DeepSpeed's 5e8 elements (1 GB in bf16 in every
+            # backward); size it to the trainable parameters, as the training job does
+            trainable = sum(p.numel() for p in first.model.parameters() if p.requires_grad)
+            real_config = strategy.get_ds_train_config
+
+            def train_config(*a, **k):
+                cfg = real_config(*a, **k)
+                cfg["zero_optimization"]["reduce_bucket_size"] = int(max(trainable, 2**20))
+                return cfg
+
+            strategy.get_ds_train_config = train_config
+            try:
+                return real_prepare(*models, **kwargs)
+            finally:
+                del strategy.get_ds_train_config  # the class's method again
 
         strategy.prepare = prepare
         try:

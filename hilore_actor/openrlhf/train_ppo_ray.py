@@ -107,15 +107,30 @@ def run_cli_main(module, argv: List[str], train: Callable, path: Optional[str] =
         sys.argv = saved
 
 
-def use_hilore(args, settings: Optional[Dict] = None):
-    """Called with OpenRLHF's parsed args (also by the patched ``train_ppo_ray.py``): check for
-    CUDA, start Ray with the HiLoRe settings in the workers' environment, return the actor
-    class that replaces ``PolicyModelActor``."""
-    import torch
+def unsupported(args) -> List[str]:
+    """OpenRLHF settings the drop-in cannot run yet, each with the reason."""
+    ds = getattr(args, "ds", None)
+    out = []
+    if getattr(ds, "zero_stage", 2) == 3:
+        out.append("--ds.zero_stage 3: ZeRO-3 partitions the model at load, before HiLoRe can plan on it; use 0-2")
+    if (getattr(ds, "ring_attn_size", 1) or 1) > 1:
+        out.append("--ds.ring_attn_size > 1: ring attention puts collectives inside the recovery units, and ranks "
+                   "recomputing different units would deadlock")
+    if (getattr(ds, "tensor_parallel_size", 1) or 1) > 1:
+        out.append("--ds.tensor_parallel_size > 1: DeepSpeed AutoTP puts collectives inside the recovery units, and "
+                   "ranks recomputing different units would deadlock")
+    return out
 
-    if not torch.cuda.is_available():
-        raise PluginError("OpenRLHF's Ray trainer needs CUDA (its DeepspeedStrategy calls torch.cuda directly); "
-                          "on a CPU machine use `python -m hilore_actor.train_grpo`, which runs the same HiLoRe learner")
+
+def use_hilore(args, settings: Optional[Dict] = None):
+    """Called with OpenRLHF's parsed args (also by the patched ``train_ppo_ray.py``): refuse the
+    settings the drop-in cannot run, start Ray with the HiLoRe settings in the workers'
+    environment, check that the cluster has GPUs (OpenRLHF's actors run on GPU workers; the
+    driver itself may be a CPU-only head node), return the actor class that replaces
+    ``PolicyModelActor``."""
+    bad = unsupported(args)
+    if bad:
+        raise PluginError("--actor_backend hilore cannot run with " + "; ".join(bad))
     if settings is None:  # the patch puts --hilore.* into OpenRLHF's own parser
         settings = {k: v for k, v in vars(getattr(args, "hilore")).items() if v is not None}
     import ray
@@ -123,12 +138,19 @@ def use_hilore(args, settings: Optional[Dict] = None):
     from .policy_actor import CONFIG_ENV, HiLoRePolicyModelActor
 
     os.environ[CONFIG_ENV] = json.dumps(settings)
-    if not ray.is_initialized():  # OpenRLHF's own init, plus our settings for every worker
+    started = not ray.is_initialized()
+    if started:  # OpenRLHF's own init, plus our settings for every worker
         env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
                "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
                CONFIG_ENV: os.environ[CONFIG_ENV]}
         ray.init(runtime_env={"env_vars": env})
+    if not ray.cluster_resources().get("GPU", 0):
+        if started:
+            ray.shutdown()
+        raise PluginError("OpenRLHF's Ray trainer needs CUDA GPUs in the Ray cluster (its actors run on GPU workers) and "
+                          "this cluster has none; on a CPU machine use `python -m hilore_actor.train_grpo`, which runs the "
+                          "same HiLoRe learner")
     return HiLoRePolicyModelActor
 
 
