@@ -230,7 +230,13 @@ def test_patch_applies_to_the_release_and_adds_the_flag(orl, tmp_path):
     with pytest.raises(SystemExit):
         run_cli_main(cli, RECIPE + ["--actor_backend", "fast"], lambda args: None, path=str(patched))
     run_cli_main(cli, RECIPE, lambda args: seen.setdefault("args", args), path=str(patched))
-    assert seen["args"].actor_backend == "deepspeed" and seen["args"].hilore.budget == "1.10"
+    assert seen["args"].actor_backend == "deepspeed" and seen["args"].hilore.budget is None  # unset: the table's default
+    # the patched CLI refuses exactly what the launcher refuses (one table, one check)
+    for bad, message in ((["--hilore.budget", "lots"], "cannot read budget"), (["--hilore.codec", "int4"], "--hilore.codec"),
+                         (["--hilore.loo", "maybe"], "expected true|false")):
+        with pytest.raises(PluginError, match=message):
+            run_cli_main(cli, RECIPE + ["--actor_backend", "hilore"] + bad, lambda args: None, path=str(patched))
+        assert main(RECIPE + ["--actor_backend", "hilore"] + bad) == 2
 
 
 def test_gpu_verification_script_says_it_needs_a_gpu():

@@ -98,3 +98,10 @@ def parse_hilore(raw: Dict[str, str]) -> Dict:
         raise ValueError("; ".join(errors))
     return out
 
+
+def add_flags(parser) -> None:
+    """The ``--hilore.*`` flags on another CLI's argparse parser (OpenRLHF's, once patched):
+    raw strings, default None (unset), typed and checked by ``parse_hilore``, so the patched
+    CLI and the launcher accept and refuse the same values."""
+    for name, _, default, help_ in HILORE_FLAGS:
+        parser.add_argument("--" + name, type=str, default=None, help=f"{help_} (default: {default})")

@@ -131,8 +131,9 @@ def use_hilore(args, settings: Optional[Dict] = None):
     bad = unsupported(args)
     if bad:
         raise PluginError("--actor_backend hilore cannot run with " + "; ".join(bad))
-    if settings is None:  # the patch puts --hilore.* into OpenRLHF's own parser
-        settings = {k: v for k, v in vars(getattr(args, "hilore")).items() if v is not None}
+    if settings is None:  # the patch puts --hilore.* (raw strings, learner.settings.add_flags) into OpenRLHF's parser
+        hilore = getattr(args, "hilore", None)
+        settings = hilore_config({k: v for k, v in vars(hilore).items() if v is not None} if hilore is not None else {})
     import ray
 
     from .policy_actor import CONFIG_ENV, HiLoRePolicyModelActor
