@@ -261,3 +261,46 @@ def test_example_recipe_parses_with_openrlhfs_cli(orl):
     run_cli_main(cli, rest, lambda args: seen.setdefault("args", args))
     a = seen["args"]
     assert (a.rollout.n_samples_per_prompt, a.algo.advantage.estimator, a.ds.lora.rank, a.ds.packing_samples) == (8, "group_norm", 16, True)
+
+
+def test_entropy_term_weighs_its_tokens(orl, monkeypatch):
+    """With ``--actor.entropy_coef`` set, OpenRLHF's loss has an entropy term that reaches the
+    weights through the full logits: its per-token weight (autograd of the same loss) is added
+    to the exposure weight; omega stays autograd of the loss w.r.t. the log-probs."""
+    from openrlhf.models import Actor
+
+    from hilore_actor.grpo.microbatch import microbatch_loss
+    from hilore_actor.learner.plan import plan_before_wrapping
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
+    from hilore_actor.recovery import RecoveryEngine
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # OpenRLHF compiles its entropy; eager is enough here
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    actor = Actor(model)
+    actor.packing_samples = False
+    exp = _experience(seed)
+    trainer = _trainer(orl, actor)
+    trainer.args.actor.entropy_coef = 0.05
+    hcfg = hilore_settings(mode="hilore", budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
+    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
+                                group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
+                                device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+    seen = {}
+    real = plan.actions
+    plan.actions = lambda st, out, sp=None: seen.setdefault("weight", out.omega) is not None and real(st, out, sp)
+    wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
+    wrapper.install(trainer)
+    _, out = _run(trainer, exp)
+    omega, eta = wrapper.weights["omega"], wrapper.weights["eta"]
+    assert eta is not None and "entropy_loss" in out["metrics"]
+    resp = torch.zeros_like(omega, dtype=torch.bool)
+    resp[:, -exp.action_mask.shape[1]:] = exp.action_mask
+    assert (eta[~resp] == 0).all() and (eta[resp] != 0).all()
+    assert torch.equal(seen["weight"], omega.abs() + eta.abs())
+    trainer.args.actor.entropy_coef = None  # no entropy term: the weight is omega itself
+    seen.clear()
+    _run(trainer, exp)
+    assert wrapper.weights["eta"] is None and torch.equal(seen["weight"], wrapper.weights["omega"])

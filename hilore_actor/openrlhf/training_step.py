@@ -40,6 +40,7 @@ class HiLoReTrainingStep:
         self.plan, self.engine, self.coordinator, self.rank = plan, engine, coordinator, rank
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.last: Dict = {}
+        self.weights: Dict = {}
 
     def install(self, trainer) -> None:
         """Replace ``trainer.training_step`` (an instance attribute shadows the method)."""
@@ -50,10 +51,24 @@ class HiLoReTrainingStep:
 
         trainer.training_step = training_step
 
-    def _choose(self, rec, logp: torch.Tensor, loss: torch.Tensor, experience) -> Dict[str, str]:
-        omega = torch.autograd.grad(loss, logp, retain_graph=True)[0].detach()
+    def _choose(self, rec, captured: Dict, loss: torch.Tensor, experience) -> Dict[str, str]:
+        """Actions from the token weights of OpenRLHF's whole loss: omega = d loss / d log-prob
+        (Eq. 4, by autograd, whatever policy loss and KL the recipe uses), plus, when the
+        recipe has an entropy term (``--actor.entropy_coef``), |d loss / d entropy_t| per token:
+        that term reaches the weights through the full logits, not the log-probs, so it is
+        added to the token's exposure weight (Eq. 7 takes |omega|). An auxiliary (MoE router)
+        loss has no per-token weight and is not counted."""
         T = experience.sequences.shape[1]
-        out = SimpleNamespace(omega=_aligned(omega.float(), T), mask=_aligned(experience.action_mask.float(), T))
+        omega = _aligned(torch.autograd.grad(loss, captured["logp"], retain_graph=True)[0].detach().float(), T)
+        entropy = getattr(captured.get("output"), "entropy", None)
+        eta = None
+        if isinstance(entropy, torch.Tensor) and entropy.requires_grad:
+            eta = torch.autograd.grad(loss, entropy, retain_graph=True, allow_unused=True)[0]
+        if eta is not None and eta.shape != omega.shape:
+            eta = None  # packed samples: entropy is [1, nnz]; the exposure weighs omega only
+        weight = omega if eta is None else omega.abs() + eta.detach().float().abs()
+        self.weights = {"omega": omega, "eta": eta}  # the last microbatch's token weights (tests, diagnostics)
+        out = SimpleNamespace(omega=weight, mask=_aligned(experience.action_mask.float(), T))
         norms = rec.step.token_norms() if self.plan.track_tokens else {}
         B = experience.sequences.shape[0]
         if any(v.shape[0] != B or v.shape[-1] < T - 1 for v in norms.values()):
@@ -63,8 +78,11 @@ class HiLoReTrainingStep:
 
     def __call__(self, trainer, original, experience, kl_ctl, step, loss_batch_info=None):
         captured = {}
-        hook = trainer.actor.register_forward_hook(
-            lambda mod, args, out: captured.__setitem__("logp", out[0] if isinstance(out, tuple) else out))
+
+        def keep(mod, args, out):  # Actor.forward returns (action log-probs, output) with return_output
+            captured.update(logp=out[0], output=out[1]) if isinstance(out, tuple) else captured.update(logp=out)
+
+        hook = trainer.actor.register_forward_hook(keep)
         strategy = trainer.strategy
         real_backward = strategy.backward
         state = {}
@@ -72,7 +90,7 @@ class HiLoReTrainingStep:
         def backward(loss, model, optimizer, **kwargs):
             rec = state.get("rec")
             if rec is not None and rec.step is not None and "logp" in captured:
-                rec.step.set_actions(self._choose(rec, captured["logp"], loss, experience))
+                rec.step.set_actions(self._choose(rec, captured, loss, experience))
             return real_backward(loss, model, optimizer, **kwargs)
 
         strategy.backward = backward
