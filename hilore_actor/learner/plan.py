@@ -217,7 +217,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
         hl = sp = None
         if backend == "hilore":
             cal = _calibration(runner, dev[1:], hcfg, write_calibration, log) if (saved or n_cal) else None
-            info["calibration"] = "pending" if wants_l and cal is None else ("file" if saved else "synthetic" if cal else None)
+            info["calibration"] = (None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic")
             hl = _scheduler(runner, budget - offset, cal, hcfg, log)
             sp = hl.prepare(dev[:1], accumulate=1)
             info.update(plan=plan_counts(sp.plan), plan_report=sp.report)
