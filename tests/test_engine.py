@@ -102,6 +102,8 @@ def test_l_levels_name_their_codec_per_unit(arch):
             step.set_actions({names[0]: "L:int8"})
     with pytest.raises(ValueError, match="unknown codec"):
         engine.step({names[0]: "L:int3"})
+    with pytest.raises(ValueError, match="only L and compressed name a codec"):
+        engine.step({names[0]: "H:bf16"})
 
 
 def test_downgrade_to_r_frees_bundle_memory():

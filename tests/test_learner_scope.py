@@ -40,6 +40,7 @@ def test_auto_on_cpu_falls_back_to_a_ratio_and_rebase_follows_measured_bytes():
     assert plan.info["resident_estimate_bytes"] == 500
     fixed = RankPlan(4000, dict(info, budget_spec="4000"), log=lambda *_: None)
     assert not fixed.rebase(900) and fixed.budget == 4000 and fixed.offset == 900
+    assert not fixed.rebase(100) and fixed.offset == 900  # never below the estimate: state may come at the first step
     act = RankPlan(1100, dict(info, budget_scope="activations"), log=lambda *_: None)
     assert act.offset == 0 and not act.rebase(900) and act.budget == 1100
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from hilore_actor.learner.coordinator import BudgetCoordinator
-from hilore_actor.learner.step import report, run_microbatch
+from hilore_actor.learner.step import MicrobatchRecord, report, run_microbatch
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine
 from hilore_actor.recovery.state import DEFAULT_ACTION
@@ -78,7 +78,7 @@ def test_report_tightens_the_plan_only_over_budget():
     co = BudgetCoordinator(margin=0.05)
     co.register(0, 1000)
     plan = _Plan({}, 1000)
-    rec = SimpleNamespace(peak_bytes=900, counts={"H": 1, "L": 0, "R": 2}, tokens=512)
+    rec = MicrobatchRecord(tokens=512, peak_bytes=900, actions={"a": "H", "b": "R", "c": "R"})
     assert report(plan, co, 0, 0, 0, rec)["action"] == "ok" and plan.tightened == []
     rec.peak_bytes = 1200
     assert report(plan, co, 0, 0, 1, rec)["action"] == "tighten" and plan.tightened == [(int(200 * 1.05), 512)]

@@ -88,6 +88,20 @@ def load_levels(path) -> Dict[str, "Calibration"]:
         raise ValueError(f"{path}: not a hilore calibration file ({e})") from None
 
 
+def check_levels(calibrations: Dict[str, "Calibration"], codecs: str, path="the calibration") -> None:
+    """Refuse a saved calibration that does not describe ``codecs`` (a comma list: the engine's
+    codec first, one more L level per further codec): the same levels, each calibrated with
+    its own codec. Risks of one codec applied to another's copies would be silently wrong."""
+    from ..recovery.state import codec_levels, split_label
+
+    default, levels = codec_levels(codecs)
+    want = {a: split_label(a)[1] or default for a in levels}
+    got = {a: c.codec for a, c in calibrations.items()}
+    if got != want:
+        raise ValueError(f"{path} calibrates {got} (L level: codec), the codecs asked for need {want}: "
+                         f"remove the file, or point the calibration path elsewhere, to calibrate again")
+
+
 def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
     """Least squares through the origin per group: ``kappa = sum x y / sum x^2``."""
     sxy: Dict[str, float] = {}

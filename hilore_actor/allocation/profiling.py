@@ -143,8 +143,9 @@ def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels
                 margin: float = 1.15):
     """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``cap`` is None, else up to three
     prefixes (a sixteenth of ``mb``, then halfway to, then at the longest prefix whose all-H
-    peak, extrapolated per token from the last probe times ``margin`` for anything
-    superlinear, fits ``cap``), ending at ``mb`` itself when it fits."""
+    peak, extrapolated from the probes so far by a polynomial of degree up to 2 (a packed
+    microbatch's mask grows with tokens squared) times ``margin``, fits ``cap``), ending at
+    ``mb`` itself when it fits."""
     T = mb.input_ids.shape[1]
     rows = mb.input_ids.shape[0]
     if cap is None:
@@ -153,14 +154,16 @@ def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels
     probes = {}
     while True:
         part = mb.prefix(t) if t < T else mb
-        probes[part.num_tokens] = got = _bytes_at(runner, part, repeats, levels)
+        probes[part.num_tokens] = _bytes_at(runner, part, repeats, levels)
         if t == T:
             return probes
-        per_token = got["peak"]["all-h"] / part.num_tokens * margin
-        nxt = min(T, int(cap / per_token / rows) // 64 * 64)
+        xs = sorted(probes)
+        ys = [probes[x]["peak"]["all-h"] for x in xs]
+        fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= cap]
+        nxt = max(fits, default=t)
         if nxt <= t or len(probes) == 3:
             return probes  # one probe: bytes proportional to tokens
-        t = nxt if len(probes) == 2 or nxt == T else min(nxt, max(t + 64, nxt // 2 // 64 * 64))
+        t = nxt if len(probes) == 2 or nxt == T else max((c for c in fits if c <= max(t + 64, nxt // 2)), default=nxt)
 
 
 def scaled(probes: Dict[int, Dict], tokens: int):

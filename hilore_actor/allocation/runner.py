@@ -34,6 +34,7 @@ class RunResult:
     grad: Optional[torch.Tensor] = None  # flat float32 gradient of the trainable parameters
     loss: float = 0.0
     actions: Dict[str, str] = field(default_factory=dict)
+    labels: Dict[str, str] = field(default_factory=dict)  # the actions with L's codec when named (L:bf16)
     bytes_by_unit: Dict[str, Dict[str, int]] = field(default_factory=dict)
     bytes_alone: Dict[str, Dict[str, int]] = field(default_factory=dict)  # each unit as if held alone
     unit_seconds: Dict[str, Dict[str, float]] = field(default_factory=dict)
@@ -130,7 +131,7 @@ class Runner:
                     info["bytes_alone"] = step.bytes_by_unit(shared=False)
                     info["token_norms"] = step.token_norms()
                     self.backward(out.loss)
-                    info["actions"] = step.actions()
+                    info["actions"], info["labels"] = step.actions(), step.actions(labels=True)
                     info["unit_seconds"] = step.unit_seconds()
                     info["reconstruction"] = step.reconstruction_errors()
             self._sync()

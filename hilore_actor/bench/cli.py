@@ -108,7 +108,7 @@ def needs_calibration(names) -> bool:
 
 def calibration_for(args, runner, inputs, names):
     """``{L level: calibration}`` for every codec of ``--codec`` (a comma list), or None."""
-    from ..allocation.calibration import calibrate_levels, load_levels, save_levels
+    from ..allocation.calibration import calibrate_levels, check_levels, load_levels, save_levels
     from ..recovery.state import codec_levels
 
     if not needs_calibration(names):
@@ -117,8 +117,7 @@ def calibration_for(args, runner, inputs, names):
     if args.calibration and Path(args.calibration).is_file():
         _log(f"[bench] calibration reused from {args.calibration}")
         cal = load_levels(args.calibration)
-        if set(cal) != set(levels):
-            raise ValueError(f"{args.calibration} calibrates L levels {sorted(cal)}, --codec {args.codec} needs {list(levels)}")
+        check_levels(cal, args.codec, args.calibration)
         return cal
     t = time.perf_counter()
     cal = calibrate_levels(runner, inputs.calib, levels,

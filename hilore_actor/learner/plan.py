@@ -27,6 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+import torch
+
 from ..recovery.state import PLANS, action_for_plan, split_label
 
 SIZE_BUCKET = 64  # tokens: microbatches within one bucket share a sized plan
@@ -55,10 +57,13 @@ class RankPlan:
 
     def rebase(self, resident: int) -> bool:
         """Device scope, once DeepSpeed is built: the measured resident bytes replace the
-        planning estimate; a ratio budget moves with them (B = ratio x (gc + resident)); the
-        cap B - resident, the plan's memory budget and the plan follow. True when B changed."""
+        planning estimate when they are larger (never smaller: an optimizer may allocate its
+        state at its first step, after this measurement); a ratio budget moves with them
+        (B = ratio x (gc + resident)); the cap B - resident, the plan's memory budget and the
+        plan follow. True when B changed."""
         if self.scope != "device":
             return False
+        resident = max(int(resident), self.offset)
         old_budget, old_cap = self.budget, self.budget - self.offset
         kind, value = ("bytes", self.budget)
         if str(self.info.get("budget_spec", "")).strip().lower() not in ("", "auto"):
@@ -190,11 +195,11 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
 
 
 def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_microbatch: int, group_size: int,
-                         loss_options: Dict, loss_fn, std_loss_fn, device, seed: int, resident: int = 0,
+                         loss_options: Dict, loss_fn, std_loss_fn, device, seed: int, resident: Optional[int] = None,
                          write_calibration: bool = True, calibrate_later: bool = False, log=print) -> RankPlan:
     """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
-    ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``),
-    which the device scope counts. ``calibrate_later``: a mode with L and no saved calibration
+    ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``
+    for its DeepSpeed setup), which the device scope counts; None: one rank with a plain AdamW. ``calibrate_later``: a mode with L and no saved calibration
     plans H/R (``info["calibration"] == "pending"``) until the job calibrates on its real
     rollouts (``RankPlan.adopt_calibration``); else calibration runs here on synthetic
     microbatches. ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope,
@@ -208,6 +213,11 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
                                 group_size=group_size, seed=seed, loss_options=loss_options, device=device)
     runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
+    if resident is None:
+        from .scope import estimate_resident
+
+        dtype = next(model.parameters()).dtype
+        resident = estimate_resident(model, world=1, zero_stage=0, mixed_precision=dtype != torch.float32)
     offset = int(resident) if hcfg.budget_scope == "device" else 0
     with runner.watching() as peaks:  # every planning pass, measured (plan_peak_over_budget)
         gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
@@ -253,7 +263,7 @@ def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
 def _calibration(runner, batches, hcfg, write: bool, log):
     """L's calibrated risk per L level (``{level: Calibration}``): None for hilore-hr, a saved
     file, or measured on ``batches``."""
-    from ..allocation.calibration import calibrate_levels, load_levels, save_levels
+    from ..allocation.calibration import calibrate_levels, check_levels, load_levels, save_levels
     from ..recovery.state import codec_levels
 
     if hcfg.mode == "hilore-hr":
@@ -261,9 +271,7 @@ def _calibration(runner, batches, hcfg, write: bool, log):
     levels = codec_levels(hcfg.codec)[1]
     if hcfg.calibration and Path(hcfg.calibration).is_file():
         cal = load_levels(hcfg.calibration)
-        if set(cal) != set(levels):
-            log(f"[hilore] {hcfg.calibration} calibrates L levels {sorted(cal)}, --hilore.codec asks for {list(levels)}: "
-                f"using the file's")
+        check_levels(cal, hcfg.codec, f"--hilore.calibration {hcfg.calibration}")
         return cal
     log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
     cal = calibrate_levels(runner, batches, levels)

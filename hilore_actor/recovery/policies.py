@@ -47,7 +47,11 @@ def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Di
 def _check_codecs(labels) -> None:
     from .codecs import CODECS
 
-    bad = sorted({c for c in (split_label(v)[1] for v in labels) if c is not None and c not in CODECS})
+    named = [(b, c) for b, c in map(split_label, labels) if c is not None]
+    misplaced = sorted({f"{b}:{c}" for b, c in named if b not in (L, COMPRESSED)})
+    if misplaced:
+        raise ValueError(f"only L and compressed name a codec, got {misplaced}")
+    bad = sorted({c for _, c in named if c not in CODECS})
     if bad:
         raise ValueError(f"unknown codec(s) {bad} in a plan or actions; available: {sorted(CODECS)}")
 

@@ -102,6 +102,7 @@ class UnitState:
     spec: UnitSpec
     plan: str = EXACT
     action: Optional[str] = None
+    label: Optional[str] = None  # the action as chosen, with L's codec when one was named ("L:bf16")
     entries: Dict[int, Any] = field(default_factory=dict)  # idx -> Tensor | Payload | None
     external: Set[int] = field(default_factory=set)  # idx of checkpoint-input tensors (kept exact)
     ext_keys: Set[int] = field(default_factory=set)  # storages of the unit's checkpoint inputs

@@ -132,7 +132,7 @@ class Step:
                 raise ValueError(f"{u.name}: action {label} is not available for a {self.plans[u.name]!r} bundle "
                                  f"(allowed: {ALLOWED[u.plan]}; a compressed copy keeps the codec it was made with)")
             a = split_label(label)[0]
-            u.action = a
+            u.action, u.label = a, label
             if a == R:
                 u.entries.clear()
             elif a == L and u.plan == EXACT:
@@ -179,5 +179,6 @@ class Step:
         unit alone (see ``state.unit_bytes``)."""
         return unit_bytes(self.layers, shared)
 
-    def actions(self) -> Dict[str, str]:
-        return {u.name: u.action for u in self.units}
+    def actions(self, labels: bool = False) -> Dict[str, str]:
+        """H/L/R per unit; ``labels``: as chosen, L with its codec when one was named (``L:bf16``)."""
+        return {u.name: (u.label if labels else u.action) for u in self.units}

@@ -46,14 +46,16 @@ def generate_groups(
     batches = [chats] if batched else [[c] for c in chats]
     seqs, prompt_lens, resp_lens, texts = [], [], [], []
     for batch in batches:
-        width = max(len(c) for c in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        # greedy decoding takes one sequence per input row (generate refuses num_return_sequences > 1 there)
+        rows = [c for c in batch for _ in range(group_size)] if greedy else batch
+        width = max(len(c) for c in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, c in enumerate(batch):  # left padding: every prompt ends where generation starts
+        for i, c in enumerate(rows):  # left padding: every prompt ends where generation starts
             ids[i, width - len(c):] = torch.tensor(c)
             mask[i, width - len(c):] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             num_return_sequences=group_size, pad_token_id=pad, **sampling).cpu()
+                             num_return_sequences=1 if greedy else group_size, pad_token_id=pad, **sampling).cpu()
         for j, row in enumerate(out):  # rows are group-contiguous: prompt j // group_size
             prompt = torch.tensor(batch[j // group_size])
             resp = row[width:]
