@@ -117,7 +117,8 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str]) -> Di
     r = runner.run(mb, "all-r", measure_peak=True)
     h = runner.run(mb, "all-h", measure_peak=True)
     out = {"H": {n: float(h.bytes_alone[n]["exact"]) for n in names}, "mixed": {},
-           "peak": {"all-h": float(h.peak_bytes), "all-r": float(r.peak_bytes)}}
+           "peak": {"all-h": float(h.peak_bytes), "all-r": float(r.peak_bytes)},
+           "structure": dict(h.saved_counts)}
     for a in levels:
         plan = {n: plan_for_label(a) for n in names}
         l_run = runner.run(mb, plan, measure_peak=True)  # also the codec passes' warm-up
@@ -152,18 +153,22 @@ def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels
         return {mb.num_tokens: _bytes_at(runner, mb, repeats, levels)}
     t = min(T, max(64, T // 16))
     probes = {}
-    while True:
+    for _ in range(6):
         part = mb.prefix(t) if t < T else mb
-        probes[part.num_tokens] = _bytes_at(runner, part, repeats, levels)
+        probes[part.num_tokens] = last = _bytes_at(runner, part, repeats, levels)
         if t == T:
-            return probes
-        xs = sorted(probes)
-        ys = [probes[x]["peak"]["all-h"] for x in xs]
+            return {part.num_tokens: last}
+        # only probes whose bundles have the same structure as the longest one describe it (a short
+        # prefix may hold a single sequence, and then attention saves no mask at all)
+        valid = {x: v for x, v in probes.items() if v["structure"] == last["structure"]}
+        xs = sorted(valid)
+        ys = [valid[x]["peak"]["all-h"] for x in xs]
         fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= cap]
         nxt = max(fits, default=t)
-        if nxt <= t or len(probes) == 3:
-            return probes  # one probe: bytes proportional to tokens
-        t = nxt if len(probes) == 2 or nxt == T else max((c for c in fits if c <= max(t + 64, nxt // 2)), default=nxt)
+        if nxt <= t or len(valid) == 3:
+            return valid  # fewer than three: a line, or proportional to tokens
+        t = nxt if len(valid) == 2 or nxt == T else max((c for c in fits if c <= max(t + 64, nxt // 2)), default=nxt)
+    return valid
 
 
 def scaled(probes: Dict[int, Dict], tokens: int):
@@ -179,7 +184,7 @@ def scaled(probes: Dict[int, Dict], tokens: int):
     xs = sorted(probes)
     out: Dict[str, Dict[str, float]] = {}
     worst = 0.0
-    for key in (k for k in probes[xs[-1]] if k != "peak"):
+    for key in (k for k in probes[xs[-1]] if k not in ("peak", "structure")):
         timing = key.startswith(CODEC)
         out[key] = {}
         for n in probes[xs[-1]][key]:

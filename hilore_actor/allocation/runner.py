@@ -37,6 +37,7 @@ class RunResult:
     labels: Dict[str, str] = field(default_factory=dict)  # the actions with L's codec when named (L:bf16)
     bytes_by_unit: Dict[str, Dict[str, int]] = field(default_factory=dict)
     bytes_alone: Dict[str, Dict[str, int]] = field(default_factory=dict)  # each unit as if held alone
+    saved_counts: Dict[str, int] = field(default_factory=dict)  # tensors each unit saved (its bundle's structure)
     unit_seconds: Dict[str, Dict[str, float]] = field(default_factory=dict)
     token_norms: Dict[str, torch.Tensor] = field(default_factory=dict)
     reconstruction: Dict[str, float] = field(default_factory=dict)
@@ -129,6 +130,7 @@ class Runner:
                         step.ensure_actions()
                     info["bytes_by_unit"] = step.bytes_by_unit()
                     info["bytes_alone"] = step.bytes_by_unit(shared=False)
+                    info["saved_counts"] = step.saved_counts()
                     info["token_norms"] = step.token_norms()
                     self.backward(out.loss)
                     info["actions"], info["labels"] = step.actions(), step.actions(labels=True)

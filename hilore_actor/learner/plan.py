@@ -226,7 +226,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
                 "budget_scope": hcfg.budget_scope, "resident_bytes": offset}
         hl = sp = None
         if backend == "hilore":
-            cal = _calibration(runner, dev[1:], hcfg, write_calibration, log) if (saved or n_cal) else None
+            cal = _calibration(runner, dev[1:], hcfg, write_calibration, log, budget - offset) if (saved or n_cal) else None
             info["calibration"] = (None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic")
             hl = _scheduler(runner, budget - offset, cal, hcfg, log)
             sp = hl.prepare(dev[:1], accumulate=1)
@@ -260,7 +260,7 @@ def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
     return budget
 
 
-def _calibration(runner, batches, hcfg, write: bool, log):
+def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = None):
     """L's calibrated risk per L level (``{level: Calibration}``): None for hilore-hr, a saved
     file, or measured on ``batches``."""
     from ..allocation.calibration import calibrate_levels, check_levels, load_levels, save_levels
@@ -274,7 +274,7 @@ def _calibration(runner, batches, hcfg, write: bool, log):
         check_levels(cal, hcfg.codec, f"--hilore.calibration {hcfg.calibration}")
         return cal
     log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
-    cal = calibrate_levels(runner, batches, levels)
+    cal = calibrate_levels(runner, batches, levels, cap=cap)
     if hcfg.calibration and write:
         save_levels(cal, hcfg.calibration)
     return cal

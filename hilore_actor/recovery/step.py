@@ -164,6 +164,11 @@ class Step:
         ``codec`` (L encode + decode) seconds."""
         return {u.name: {"recompute": u.replay_seconds, "codec": u.codec_seconds} for u in self.units}
 
+    def saved_counts(self) -> Dict[str, int]:
+        """How many tensors each unit saved in forward: the structure of its bundle (attention
+        saves a mask only for a packed microbatch of several sequences, for instance)."""
+        return {u.name: u.n_saved for u in self.units}
+
     def token_norms(self) -> Dict[str, torch.Tensor]:
         """Per-token L2 norm of each unit's input hidden state (``track_tokens=True``), for the
         units whose plan admits L (a ``checkpoint`` unit can only be R: no exposure needed)."""

@@ -245,7 +245,7 @@ class Learner:
         mbs = [self._microbatch(r) for r in self.rows[:n]]
         t = time.perf_counter()
         with self._side_runner() as runner:
-            cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1])
+            cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], cap=self.plan.hl.budget)
         self._log(f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s")
         return {a: asdict(c) for a, c in cal.items()}
 
