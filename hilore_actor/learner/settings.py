@@ -27,7 +27,7 @@ boolean.__name__ = "true|false"
 # (flag, type, default, help), as in the job's flag table
 HILORE_FLAGS = [
     ("hilore.budget", str, "1.10", "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
-     "(CUDA: the memory free at start-up plus what the learner holds, less 8% of the device; CPU: 1.25 x gc)"),
+     "(CUDA: the memory free at start-up plus what the learner holds, less 8 percent of the device; CPU: 1.25 x gc)"),
     ("hilore.budget_scope", str, "device", "what B counts: device (the rank's whole peak: weights, gradients, "
      "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
      "what a microbatch allocates above what it starts with: stricter)"),
