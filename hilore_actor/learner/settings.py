@@ -44,8 +44,9 @@ HILORE_FLAGS = [
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
      "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
     ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
-    ("hilore.loo", boolean, True, "leave-one-out check of the plan: recompute each stored unit whose paired timing "
-     "shows it saves no time (false skips it: faster start-up)"),
+    ("hilore.loo", boolean, True, "leave-one-out check of the plan: the four stored units with the least profiled "
+     "utility per byte are timed in pairs with and without them and recomputed when they save no time (false skips "
+     "it: faster start-up)"),
 ]
 DEFAULTS = {spec[0][len("hilore."):]: spec[2] for spec in HILORE_FLAGS}
 TYPES = {spec[0][len("hilore."):]: spec[1] for spec in HILORE_FLAGS}
