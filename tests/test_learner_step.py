@@ -39,12 +39,18 @@ def _setup(seed):
     return model, packed_microbatch(96, 256, seed=seed)
 
 
+def _plain_grads(model, ids, pos, seed):
+    """Gradients without the sequence (the reference), leaving none behind."""
+    grpo_loss(model, ids, pos, seed=seed).backward()
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    return ref
+
+
 def test_sequence_keeps_gradients_and_records_actions_and_peak(fresh_seed):
     print("seed", fresh_seed)
     model, (ids, pos) = _setup(fresh_seed)
-    grpo_loss(model, ids, pos, seed=fresh_seed).backward()
-    ref = grads(model)
-    model.zero_grad(set_to_none=True)
+    ref = _plain_grads(model, ids, pos, fresh_seed)
 
     engine = RecoveryEngine(model)
     rng = torch.Generator().manual_seed(fresh_seed)
@@ -89,9 +95,7 @@ def test_report_tightens_the_plan_only_over_budget():
 def test_a_plan_that_stores_nothing_runs_plain_layer_checkpointing(fresh_seed):
     print("seed", fresh_seed)
     model, (ids, pos) = _setup(fresh_seed)
-    grpo_loss(model, ids, pos, seed=fresh_seed).backward()
-    ref = grads(model)
-    model.zero_grad(set_to_none=True)
+    ref = _plain_grads(model, ids, pos, fresh_seed)
     engine = RecoveryEngine(model)
     plan = _Plan({n: "checkpoint" for n in engine.unit_names}, 10**12)
     calls = []

@@ -22,21 +22,30 @@ def setup():
     return runner, cal, mbs, resolve_budget(1.10, gc_peak, base)
 
 
+def replay(h, runner, mbs, budget, reference):
+    """Run ``mbs`` under HiLoRe: every measured peak within ``budget``; returns the relative
+    error of the accumulated gradient against ``reference`` (an exact policy) and how often
+    each action label was taken."""
+    g = g_ex = None
+    taken = {}
+    for i, mb in enumerate(mbs):
+        res = h.run(mb, measure_peak=True)
+        assert res.peak_bytes <= budget, f"microbatch {i}: peak {res.peak_bytes} > B {budget}"
+        for a in res.labels.values():
+            taken[a] = taken.get(a, 0) + 1
+        a = h.run(mb, grads=True, seed=i).grad
+        b = runner.run(mb, reference, grads=True, seed=i).grad
+        g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
+    return float((g - g_ex).norm() / g_ex.norm()), taken
+
+
 @pytest.mark.parametrize("mode", ["hilore", "hilore-hr", "hilore-static"])
 def test_replay_within_budget_and_tolerance(setup, mode):
     runner, cal, mbs, budget = setup
     h = HiLoRe(runner, budget, cal, mode=mode, loo=False, log=lambda *_: None)  # ms-level LOO is noise here
     sp = h.prepare(mbs[4:6])
     assert any(q != "checkpoint" for q in sp.plan.values()), "nothing stored: the budget was not used"
-    replay = mbs[6:26]
-    g = g_ex = None
-    for i, mb in enumerate(replay):
-        res = h.run(mb, measure_peak=True)
-        assert res.peak_bytes <= budget, f"microbatch {i}: peak {res.peak_bytes} > B {budget}"
-        a = h.run(mb, grads=True, seed=i).grad
-        b = runner.run(mb, "all-h", grads=True, seed=i).grad
-        g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
-    err = float((g - g_ex).norm() / g_ex.norm())
+    err, _ = replay(h, runner, mbs[6:26], budget, "all-h")
     print(f"{mode}: plan {sp.plan}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
     if mode == "hilore-hr":
@@ -76,16 +85,6 @@ def test_two_l_levels_replay_within_budget_and_tolerance(setup):
     sp = h.prepare(mbs[4:6])
     unit = next(iter(sp.costs.dm))
     assert set(sp.costs.dm[unit]) == {"H", "L", "L:bf16"} and sp.costs.dm[unit]["L"] < sp.costs.dm[unit]["L:bf16"]
-    g = g_ex = None
-    chosen = {}
-    for i, mb in enumerate(mbs[6:16]):
-        res = h.run(mb, measure_peak=True)
-        assert res.peak_bytes <= budget, f"microbatch {i}: peak {res.peak_bytes} > B {budget}"
-        for q in sp.plan.values():
-            chosen[q] = chosen.get(q, 0) + 1
-        a = h.run(mb, grads=True, seed=i).grad
-        b = runner.run(mb, "all-r", grads=True, seed=i).grad
-        g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
-    err = float((g - g_ex).norm() / g_ex.norm())
-    print(f"plans over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
+    err, chosen = replay(h, runner, mbs[6:16], budget, "all-r")
+    print(f"actions over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
