@@ -36,6 +36,31 @@ def test_directives_match_brute_force():
     assert set(co.over_budget_ranks(0)) == over
 
 
+def test_loosen_directives_match_brute_force():
+    rng = random.Random(os.getpid())
+    print("seed", os.getpid())
+    from hilore_actor.learner.coordinator import FILL_BAND, LOOSEN_DAMPING
+
+    co = BudgetCoordinator(margin=0.05)
+    co.register(0, 10**6, fill=0.93)
+    co.register(1, 10**6)  # no fill: never loosened
+    for i in range(40):
+        r, peak = i % 2, int(10**6 * rng.uniform(0.5, 1.2))
+        d = co.report(r, 0, i, peak)
+        if peak > 10**6:
+            assert d["action"] == "tighten"
+        elif r == 0 and peak < (0.93 - FILL_BAND) * 10**6:
+            assert d == {"action": "loosen", "by_bytes": int((0.93 * 10**6 - peak) * LOOSEN_DAMPING),
+                         "peak_over_budget": peak / 10**6}
+        else:
+            assert d["action"] == "ok"
+    rec = co.step_record(0)
+    assert rec["1"]["loosened"] == [] and len(rec["0"]["loosened"]) == sum(
+        p < (0.93 - FILL_BAND) for p in rec["0"]["peaks_over_budget"])
+    with pytest.raises(ValueError, match="fill"):
+        co.register(2, 10, fill=1.5)
+
+
 def test_report_before_register_is_an_error():
     co = BudgetCoordinator()
     with pytest.raises(KeyError, match="before registering"):

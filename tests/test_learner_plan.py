@@ -70,6 +70,38 @@ def test_a_shorter_microbatch_gets_a_plan_sized_to_it(fresh_seed):
     assert peak <= plan.budget
 
 
+def test_an_underfilled_plan_is_loosened_towards_its_fill_target_within_b(fresh_seed):
+    """A plan that leaves most of B unused (its memory budget cut to a quarter, as when planned
+    unit bytes over-estimate real ones) gets ``loosen`` directives from the coordinator; its
+    peaks rise towards fill x B and stay within B; loosening never passes a tighten's ceiling."""
+    from hilore_actor.learner.coordinator import BudgetCoordinator
+    from hilore_actor.learner.step import MicrobatchRecord, report
+
+    print("seed", fresh_seed)
+    model = _model(fresh_seed)
+    plan = _plan(model, fresh_seed, loo=False, mode="hilore-hr", budget="1.6")  # room to store units
+    plan.tighten(int(0.75 * plan.sp.memory_budget))  # -> a ceiling; lift it to see loosening work
+    plan.info.pop("fill_ceiling_bytes")
+    co = BudgetCoordinator()
+    co.register(0, plan.budget, fill=0.93)
+    runner = Runner(model, loss_fn=CHUNKED)
+    peaks = []
+    for i in range(5):
+        mb = replayed_microbatches(model, 1, 1024, seed=fresh_seed + i)[0]
+        sp = plan.for_tokens(mb.num_tokens)
+        peak = runner.run(mb, sp.plan, partial(plan.actions, sp=sp), measure_peak=True).peak_bytes
+        peaks.append(peak / plan.budget)
+        report(plan, co, 0, 0, i, MicrobatchRecord(tokens=mb.num_tokens, peak_bytes=peak))
+    print("peak / B per microbatch", [f"{p:.3f}" for p in peaks], "loosened", co.step_record(0)["0"]["loosened"])
+    assert co.step_record(0)["0"]["loosened"] and peaks[-1] > peaks[0]
+    assert max(peaks) <= 1.0
+    # a ceiling holds: after a tighten, loosening cannot bring the old budget back
+    plan.tighten(1)
+    ceiling = plan.info["fill_ceiling_bytes"]
+    plan.loosen(10**12)
+    assert plan.sp.memory_budget == pytest.approx(ceiling)
+
+
 @pytest.mark.parametrize("scope", ["device", "activations"])
 def test_budget_counts_the_resident_bytes_in_the_device_scope(fresh_seed, scope):
     from hilore_actor.learner.scope import estimate_resident

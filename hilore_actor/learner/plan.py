@@ -16,9 +16,9 @@ B's own base; profiling measures what would not fit on prefixes of the microbatc
 reference is all-R). The runner measures each pass; ``info["plan_peak_over_budget"]`` is the
 highest over B.
 
-A smaller microbatch uses the same plan: each unit then holds fewer bytes than planned.
+A shorter microbatch gets the plan re-solved for its own tokens (``RankPlan.for_tokens``).
 Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
-``RankPlan.tighten`` answers the budget coordinator's ``tighten`` directive.
+``RankPlan.tighten`` / ``RankPlan.loosen`` answer the budget coordinator's directives.
 """
 from __future__ import annotations
 
@@ -109,18 +109,44 @@ class RankPlan:
             return chooser(step, loss_output)
         return {n: action_for_plan(q) for n, q in sp.plan.items()}
 
+    def _room_ratio(self, tokens: Optional[int]) -> float:
+        """Planning-size plan bytes per byte of the plan sized to ``tokens`` (sized plans take
+        the same share of their own room, ``HiLoRe.sized``)."""
+        sp_t = self.for_tokens(tokens) if tokens else self.sp
+        room, room_t = self.hl.budget - self.sp.costs.base_peak, self.hl.budget - sp_t.costs.base_peak
+        return room / room_t if room > 0 and room_t > 0 else 1.0
+
+    def _set_memory_budget(self, value: float) -> None:
+        self.sp.memory_budget = max(0.0, float(value))
+        self.hl.replan(self.sp)
+        self._sized.clear()  # re-solved from the planning-size plan when next used
+
     def tighten(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
-        """Shrink the allocation budget by the coordinator's overshoot and re-plan: the plan
-        of the microbatch's size and the planning-size plan lose ``by_bytes`` each; the
-        other sizes are re-solved from the latter when next used."""
+        """The coordinator's ``tighten``: the plan of the microbatch's size loses ``by_bytes``
+        (the planning-size plan its share of them; every size follows) and re-plans. Its new
+        budget becomes the ceiling that ``loosen`` does not pass."""
         if self.hl is None:
             return
-        sp = self.for_tokens(tokens) if tokens else self.sp
-        for plan in {id(sp): sp, id(self.sp): self.sp}.values():
-            plan.memory_budget = max(0.0, plan.memory_budget - by_bytes)
-            self.hl.replan(plan)
-        self._sized = {k: v for k, v in self._sized.items() if v is sp}
+        self._set_memory_budget(self.sp.memory_budget - by_bytes * self._room_ratio(tokens))
+        self.info["fill_ceiling_bytes"] = self.sp.memory_budget
         self.log(f"[hilore{who}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
+
+    def loosen(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
+        """The coordinator's ``loosen`` (the microbatch left B's room unused; the planned bytes
+        of a unit over-estimate what it holds on real rollouts): the plan of the microbatch's
+        size may use ``by_bytes`` more, never above the ceiling of the last ``tighten`` nor
+        beyond storing every unit."""
+        if self.hl is None:
+            return
+        new = self.sp.memory_budget + by_bytes * self._room_ratio(tokens)
+        new = min(new, self.info.get("fill_ceiling_bytes", new), max(self.hl.costs_total(self.sp.costs), self.sp.memory_budget))
+        if new <= self.sp.memory_budget * 1.001:
+            return
+        before = plan_counts(self.sp.plan)
+        self._set_memory_budget(new)
+        self.info["loosened_memory_budget"] = self.sp.memory_budget
+        self.log(f"[hilore{who}] room left in B: allocation budget loosened by {by_bytes / 2**20:.1f} MiB, re-planned "
+                 f"({before} -> {plan_counts(self.sp.plan)} at the planning size)")
 
     @property
     def calibration_pending(self) -> bool:
@@ -133,6 +159,7 @@ class RankPlan:
         self.hl = _scheduler(runner, self.hl.budget, calibrations, hcfg, self.log, costs_cache=self.hl.costs_cache)
         self.sp = self.hl.prepare([dev_microbatch], accumulate=1)
         self._sized.clear()
+        self.info.pop("fill_ceiling_bytes", None)  # a new fitted plan: earlier tightening measured another one
         self.info.update(calibration="job", plan=plan_counts(self.sp.plan), plan_report=self.sp.report)
 
     def state(self) -> Dict:

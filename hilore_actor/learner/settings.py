@@ -31,6 +31,9 @@ HILORE_FLAGS = [
     ("hilore.budget_scope", str, "device", "what B counts: device (the rank's whole peak: weights, gradients, "
      "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
      "what a microbatch allocates above what it starts with: stricter)"),
+    ("hilore.fill", float, 0.93, "share of B each microbatch aims to fill: when one peaks below fill - 0.05 of B "
+     "(unit bytes planned on synthetic microbatches over-estimate real ones), the budget coordinator lets the rank "
+     "store more, by half the gap; over B it tightens (0 turns loosening off)"),
     ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
     ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
     ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
@@ -74,6 +77,8 @@ def hilore_errors(hcfg) -> List[str]:
     bad = [c for c in names if c not in CODECS]
     if bad or len(set(names)) != len(names):
         errors.append(f"--hilore.codec {hcfg.codec!r}: a comma list of distinct codecs from {', '.join(sorted(CODECS))}")
+    if not 0.0 <= float(hcfg.fill) <= 1.0:
+        errors.append(f"--hilore.fill {hcfg.fill}: a share of B within [0, 1] (0: never loosen)")
     if hcfg.budget_scope not in SCOPES:
         errors.append(f"--hilore.budget_scope {hcfg.budget_scope!r}: choose {' or '.join(SCOPES)}")
     if str(hcfg.budget).strip().lower() != "auto":

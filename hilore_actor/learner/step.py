@@ -3,8 +3,8 @@
 meter -> the plan sized to the microbatch's tokens -> recovery-engine step (that plan's
 storage during forward) -> the integration's own forward, loss and backward, which sets the
 actions (Eq. 7 -> Eq. 13 of docs/DESIGN.md) between loss and backward -> the actions taken
-and their H/L/R counts -> the measured peak to the budget coordinator -> ``tighten``: the
-rank re-plans before its next microbatch.
+and their H/L/R counts -> the measured peak to the budget coordinator -> ``tighten`` (over B)
+or ``loosen`` (well under ``--hilore.fill`` x B): the rank re-plans before its next microbatch.
 
 The training job (``train/learner.py``) calls its loss and ``engine.backward`` inside the
 block; the OpenRLHF drop-in (``openrlhf/training_step.py``) calls OpenRLHF's whole
@@ -75,10 +75,13 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iter
 
 
 def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchRecord) -> Optional[dict]:
-    """Send the microbatch's peak to the coordinator and obey its directive (None without one)."""
+    """Send the microbatch's peak to the coordinator and obey its directive (None without one):
+    ``tighten`` or ``loosen`` the rank's plan."""
     if coordinator is None:
         return None
     d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts)
     if d["action"] == "tighten":
         plan.tighten(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
+    elif d["action"] == "loosen":
+        plan.loosen(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
     return d
