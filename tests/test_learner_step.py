@@ -20,10 +20,13 @@ class _Plan:
 
     def __init__(self, plan, budget):
         self.sp, self.budget, self.track_tokens = SimpleNamespace(plan=plan), budget, False
-        self.tightened, self.loosened = [], []
+        self.tightened, self.observed = [], []
 
     def for_tokens(self, tokens):
         return self.sp
+
+    def predicted_peak(self, sp):
+        return 0
 
     def actions(self, step, loss_output, sp=None):
         return {n: DEFAULT_ACTION[q] for n, q in (sp or self.sp).plan.items()}
@@ -31,8 +34,8 @@ class _Plan:
     def tighten(self, by_bytes, who="", tokens=None):
         self.tightened.append((by_bytes, tokens))
 
-    def loosen(self, by_bytes, who="", tokens=None):
-        self.loosened.append((by_bytes, tokens))
+    def observe(self, predicted_bytes, peak_bytes):
+        self.observed.append((predicted_bytes, peak_bytes))
 
 
 def _setup(seed):
@@ -94,18 +97,10 @@ def test_report_tightens_the_plan_only_over_budget():
     assert report(plan, co, 0, 0, 1, rec)["action"] == "tighten" and plan.tightened == [(int(200 * 1.05), 512)]
     assert co.step_record(0)["0"]["actions"] == {"H": 2, "L": 0, "R": 4}
     assert report(plan, None, 0, 0, 2, rec) is None
-    assert plan.loosened == []  # registered without a fill target
-
-
-def test_report_loosens_the_plan_well_under_its_fill_target():
-    co = BudgetCoordinator()
-    co.register(0, 1000, fill=0.9)
-    plan = _Plan({}, 1000)
-    rec = MicrobatchRecord(tokens=256, peak_bytes=860, actions={"a": "H"})
-    assert report(plan, co, 0, 0, 0, rec)["action"] == "ok" and plan.loosened == []
-    rec.peak_bytes = 500
-    assert report(plan, co, 0, 0, 1, rec)["action"] == "loosen" and plan.loosened == [(int(400 * 0.5), 256)]
-    assert plan.tightened == []
+    assert plan.observed == []  # no prediction: nothing to observe
+    rec.predicted_bytes, rec.peak_bytes = 800, 700
+    report(plan, None, 0, 0, 3, rec)
+    assert plan.observed == [(800, 700)]
 
 
 def test_a_plan_that_stores_nothing_runs_plain_layer_checkpointing(fresh_seed):

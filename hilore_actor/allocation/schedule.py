@@ -164,16 +164,21 @@ class HiLoRe:
         """Profiled recompute time that ``actions`` avoid (Eq. 9's utilities, summed)."""
         return float(sum(costs.dtau[n][a] for n, a in actions.items() if a != "R"))
 
-    def sized(self, sp: ShapePlan, tokens: int) -> ShapePlan:
-        """``sp`` re-solved for a microbatch of ``tokens`` tokens (fewer than it was planned
-        for): its costs scaled (``profiling.costs_at``) and its memory budget the room left
-        above that microbatch's all-R peak, times the real-to-predicted correction ``sp``
-        measured when it was fitted (and any tightening since). Units the leave-one-out check
-        sent to R stay R. Milliseconds: the knapsack only, no pass."""
+    def sized(self, sp: ShapePlan, tokens: int, peak_target: Optional[float] = None) -> ShapePlan:
+        """``sp`` re-solved for a microbatch of ``tokens`` tokens (at most as many as it was
+        planned for): its costs scaled (``profiling.costs_at``) and its memory budget the room
+        left above that microbatch's all-R peak, times the real-to-predicted correction ``sp``
+        measured when it was fitted (and any tightening since); with ``peak_target``, the
+        room up to that predicted peak instead. Units the leave-one-out check sent to R stay
+        R. Milliseconds: the knapsack only, no pass."""
         costs = costs_at(sp.costs, tokens)
-        room = self.budget - sp.costs.base_peak
-        factor = sp.memory_budget / room if room > 0 else 0.0
-        out = ShapePlan(costs.shape, costs, {}, max(0.0, (self.budget - costs.base_peak) * factor), sp.risk_budget,
+        if peak_target is None:
+            room = self.budget - sp.costs.base_peak
+            factor = sp.memory_budget / room if room > 0 else 0.0
+            memory = (self.budget - costs.base_peak) * factor
+        else:
+            memory = min(peak_target, self.budget) - costs.base_peak
+        out = ShapePlan(costs.shape, costs, {}, max(0.0, memory), sp.risk_budget,
                         sp.plan_risk_budget, report={"sized_from_tokens": sp.costs.tokens,
                                                      "loo_recomputed": list(sp.report.get("loo_recomputed", []))})
         self.replan(out)

@@ -18,7 +18,8 @@ highest over B.
 
 A shorter microbatch gets the plan re-solved for its own tokens (``RankPlan.for_tokens``).
 Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
-``RankPlan.tighten`` / ``RankPlan.loosen`` answer the budget coordinator's directives.
+``RankPlan.observe`` sizes later plans by each microbatch's measured peak against its
+prediction, and ``RankPlan.tighten`` answers the budget coordinator's ``tighten`` directive.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import torch
 
 from ..recovery.state import PLANS, action_for_plan, split_label
 
-SIZE_BUCKET = 64  # tokens: microbatches within one bucket share a sized plan
+SIZE_BUCKET = 16  # tokens: microbatches within one bucket share a sized plan (sized for its top)
+PEAK_WINDOW = 4  # observed microbatches whose largest real-to-predicted peak ratio sizes the plans
 
 
 class RankPlan:
@@ -88,18 +90,54 @@ class RankPlan:
     def track_tokens(self) -> bool:
         return self.hl is not None and self.hl.mode == "hilore"
 
+    @property
+    def fill(self) -> float:
+        return float(self.info.get("fill", 0.0))
+
+    @property
+    def peak_ratio(self) -> Optional[float]:
+        """The largest measured/predicted in-microbatch peak of the last ``PEAK_WINDOW``
+        microbatches (None before any, or with ``fill`` 0)."""
+        ratios = self.info.get("peak_ratios")
+        return max(ratios) if ratios and self.fill > 0 else None
+
+    def observe(self, predicted_bytes: int, peak_bytes: int) -> None:
+        """A microbatch's measured in-microbatch peak against the peak its plan predicted.
+        Planned unit bytes come from synthetic microbatches and token scaling, so they miss
+        by a few percent either way; later plans are sized so that the prediction times the
+        largest recent ratio meets ``fill`` x B (``for_tokens``)."""
+        if self.hl is None or predicted_bytes <= 0 or self.fill <= 0:
+            return
+        ratios = self.info.setdefault("peak_ratios", [])
+        ratios.append(peak_bytes / predicted_bytes)
+        del ratios[:-PEAK_WINDOW]
+        self._sized.clear()
+
     def for_tokens(self, tokens: int):
-        """The plan for a microbatch of ``tokens`` tokens: the validated plan at the planning
-        size (the largest the job makes), else one re-solved for the microbatch's own size
-        (``HiLoRe.sized``; per 64-token bucket, rounded up), so a short microbatch stores more."""
+        """The plan for a microbatch of ``tokens`` tokens, per 16-token bucket (sized for its
+        top). Before any peak is observed: the validated plan at the planning size (the
+        largest the job makes), else one re-solved for the microbatch's own size with the
+        planning fit's correction (``HiLoRe.sized``), so a short microbatch stores more. Once
+        peaks are observed: re-solved so that its predicted peak times ``peak_ratio`` is
+        ``fill`` x B (in B's scope; less what ``tighten`` took), at every size."""
         if self.hl is None:
             return None
-        bucket = -(-int(tokens) // SIZE_BUCKET) * SIZE_BUCKET
-        if bucket >= self.sp.costs.tokens or not self.sized_plans:
+        bucket = min(-(-int(tokens) // SIZE_BUCKET) * SIZE_BUCKET, self.sp.costs.tokens)
+        ratio = self.peak_ratio
+        if ratio is None and (bucket >= self.sp.costs.tokens or not self.sized_plans):
             return self.sp
         if bucket not in self._sized:
-            self._sized[bucket] = self.hl.sized(self.sp, bucket)
+            target = None
+            if ratio is not None:  # the in-microbatch peak that puts the scope's peak at fill x B
+                target = (self.hl.budget - (1.0 - self.fill) * self.budget - self.info.get("tightened_bytes", 0)) / ratio
+            self._sized[bucket] = self.hl.sized(self.sp, bucket, peak_target=target)
         return self._sized[bucket]
+
+    def predicted_peak(self, sp) -> int:
+        """The in-microbatch peak ``sp`` was sized for: its all-R peak plus the planned bytes
+        of what it stores (before the correction its fit measured, ``HiLoRe._fit``)."""
+        return int(sp.costs.base_peak + sum(sp.costs.dm[n][action_for_plan(q)] for n, q in sp.plan.items()
+                                            if action_for_plan(q) != "R"))
 
     def actions(self, step, loss_output, sp=None) -> Dict[str, str]:
         """Online actions for a microbatch run under ``sp`` (default: the planning-size plan)."""
@@ -123,30 +161,15 @@ class RankPlan:
 
     def tighten(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
         """The coordinator's ``tighten``: the plan of the microbatch's size loses ``by_bytes``
-        (the planning-size plan its share of them; every size follows) and re-plans. Its new
-        budget becomes the ceiling that ``loosen`` does not pass."""
+        (the planning-size plan its share of them; every size follows) and re-plans. Once
+        plans are sized by observed peaks, their target peak loses ``by_bytes`` for good."""
         if self.hl is None:
             return
+        if self.peak_ratio is not None:  # sized by observed peaks: aim that much lower from now on
+            self.info["tightened_bytes"] = int(self.info.get("tightened_bytes", 0)) + int(by_bytes)
+            self._sized.clear()
         self._set_memory_budget(self.sp.memory_budget - by_bytes * self._room_ratio(tokens))
-        self.info["fill_ceiling_bytes"] = self.sp.memory_budget
         self.log(f"[hilore{who}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
-
-    def loosen(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
-        """The coordinator's ``loosen`` (the microbatch left B's room unused; the planned bytes
-        of a unit over-estimate what it holds on real rollouts): the plan of the microbatch's
-        size may use ``by_bytes`` more, never above the ceiling of the last ``tighten`` nor
-        beyond storing every unit."""
-        if self.hl is None:
-            return
-        new = self.sp.memory_budget + by_bytes * self._room_ratio(tokens)
-        new = min(new, self.info.get("fill_ceiling_bytes", new), max(self.hl.costs_total(self.sp.costs), self.sp.memory_budget))
-        if new <= self.sp.memory_budget * 1.001:
-            return
-        before = plan_counts(self.sp.plan)
-        self._set_memory_budget(new)
-        self.info["loosened_memory_budget"] = self.sp.memory_budget
-        self.log(f"[hilore{who}] room left in B: allocation budget loosened by {by_bytes / 2**20:.1f} MiB, re-planned "
-                 f"({before} -> {plan_counts(self.sp.plan)} at the planning size)")
 
     @property
     def calibration_pending(self) -> bool:
@@ -159,7 +182,7 @@ class RankPlan:
         self.hl = _scheduler(runner, self.hl.budget, calibrations, hcfg, self.log, costs_cache=self.hl.costs_cache)
         self.sp = self.hl.prepare([dev_microbatch], accumulate=1)
         self._sized.clear()
-        self.info.pop("fill_ceiling_bytes", None)  # a new fitted plan: earlier tightening measured another one
+        self.info.pop("peak_ratios", None)  # a new fitted plan: earlier peaks measured another one
         self.info.update(calibration="job", plan=plan_counts(self.sp.plan), plan_report=self.sp.report)
 
     def state(self) -> Dict:
@@ -215,6 +238,7 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
     else:  # a checkpoint from before L levels
         cal = {"L": Calibration(**state["calibration"])} if state.get("calibration") else None
     runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
+    state["info"].setdefault("fill", float(hcfg.fill))  # checkpoints from before --hilore.fill
     plan = RankPlan(state["budget"], state["info"], None, ShapePlan.from_dict(state["plan"]), log)
     plan.hl = _scheduler(runner, plan.budget - plan.offset, cal, hcfg, log)
     runner.engine.detach()
@@ -250,7 +274,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
         gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
         budget = _budget(hcfg, gc_peak, int(resident), offset, device, log)
         info = {"plan_tokens": tokens, "gc_peak_bytes": gc_peak, "budget_bytes": budget, "budget_spec": str(hcfg.budget),
-                "budget_scope": hcfg.budget_scope, "resident_bytes": offset}
+                "budget_scope": hcfg.budget_scope, "resident_bytes": offset, "fill": float(hcfg.fill)}
         hl = sp = None
         if backend == "hilore":
             cal = _calibration(runner, dev[1:], hcfg, write_calibration, log, budget - offset) if (saved or n_cal) else None

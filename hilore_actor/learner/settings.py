@@ -31,9 +31,10 @@ HILORE_FLAGS = [
     ("hilore.budget_scope", str, "device", "what B counts: device (the rank's whole peak: weights, gradients, "
      "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
      "what a microbatch allocates above what it starts with: stricter)"),
-    ("hilore.fill", float, 0.93, "share of B each microbatch aims to fill: when one peaks below fill - 0.05 of B "
-     "(unit bytes planned on synthetic microbatches over-estimate real ones), the budget coordinator lets the rank "
-     "store more, by half the gap; over B it tightens (0 turns loosening off)"),
+    ("hilore.fill", float, 0.95, "share of B a microbatch's plan aims at once the rank has measured its peaks: each "
+     "plan is sized so that its predicted peak times the largest measured-to-predicted ratio of the last 4 "
+     "microbatches is fill x B (planned unit bytes miss real rollouts by a few percent; 0: keep the planning-time "
+     "correction; over B the coordinator tightens)"),
     ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
     ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
     ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
@@ -78,7 +79,7 @@ def hilore_errors(hcfg) -> List[str]:
     if bad or len(set(names)) != len(names):
         errors.append(f"--hilore.codec {hcfg.codec!r}: a comma list of distinct codecs from {', '.join(sorted(CODECS))}")
     if not 0.0 <= float(hcfg.fill) <= 1.0:
-        errors.append(f"--hilore.fill {hcfg.fill}: a share of B within [0, 1] (0: never loosen)")
+        errors.append(f"--hilore.fill {hcfg.fill}: a share of B within [0, 1] (0: no sizing by measured peaks)")
     if hcfg.budget_scope not in SCOPES:
         errors.append(f"--hilore.budget_scope {hcfg.budget_scope!r}: choose {' or '.join(SCOPES)}")
     if str(hcfg.budget).strip().lower() != "auto":

@@ -3,8 +3,9 @@
 meter -> the plan sized to the microbatch's tokens -> recovery-engine step (that plan's
 storage during forward) -> the integration's own forward, loss and backward, which sets the
 actions (Eq. 7 -> Eq. 13 of docs/DESIGN.md) between loss and backward -> the actions taken
-and their H/L/R counts -> the measured peak to the budget coordinator -> ``tighten`` (over B)
-or ``loosen`` (well under ``--hilore.fill`` x B): the rank re-plans before its next microbatch.
+and their H/L/R counts -> the measured peak against the plan's prediction (later plans are
+sized by it) and to the budget coordinator -> ``tighten`` when over B: the rank re-plans
+before its next microbatch.
 
 The training job (``train/learner.py``) calls its loss and ``engine.backward`` inside the
 block; the OpenRLHF drop-in (``openrlhf/training_step.py``) calls OpenRLHF's whole
@@ -33,6 +34,7 @@ class MicrobatchRecord:
     resident: int = 0  # bytes held when the microbatch began, as B's scope counts them (0: activations)
     actions: Dict[str, str] = field(default_factory=dict)  # unit -> H | L | R
     peak_bytes: int = 0  # allocated inside the microbatch, above what it began with
+    predicted_bytes: int = 0  # the in-microbatch peak its plan predicted (0: no plan)
 
     @property
     def scope_peak(self) -> int:
@@ -62,6 +64,7 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iter
             yield rec
         else:
             rec.sp = plan.for_tokens(tokens)
+            rec.predicted_bytes = plan.predicted_peak(rec.sp)
             if stores_nothing(rec.sp.plan):  # all-R: plain layer checkpointing, no engine bookkeeping
                 with layer_checkpointing(engine.model):
                     yield rec
@@ -75,13 +78,14 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iter
 
 
 def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchRecord) -> Optional[dict]:
-    """Send the microbatch's peak to the coordinator and obey its directive (None without one):
-    ``tighten`` or ``loosen`` the rank's plan."""
+    """The microbatch's peak against its plan's prediction (``RankPlan.observe``), then to the
+    coordinator, whose directive the rank obeys (None without a coordinator)."""
+    if rec.predicted_bytes:
+        plan.observe(rec.predicted_bytes, rec.peak_bytes)
     if coordinator is None:
         return None
-    d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts)
+    predicted = rec.resident + rec.predicted_bytes if rec.predicted_bytes else 0
+    d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts, rec.tokens, predicted)
     if d["action"] == "tighten":
         plan.tighten(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
-    elif d["action"] == "loosen":
-        plan.loosen(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
     return d

@@ -102,7 +102,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         engine = RecoveryEngine(self.actor.model, codec=codec_levels(hcfg.codec)[0])
         coordinator = ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
         rank = torch.distributed.get_rank()
-        ray.get(coordinator.register.remote(rank, plan.budget, hcfg.fill))
+        ray.get(coordinator.register.remote(rank, plan.budget))
         self.hilore = HiLoReTrainingStep(plan, engine, coordinator, rank)
         self.hilore.install(self.trainer)
         strategy.print(f"[hilore] rank {rank}: B = {plan.budget / 2**30:.2f} GiB, plan {plan.info.get('plan')}")

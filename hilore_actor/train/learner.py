@@ -80,7 +80,7 @@ class Learner:
             self.rec = RecoveryEngine(self.ds, codec=codec_levels(cfg.hilore.codec)[0])
         self.coordinator = coordinator
         if coordinator is not None:
-            call(coordinator.register, rank, self.budget, cfg.hilore.fill if self.rec is not None else 0.0)
+            call(coordinator.register, rank, self.budget)
         self.rows: List[Dict] = []
         torch.manual_seed(cfg.train.seed + 1000 * rank)
 
