@@ -1,4 +1,5 @@
-"""The Eq. 13 knapsack against brute force on the same grid (R, H and up to two L levels per unit)."""
+"""The Eq. 13 knapsack against brute force on the same grid (R, H and up to two L levels per
+unit), and its fill by exact costs against brute force on exact costs."""
 import itertools
 import random
 
@@ -45,7 +46,7 @@ def test_dp_matches_brute_force(trial):
     mem_budget = rng.choice([0.0, rng.uniform(5, 150)])
     risk_budget = rng.choice([0.0, rng.uniform(0.001, 0.05)])
     kb, kd = rng.choice([(8, 8), (16, 4), (128, 128)])
-    picks = solve(items, mem_budget, risk_budget, kb, kd)
+    picks = solve(items, mem_budget, risk_budget, kb, kd, fill=False)
     mem = sum(grid_cost(items[i][j].memory, mem_budget, kb) for i, j in enumerate(picks))
     risk = sum(grid_cost(items[i][j].risk, risk_budget, kd if risk_budget > 0 else 0) for i, j in enumerate(picks))
     assert mem <= kb and risk <= (kd if risk_budget > 0 else 0), "infeasible on the grid"
@@ -59,9 +60,28 @@ def test_dp_matches_brute_force(trial):
 
 def test_costs_round_up_never_overspend():
     items = [[Option("R", 0, 0), Option("H", 1.0, 10.01)] for _ in range(10)]
-    picks = solve(items, 100.0, 0.0, grid_memory=10)
+    picks = solve(items, 100.0, 0.0, grid_memory=10, fill=False)
     assert sum(items[i][j].memory for i, j in enumerate(picks)) <= 100.0
     assert sum(picks) == 5  # 10.01 B rounds up to 2 cells of 10 B: five fit, not nine
+    picks = solve(items, 100.0, 0.0, grid_memory=10)  # the fill by exact costs takes the rest
+    assert sum(picks) == 9 and sum(items[i][j].memory for i, j in enumerate(picks)) <= 100.0
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_fill_stays_feasible_and_between_grid_and_exact_optimum(trial):
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    rng = random.Random(seed)
+    items = random_items(rng, rng.randint(1, 6))
+    mem_budget, risk_budget = rng.uniform(5, 150), rng.choice([0.0, rng.uniform(0.001, 0.05)])
+    kb, kd = rng.choice([(8, 8), (16, 4)])
+    grid = solve(items, mem_budget, risk_budget, kb, kd, fill=False)
+    filled = solve(items, mem_budget, risk_budget, kb, kd)
+    total = lambda picks, f: sum(getattr(items[i][j], f) for i, j in enumerate(picks))  # noqa: E731
+    assert total(filled, "memory") <= mem_budget + 1e-9 and total(filled, "risk") <= risk_budget + 1e-12
+    exact = max(sum(items[i][j].value for i, j in enumerate(c)) for c in itertools.product(*[range(len(o)) for o in items])
+                if total(c, "memory") <= mem_budget and total(c, "risk") <= risk_budget)
+    assert total(grid, "value") - 1e-9 <= total(filled, "value") <= exact + 1e-9
 
 
 def test_item_without_free_option_is_refused():

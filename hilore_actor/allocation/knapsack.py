@@ -8,6 +8,10 @@ cells and risk <= d cells, O(U K_B K_delta) time, one byte of predecessor choice
 cell for backtracking. Ties prefer lower risk, then lower memory: the answer is read at the
 smallest risk level, then the smallest memory level, that reach the optimum; within a cell
 options are tried R, H, L so the first best (the cheaper one) is kept.
+
+Rounding up wastes up to a cell per chosen option (on the demo's plans, 42 stored units of
+two cells each left 14% of B unused), so the grid answer is then filled by exact costs
+(``_fill``): upgrades that still fit the real budgets, best value per byte first.
 """
 from __future__ import annotations
 
@@ -42,8 +46,10 @@ def solve(
     risk_budget: float,
     grid_memory: int = 128,
     grid_risk: int = 128,
+    fill: bool = True,
 ) -> List[int]:
-    """Index of the chosen option for each item. Every item needs a free option (R)."""
+    """Index of the chosen option for each item. Every item needs a free option (R).
+    ``fill``: then upgrade by exact costs where rounding left room (``_fill``)."""
     kb = grid_memory
     kd = grid_risk if risk_budget > 0 else 0
     # values become int32 units of 2^-30 of the largest possible total: exact integer sums,
@@ -86,4 +92,28 @@ def solve(
         out[i] = j
         b -= costs[i][j][0]
         d -= costs[i][j][1]
-    return out
+    return _fill(items, out, memory_budget, risk_budget) if fill else out
+
+
+def _fill(items: Sequence[Sequence[Option]], picks: List[int], memory_budget: float, risk_budget: float) -> List[int]:
+    """Upgrade picks by exact (not grid) costs while they fit: each round takes the upgrade
+    with the most value per extra byte (ties: least risk). Feasible stays feasible, value
+    only grows."""
+    picks = list(picks)
+    mem = sum(items[i][j].memory for i, j in enumerate(picks))
+    risk = sum(items[i][j].risk for i, j in enumerate(picks))
+    while True:
+        best = None
+        for i, opts in enumerate(items):
+            cur = opts[picks[i]]
+            for j, o in enumerate(opts):
+                gain, dm, dr = o.value - cur.value, o.memory - cur.memory, o.risk - cur.risk
+                if gain <= 0 or mem + dm > memory_budget or risk + dr > risk_budget + 1e-15:
+                    continue
+                key = (gain / max(dm, 1e-9), -dr)
+                if best is None or key > best[0]:
+                    best = (key, i, j, dm, dr)
+        if best is None:
+            return picks
+        _, i, j, dm, dr = best
+        picks[i], mem, risk = j, mem + dm, risk + dr
