@@ -24,6 +24,34 @@ def test_function_matches_plain_log_softmax():
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.7])
+def test_entropy_and_temperature_match_autograd(scale):
+    """With a temperature (``scale`` = 1 / T) and the entropy output, values and gradients of
+    any weighted sum of log-probs and entropies equal autograd through the full softmax."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(9, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(13, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(13, dtype=torch.float64, generator=gen, requires_grad=True)
+    lab = torch.randint(0, 13, (9,), generator=gen)
+    lp, ent = ChunkedTokenLogProbs.apply(h, w, b, lab, 4, scale, True)
+    z = torch.nn.functional.linear(h, w, b) * scale
+    ref_lp = z.log_softmax(-1).gather(-1, lab[:, None]).squeeze(-1)
+    ref_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    g, ge = torch.randn(9, dtype=torch.float64, generator=gen), torch.randn(9, dtype=torch.float64, generator=gen)
+    got = torch.autograd.grad((lp * g).sum() + (ent * ge).sum(), (h, w, b))
+    want = torch.autograd.grad((ref_lp * g).sum() + (ref_ent * ge).sum(), (h, w, b))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    # entropy computed but unused by the loss: the log-prob gradient alone
+    lp2, _ = ChunkedTokenLogProbs.apply(h, w, b, lab, 4, scale, True)
+    for a, e in zip(torch.autograd.grad((lp2 * g).sum(), (h, w, b)), torch.autograd.grad((ref_lp * g).sum(), (h, w, b))):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True), ("phi3", False)])
 def test_model_log_probs_and_grads_match(arch, tied):
     model = build_model(tiny_config(arch, hidden_size=64, vocab_size=300, tie_word_embeddings=tied), lora=LoraSpec(4, 8))

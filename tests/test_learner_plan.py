@@ -120,3 +120,49 @@ def test_budget_counts_the_resident_bytes_in_the_device_scope(fresh_seed, scope)
                                 log=lambda *_: None)
     resident = estimate_resident(model, world=1, zero_stage=0) if scope == "device" else 0
     assert plan.offset == resident and plan.budget == int(1.10 * (plan.info["gc_peak_bytes"] + resident))
+
+
+def _calibrate_rank(rank, world, port, seed, out_dir):
+    import json
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    from hilore_actor.learner.plan import shared_calibration
+    from hilore_actor.recovery import RecoveryEngine
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _model(seed)
+        batches = replayed_microbatches(model, 3, 256, seed=seed)
+        cal = shared_calibration(Runner(model, RecoveryEngine(model), loss_fn=CHUNKED), batches, ["L"])
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(asdict(cal["L"]), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_share_one_calibration(fresh_seed, tmp_path):
+    """Two gloo ranks split three calibration microbatches (2 + 1) and both adopt the same
+    calibration: the one pooled from single-process calibrations of the same shares."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from hilore_actor.allocation.calibration import Calibration, calibrate_levels, merge
+    from hilore_actor.recovery import RecoveryEngine
+
+    print("seed", fresh_seed)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_calibrate_rank, args=(2, port, fresh_seed, str(tmp_path)), nprocs=2, join=True)
+    got = [Calibration(**json.loads((tmp_path / f"rank{r}.json").read_text())) for r in range(2)]
+    assert got[0] == got[1]
+    model = _model(fresh_seed)
+    batches = replayed_microbatches(model, 3, 256, seed=fresh_seed)
+    runner = Runner(model, RecoveryEngine(model), loss_fn=CHUNKED)
+    want = merge([calibrate_levels(runner, batches[r::2], ["L"])["L"] for r in range(2)])
+    assert got[0].kappa == pytest.approx(want.kappa, rel=1e-3) and got[0].e_bar == pytest.approx(want.e_bar, rel=1e-3)
+    assert len(got[0].samples) == len(want.samples) > 0

@@ -102,7 +102,19 @@ def test_mark_gives_peak_of_the_later_window():
         del c
     assert m.peak_bytes == 8 * MB
     assert m.report.peak_since["after"] == 3 * MB
+    assert m.report.peak_before["after"] == 8 * MB
     del b
+
+
+def test_peak_before_a_mark_leaves_out_what_follows():
+    """A step measured without its optimizer step: the peak up to the mark only."""
+    with MemoryMeter("cpu") as m:
+        a = buf(2 * MB)
+        m.mark("optimizer_step")
+        b = buf(5 * MB)  # after the mark: not in peak_before
+        del b
+    assert m.peak_bytes == 7 * MB and m.report.peak_before["optimizer_step"] == 2 * MB
+    del a
 
 
 def test_frees_of_blocks_from_an_earlier_meter_are_not_counted():

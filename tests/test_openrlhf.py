@@ -8,6 +8,7 @@ no code of theirs runs here. What needs a GPU (DeepspeedStrategy, vLLM, the Ray 
 run; the README says so.
 """
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -304,3 +305,319 @@ def test_entropy_term_weighs_its_tokens(orl, monkeypatch):
     seen.clear()
     _run(trainer, exp)
     assert wrapper.weights["eta"] is None and torch.equal(seen["weight"], wrapper.weights["omega"])
+
+
+def test_chunked_head_matches_openrlhfs_forward_with_a_lower_peak(orl, monkeypatch):
+    """``--hilore.chunked_head``: OpenRLHF's ``Actor.forward`` replaced by the chunked head
+    (temperature 0.7, entropy returned): action log-probs and entropies within 1e-5 of
+    OpenRLHF's own, gradients of its whole training step (entropy term on) close, and the
+    measured peak of that step lower."""
+    from openrlhf.models import Actor
+
+    from hilore_actor.openrlhf.chunked_head import install
+    from hilore_actor.runtime import MemoryMeter
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # OpenRLHF compiles its entropy; eager is enough here
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    vocab = 4096  # the head's logits dominate, as in a real model
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=vocab), lora=LoraSpec(8, 16), seed=0)
+    for n, p in model.named_parameters():  # LoRA B not zero: the LoRA gradients see the whole model
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+    from hilore_actor.openrlhf.verify import experience
+
+    exp = experience(seed, B=4, P=24, A=40, vocab=vocab)
+    actor = Actor(model, temperature=0.7)
+    actor.packing_samples = False
+    trainer = _trainer(orl, actor)
+    trainer.args.actor.entropy_coef = 0.01
+    args = (exp.sequences, exp.action_mask)
+    kw = dict(attention_mask=exp.attention_mask, return_output=True, return_entropy=True)
+    with torch.no_grad():
+        lp_ref, out_ref = actor(*args, **kw)
+
+    def step():
+        with MemoryMeter(torch.device("cpu")) as meter:
+            g, out = _run(trainer, exp)
+        return g, out, meter.report.peak_bytes
+
+    g_ref, m_ref, peak_ref = step()
+    install(actor)
+    with torch.no_grad():
+        lp, out = actor(*args, **kw)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.entropy, out_ref.entropy, rtol=0, atol=1e-5)
+    g, m, peak = step()
+    rel = float((g - g_ref).norm() / g_ref.norm())
+    print(f"gradient relative difference {rel:.2e}; peak {peak / 2**20:.1f} MiB vs OpenRLHF's {peak_ref / 2**20:.1f} MiB")
+    assert rel < 1e-4
+    assert m["metrics"]["entropy_loss"] == pytest.approx(m_ref["metrics"]["entropy_loss"], abs=1e-5)
+    assert peak < peak_ref
+    # no action mask: OpenRLHF's own forward (it returns the logits)
+    full = actor(exp.sequences, attention_mask=exp.attention_mask, return_output=True)
+    assert full["logits"].shape == (4, 64, vocab)
+
+
+def _cpu_builder(orl, seed, sabotage=None):
+    """``verify.check``'s builder on CPU: the single-process trainer around OpenRLHF's Actor."""
+    from openrlhf.models import Actor
+
+    from hilore_actor.grpo.microbatch import microbatch_loss
+    from hilore_actor.learner.plan import plan_before_wrapping
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
+    from hilore_actor.recovery import RecoveryEngine
+
+    def build(method):
+        model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+        actor = Actor(model)
+        actor.packing_samples = False
+        trainer = _trainer(orl, actor)
+        if method == "gc":
+            actor.gradient_checkpointing_enable()
+            return trainer, None
+        hcfg = hilore_settings(mode=method, budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
+        plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=4 * 32, seqs_per_microbatch=4, group_size=4,
+                                    loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
+                                    device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+        wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
+        wrapper.install(trainer)
+        if sabotage == "gradient":  # a unit that recomputes a slightly different activation
+            layer = model.get_decoder().layers[1]
+            layer.register_forward_hook(lambda m, a, out: (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01)
+        elif sabotage == "budget":
+            plan.budget = 1
+        return trainer, wrapper
+
+    return build
+
+
+@pytest.mark.parametrize("sabotage", [None, "gradient", "budget"])
+def test_verification_fails_on_a_wrong_gradient_or_a_peak_over_b(orl, sabotage):
+    """``verify.check`` (the GPU script's comparison) on CPU: the drop-in passes; a unit whose
+    activation is off by 1%, or a peak over B, makes it fail."""
+    from hilore_actor.openrlhf.verify import check, experience
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    exps = [experience(seed + i, B=4, P=12, A=20, vocab=128) for i in range(2)]
+    result = check(_cpu_builder(orl, seed, sabotage), exps, ["hilore-hr"])
+    print(result["failures"])
+    if sabotage is None:
+        assert result["failures"] == [] and result["noise_floor"] == 0.0
+    else:
+        word = {"gradient": "gradient relative error", "budget": "over B"}[sabotage]
+        assert len(result["failures"]) == 1 and word in result["failures"][0]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
+    """After ``strategy.prepare`` the Actor's model is a DeepSpeed engine (ZeRO-2): the chunked
+    head runs inside the engine's forward, whose output hooks start ZeRO's backward; the
+    reduced gradient equals the one from OpenRLHF's own forward."""
+    import deepspeed
+    import torch.distributed as dist
+    from openrlhf.models import Actor
+
+    from hilore_actor.openrlhf.chunked_head import install
+    from hilore_actor.openrlhf.verify import experience, flat_gradient
+
+    for k, v in dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                     WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    exp = experience(seed, B=4, P=12, A=20, vocab=512)
+    w = torch.randn(exp.action_mask.shape, generator=torch.Generator().manual_seed(seed))
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        grads = []
+        for chunked in (False, True):
+            model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=512), lora=LoraSpec(8, 16), seed=0)
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+            actor = Actor(model, temperature=0.8)
+            actor.packing_samples = False
+            params = [p for p in model.parameters() if p.requires_grad]
+            engine, *_ = deepspeed.initialize(model=actor.model, optimizer=torch.optim.AdamW(params, lr=1e-3), config={
+                "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}})
+            actor.model = engine
+            if chunked:
+                install(actor)
+            lp = actor(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask)
+            engine.backward((lp * w).sum())
+            grads.append(flat_gradient(actor))
+        rel = float((grads[1] - grads[0]).norm() / grads[0].norm())
+        print(f"gradient relative difference through ZeRO-2: {rel:.2e}")
+        assert grads[0].norm() > 0 and rel < 1e-4
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _torch_padding(monkeypatch):
+    """flash-attn's unpad/pad helpers (what OpenRLHF's packing calls) in plain torch."""
+    import openrlhf.models.ring_attn_utils as rau
+
+    def unpad_input(hidden, mask):
+        idx = mask.flatten().nonzero(as_tuple=False).flatten()
+        lens = mask.sum(-1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return hidden.reshape(-1, *hidden.shape[2:])[idx], idx, cu, int(lens.max()), lens
+
+    def pad_input(x, idx, batch, seqlen):
+        out = x.new_zeros(batch * seqlen, *x.shape[1:])
+        out[idx] = x
+        return out.view(batch, seqlen, *x.shape[1:])
+
+    monkeypatch.setattr(rau, "unpad_input", unpad_input)
+    monkeypatch.setattr(rau, "pad_input", pad_input)
+    monkeypatch.setattr(rau, "index_first_axis", lambda x, idx: x[idx])
+    monkeypatch.setattr(rau, "rearrange", lambda x, pattern: x.reshape(-1, *x.shape[2:]))
+
+
+def test_chunked_head_with_packed_samples(orl, monkeypatch):
+    """``--ds.packing_samples``: the chunked head unpads and pads with OpenRLHF's own helpers
+    (here over torch stand-ins for flash-attn's): the same log-probs, entropies and gradients
+    as OpenRLHF's packed forward."""
+    from openrlhf.models import Actor
+
+    from hilore_actor.openrlhf.chunked_head import install
+    from hilore_actor.openrlhf.verify import experience
+
+    _torch_padding(monkeypatch)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    exp = experience(seed, B=3, P=10, A=16, vocab=300)
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=300), lora=LoraSpec(8, 16), seed=0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+    actor = Actor(model, temperature=0.9)
+    actor.packing_samples = True
+    w = torch.randn(exp.action_mask.shape, generator=torch.Generator().manual_seed(seed))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        lp, out = actor(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask, return_output=True,
+                        return_entropy=True)
+        ((lp * w).sum() + out.entropy.sum()).backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        return lp.detach(), out.entropy.detach(), g
+
+    lp_ref, ent_ref, g_ref = run()
+    install(actor)
+    lp, ent, g = run()
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-5)
+    assert float((g - g_ref).norm() / g_ref.norm()) < 1e-4
+
+
+def _strategy_stub(calls):
+    """What ``planning_prepare`` reads of OpenRLHF's DeepspeedStrategy: its args, ``prepare``
+    (here: records the reduce bucket the train config then has) and ``get_ds_train_config``."""
+    from types import SimpleNamespace as NS
+
+    args = NS(train=NS(micro_batch_size=4, seed=0), data=NS(max_len=32), rollout=NS(n_samples_per_prompt=4),
+              actor=NS(eps_clip_low_high=(0.2, 0.2)), algo=NS(kl=NS(use_loss=True, init_coef=0.01, estimator="k3")),
+              ds=NS(zero_stage=2))
+    st = NS(args=args, print=lambda *a: None)
+    st.get_ds_train_config = lambda *a, **k: {"zero_optimization": {"reduce_bucket_size": "auto"}}
+
+    def prepare(*models, **kwargs):
+        calls.append(st.get_ds_train_config()["zero_optimization"]["reduce_bucket_size"])
+        return models
+
+    st.prepare = prepare
+    return st
+
+
+def test_planning_sees_the_model_on_the_strategys_device(orl, monkeypatch):
+    """The drop-in plans inside ``strategy.prepare``, after moving the model where DeepSpeed
+    trains it: here the ``meta`` device stands for the GPU; planning that ran before the move
+    would see CPU weights. ZeRO-2's reduce bucket is the trainable parameter count; a later
+    ``prepare`` (EMA, reference) passes through unplanned."""
+    from types import SimpleNamespace as NS
+
+    import hilore_actor.learner.plan as plan_mod
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.openrlhf.policy_actor import planning_prepare
+
+    seen = []
+    monkeypatch.setattr(plan_mod, "plan_before_wrapping", lambda model, hcfg, **kw: seen.append(
+        (next(model.parameters()).device, kw["device"])) or "the plan")
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    calls, holder = [], {}
+    st = _strategy_stub(calls)
+    prepare = planning_prepare(st, hilore_settings(), torch.device("meta"), holder)
+    prepare((NS(model=model), {}))
+    assert seen == [(torch.device("meta"), torch.device("meta"))] and holder["plan"] == "the plan"
+    assert calls == [max(trainable, 2**20)]
+    prepare(NS(model=model))
+    assert len(seen) == 1 and calls[-1] == "auto"
+
+
+def test_first_update_has_no_leftover_planning_gradient(orl):
+    """Real planning through ``planning_prepare`` (CPU), then OpenRLHF's ``training_step`` under
+    the drop-in without clearing gradients: bitwise OpenRLHF's own gradient-checkpointing
+    gradient (a planning gradient left on the LoRA weights would be added to it)."""
+    from types import SimpleNamespace as NS
+
+    from openrlhf.models import Actor
+
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.openrlhf.policy_actor import planning_prepare
+    from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
+    from hilore_actor.recovery import RecoveryEngine
+    from hilore_actor.openrlhf.verify import loss_batch_info
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    exp = _experience(seed)
+
+    def fresh():
+        m = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+        a = Actor(m)
+        a.packing_samples = False
+        return m, a
+
+    model, actor = fresh()
+    trainer = _trainer(orl, actor)
+    actor.gradient_checkpointing_enable()
+    trainer.training_step(exp, 0.01, 0, loss_batch_info(exp))
+    g_gc = _grads(actor)
+
+    model, actor = fresh()
+    holder = {}
+    import torch.distributed as dist
+
+    orig = dist.get_world_size, dist.get_rank
+    dist.get_world_size, dist.get_rank = (lambda *a: 1), (lambda *a: 0)
+    try:
+        planning_prepare(_strategy_stub([]), hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1,
+                                                             chunked_head=False),
+                         torch.device("cpu"), holder)((NS(model=model), {}))
+    finally:
+        dist.get_world_size, dist.get_rank = orig
+    trainer = _trainer(orl, actor)
+    HiLoReTrainingStep(holder["plan"], RecoveryEngine(actor.model)).install(trainer)
+    trainer.training_step(exp, 0.01, 0, loss_batch_info(exp))  # gradients not cleared
+    assert torch.equal(_grads(actor), g_gc)

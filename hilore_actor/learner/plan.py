@@ -325,7 +325,28 @@ def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = N
         check_levels(cal, hcfg.codec, f"--hilore.calibration {hcfg.calibration}")
         return cal
     log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
-    cal = calibrate_levels(runner, batches, levels, cap=cap)
+    cal = shared_calibration(runner, batches, levels, cap) if _world() > 1 else calibrate_levels(runner, batches, levels, cap=cap)
     if hcfg.calibration and write:
         save_levels(cal, hcfg.calibration)
     return cal
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+
+
+def shared_calibration(runner, batches, levels, cap: Optional[int] = None) -> Dict:
+    """Calibration once for every rank of the process group (before DeepSpeed, where ranks
+    plan in lockstep): rank r runs the interventions on ``batches[r::world]``, the samples are
+    gathered (``all_gather_object``) and pooled (``calibration.merge``), so every rank adopts
+    the same calibration, at 1/world of the cost."""
+    from dataclasses import asdict
+
+    from ..allocation.calibration import Calibration, calibrate_levels, merge
+
+    rank, world = torch.distributed.get_rank(), _world()
+    share = list(batches)[rank::world]  # empty on ranks beyond the batches: they only receive
+    mine = calibrate_levels(runner, share, levels, cap=cap) if share else {}
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, {a: asdict(c) for a, c in mine.items()})
+    return {a: merge([Calibration(**p[a]) for p in parts if a in p]) for a in levels}

@@ -23,6 +23,8 @@ from ..recovery.state import ACTIONS
 from ..runtime import MemoryMeter
 from .coordinator import call
 
+END_MARK = "end_of_microbatch"  # MicrobatchRecord.end_here
+
 
 @dataclass
 class MicrobatchRecord:
@@ -35,6 +37,13 @@ class MicrobatchRecord:
     actions: Dict[str, str] = field(default_factory=dict)  # unit -> H | L | R
     peak_bytes: int = 0  # allocated inside the microbatch, above what it began with
     predicted_bytes: int = 0  # the in-microbatch peak its plan predicted (0: no plan)
+    meter: Optional[MemoryMeter] = None  # while the block runs
+
+    def end_here(self) -> None:
+        """What follows in the block (an integration's optimizer step) is not the microbatch's:
+        its peak is the peak up to this point."""
+        if self.meter is not None:
+            self.meter.mark(END_MARK)
 
     @property
     def scope_peak(self) -> int:
@@ -58,7 +67,7 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iter
     is complete when the block exits. ``resident``: what the rank holds as the microbatch
     begins, in B's scope (``scope.resident_now`` for the device scope, 0 otherwise)."""
     rec = MicrobatchRecord(tokens=int(tokens), resident=int(resident))
-    meter = MemoryMeter(device)
+    meter = rec.meter = MemoryMeter(device)
     with meter:
         if engine is None:
             yield rec
@@ -74,7 +83,8 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iter
                     rec.step = st
                     yield rec
                     rec.actions = st.actions()
-    rec.peak_bytes = meter.report.peak_bytes
+    rec.meter = None
+    rec.peak_bytes = meter.report.peak_before.get(END_MARK, meter.report.peak_bytes)
 
 
 def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchRecord) -> Optional[dict]:

@@ -24,40 +24,64 @@ def default_chunk(vocab: int, target_bytes: int = 32 * 2**20) -> int:
 
 
 class ChunkedTokenLogProbs(torch.autograd.Function):
+    """``apply(hidden [N, H], weight [V, H], bias, labels [N], chunk, scale=1.0, entropy=False)``:
+    the log-prob of each label under ``softmax(scale * (hidden @ weight.T + bias))`` (``scale``:
+    1 / the sampling temperature), and with ``entropy`` also each row's entropy
+    ``H = lse - sum(p z)``, both float32 ``[N]``. Backward per chunk, from the saved ``lse``
+    (and ``H``): dz = g_logp (onehot - p) - g_H p (z - E_p[z]), E_p[z] = lse - H."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk: int):
+    def forward(ctx, hidden, weight, bias, labels, chunk: int, scale: float = 1.0, entropy: bool = False):
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=hidden.device)
         for i in range(0, n, chunk):
-            logits = F.linear(hidden[i:i + chunk], weight, bias).float()
-            lse[i:i + chunk] = torch.logsumexp(logits, dim=-1)
-            out[i:i + chunk] = logits.gather(-1, labels[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.chunk = chunk
-        return out
+            z = F.linear(hidden[i:i + chunk], weight, bias).float()
+            if scale != 1.0:
+                z.mul_(scale)
+            lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
+            out[i:i + chunk] = z.gather(-1, labels[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
+            if entropy:
+                p = (z - lse[i:i + chunk, None]).exp_()
+                ent[i:i + chunk] = lse[i:i + chunk] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
+        ctx.chunk, ctx.scale, ctx.entropy = chunk, scale, entropy
+        return (out, ent) if entropy else out
 
     @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad, grad_ent=None):
+        hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(hidden) if need_h else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        c = ctx.chunk
+        c, scale = ctx.chunk, ctx.scale
         for i in range(0, hidden.shape[0], c):
             h = hidden[i:i + c]
             g = grad[i:i + c].float()
-            p = F.linear(h, weight, bias).float().sub_(lse[i:i + c, None]).exp_()  # softmax
-            p.mul_(-g[:, None]).scatter_add_(-1, labels[i:i + c, None], g[:, None])  # g (onehot - softmax)
-            gl = p.to(hidden.dtype)
+            z = F.linear(h, weight, bias).float()
+            if scale != 1.0:
+                z.mul_(scale)
+            if ctx.entropy and grad_ent is not None:
+                mean_z = (lse[i:i + c] - ent[i:i + c])[:, None]  # E_p[z]
+                p = (z - lse[i:i + c, None]).exp_()
+                dz = z.sub_(mean_z).mul_(p).mul_(-grad_ent[i:i + c].float()[:, None])  # -g_H p (z - E_p[z])
+                dz.sub_(p.mul_(g[:, None]))
+            else:
+                dz = z.sub_(lse[i:i + c, None]).exp_().mul_(-g[:, None])  # -g p
+            dz.scatter_add_(-1, labels[i:i + c, None], g[:, None])  # + g onehot
+            if scale != 1.0:
+                dz.mul_(scale)
+            gl = dz.to(hidden.dtype)
             if need_h:
                 gh[i:i + c] = gl @ weight
             if need_w:
                 gw.addmm_(gl.t().float(), h.float())
             if need_b:
                 gb += gl.float().sum(0)
-        return gh, (gw.to(weight.dtype) if need_w else None), (gb.to(bias.dtype) if need_b else None), None, None
+        return (gh, (gw.to(weight.dtype) if need_w else None), (gb.to(bias.dtype) if need_b else None),
+                None, None, None, None)
 
 
 def chunked_token_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,

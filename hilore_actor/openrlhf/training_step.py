@@ -9,8 +9,10 @@ KL loss), ``strategy.backward`` and ``strategy.optimizer_step``. The wrapper
    ``torch.autograd.grad`` through the loss only (token-level ops, cheap), whatever loss
    OpenRLHF was configured with, turns it into actions (Eq. 7 -> Eq. 13) and sets them
    before the real backward;
-4. measures the step's peak and reports it to the budget coordinator; on ``tighten`` the
-   rank re-plans before its next microbatch.
+4. measures the step's peak up to its optimizer step (which DeepSpeed runs at the
+   accumulation boundary; B bounds the microbatch, as the job's planning measured it) and
+   reports it to the budget coordinator; on ``tighten`` the rank re-plans before its next
+   microbatch.
 
 Steps 1 and 4 are the learner room's microbatch sequence (``learner/step.py``).
 
@@ -25,6 +27,7 @@ import torch
 
 from ..learner.scope import resident_now
 from ..learner.step import report, run_microbatch
+from .patching import shadowed
 
 
 def _aligned(action_values: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -93,14 +96,20 @@ class HiLoReTrainingStep:
                 rec.step.set_actions(self._choose(rec, captured, loss, experience))
             return real_backward(loss, model, optimizer, **kwargs)
 
-        strategy.backward = backward
+        def optimizer_step(*args, **kwargs):  # outside the microbatch's peak: B bounds the microbatch
+            rec = state.get("rec")
+            if rec is not None:
+                rec.end_here()
+            return real_step(*args, **kwargs)
+
+        real_step = strategy.optimizer_step
         try:
-            resident = resident_now(self.device, trainer.actor.model) if self.plan.scope == "device" else 0
-            with run_microbatch(self.plan, self.engine, self.device, experience.sequences.numel(), resident) as rec:
-                state["rec"] = rec
-                result = original(experience, kl_ctl, step, loss_batch_info)
+            with shadowed(strategy, backward=backward, optimizer_step=optimizer_step):
+                resident = resident_now(self.device, trainer.actor.model) if self.plan.scope == "device" else 0
+                with run_microbatch(self.plan, self.engine, self.device, experience.sequences.numel(), resident) as rec:
+                    state["rec"] = rec
+                    result = original(experience, kl_ctl, step, loss_batch_info)
         finally:
-            del strategy.backward  # the class's method again
             hook.remove()
         counts = rec.counts
         self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget, "actions": rec.actions}

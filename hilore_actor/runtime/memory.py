@@ -30,6 +30,7 @@ class MemoryReport:
     peak_bytes: int  # max live bytes above the region's start
     net_bytes: int  # live bytes at the end minus at the start (allocated in the region)
     peak_since: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes after it (above the start)
+    peak_before: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes before it (above the start)
 
     def __str__(self) -> str:
         return f"peak {self.peak_bytes / 2**20:.2f} MiB above start on {self.device} (net {self.net_bytes / 2**20:+.2f} MiB)"
@@ -47,6 +48,7 @@ class MemoryMeter:
         self._prof = None
         self._cuda_peaks: Dict[str, int] = {}
         self._cuda_overall = 0  # CUDA: the peak before the last mark reset the counter
+        self._cuda_before: Dict[str, int] = {}
 
     def __enter__(self) -> "MemoryMeter":
         if self.device.type == "cuda":
@@ -62,10 +64,12 @@ class MemoryMeter:
 
     def mark(self, name: str) -> None:
         """Start a sub-window: the report's ``peak_since[name]`` is the peak after this point
-        (still measured above the region's start), e.g. the backward after a downgrade."""
+        and ``peak_before[name]`` the peak up to it (both above the region's start), e.g. the
+        backward after a downgrade, or a step without its optimizer step."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._cuda_overall = max(self._cuda_overall, torch.cuda.max_memory_allocated(self.device))
+            self._cuda_before[name] = self._cuda_overall - self._start
             for k in self._cuda_peaks:
                 self._cuda_peaks[k] = max(self._cuda_peaks[k], torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -76,6 +80,7 @@ class MemoryMeter:
 
     def __exit__(self, *exc) -> None:
         since: Dict[str, int] = {}
+        before: Dict[str, int] = dict(self._cuda_before)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             now_peak = torch.cuda.max_memory_allocated(self.device)
@@ -84,9 +89,10 @@ class MemoryMeter:
             net = torch.cuda.memory_allocated(self.device) - self._start
         else:
             self._prof.__exit__(*exc)
-            peak, net, since = cpu_peak_from_events(self._prof)
+            peak, net, since, before = cpu_peak_from_events(self._prof)
             self._prof = None
-        self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()})
+        self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()},
+                                   {k: int(max(v, 0)) for k, v in before.items()})
 
     @property
     def peak_bytes(self) -> int:
@@ -111,8 +117,9 @@ def _cpu_events(prof) -> Tuple[list, list]:
     return sorted(allocs, key=lambda a: a[0]), sorted(marks)
 
 
-def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int]]:
-    """(peak, net, peak after each mark) of the bytes allocated in the region and still live.
+def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int], Dict[str, int]]:
+    """(peak, net, peak after each mark, peak before each mark) of the bytes allocated in the
+    region and still live.
 
     A free counts only if its address was allocated inside the region. torch's CPU allocator
     records block sizes while any profiler runs: a tensor allocated under an earlier meter (kept
@@ -123,10 +130,12 @@ def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int]]:
     held: Dict[int, int] = {}
     live = peak = 0
     since: Dict[str, int] = {}
+    before: Dict[str, int] = {}
     mi = 0
     for ts, ptr, nbytes in allocs:
         while mi < len(marks) and marks[mi][0] <= ts:
             since[marks[mi][1]] = live
+            before[marks[mi][1]] = peak
             mi += 1
         if nbytes >= 0:
             held[ptr] = held.get(ptr, 0) + nbytes
@@ -138,6 +147,7 @@ def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int]]:
             since[k] = max(since[k], live)
     for _, name in marks[mi:]:
         since[name] = live
+        before[name] = peak
     return peak, live, since
 
 

@@ -63,7 +63,7 @@ class Learner:
         model, _ = load_policy(cfg.actor.model_name_or_path, dtype=self.dtype, lora=lora_spec(cfg), seed=cfg.train.seed)
         model.to(self.device)
         self.backend = cfg.actor.backend
-        self.chunked_head = self.backend == "hilore" and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
+        self.chunked_head = self.backend == "hilore" and cfg.hilore.chunked_head and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
         self.plan = self._plan(model, resume_dir)
         if self.backend == "gc":
             from ..recovery import apply_baseline
