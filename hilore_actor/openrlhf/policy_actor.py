@@ -29,6 +29,8 @@ import ray
 import torch
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
+from .patching import shadowed
+
 CONFIG_ENV = "HILORE_OPENRLHF_CONFIG"
 COORDINATOR_NAME = "hilore_budget_coordinator"
 
@@ -77,11 +79,8 @@ def planning_prepare(strategy, hcfg, device: torch.device, holder: dict):
             cfg["zero_optimization"]["reduce_bucket_size"] = int(max(trainable, 2**20))
             return cfg
 
-        strategy.get_ds_train_config = train_config
-        try:
+        with shadowed(strategy, get_ds_train_config=train_config):
             return real_prepare(*models, **kwargs)
-        finally:
-            del strategy.get_ds_train_config  # the class's method again
 
     return prepare
 
@@ -105,11 +104,8 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
             args.actor.gradient_checkpointing_enable = False
         holder = {}
         prepare = planning_prepare(strategy, hcfg, torch.device("cuda", torch.cuda.current_device()), holder)
-        strategy.prepare = prepare
-        try:
+        with shadowed(strategy, prepare=prepare):
             super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
-        finally:
-            del strategy.prepare
         plan = holder["plan"]
         plan.rebase(resident_now(torch.device("cuda", torch.cuda.current_device()), self.actor.model))
         engine = RecoveryEngine(self.actor.model, codec=codec_levels(hcfg.codec)[0])

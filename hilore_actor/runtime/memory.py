@@ -148,7 +148,7 @@ def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int], Dict[str, int]
     for _, name in marks[mi:]:
         since[name] = live
         before[name] = peak
-    return peak, live, since
+    return peak, live, since, before
 
 
 def measure_peak(fn: Callable[[], T], device: Union[str, torch.device, None] = None) -> Tuple[T, MemoryReport]:
