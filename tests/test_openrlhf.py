@@ -327,10 +327,7 @@ def test_chunked_head_matches_openrlhfs_forward_with_a_lower_peak(orl, eager):
     seed = torch.seed() % 2**31
     print("seed", seed)
     vocab = 4096  # the head's logits dominate, as in a real model
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=vocab), lora=LoraSpec(8, 16), seed=0)
-    for n, p in model.named_parameters():  # LoRA B not zero: the LoRA gradients see the whole model
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+    model = _lora_model(seed, vocab=vocab, layers=2)
     from hilore_actor.openrlhf.verify import experience
 
     exp = experience(seed, B=4, P=24, A=40, vocab=vocab)
@@ -365,6 +362,15 @@ def test_chunked_head_matches_openrlhfs_forward_with_a_lower_peak(orl, eager):
     assert full["logits"].shape == (4, 64, vocab)
 
 
+def _lora_model(seed, vocab=128, layers=3):
+    """A tiny qwen2 with LoRA whose B is drawn away from zero (seeded): LoRA A's gradients exist."""
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=layers, vocab_size=vocab), lora=LoraSpec(8, 16), seed=0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
 def _cpu_builder(orl, seed, sabotage=None):
     """``verify.check``'s builder on CPU: the single-process trainer around OpenRLHF's Actor."""
     from openrlhf.models import Actor
@@ -376,10 +382,7 @@ def _cpu_builder(orl, seed, sabotage=None):
     from hilore_actor.recovery import RecoveryEngine
 
     def build(method):
-        model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+        model = _lora_model(seed)
         actor = Actor(model)
         actor.packing_samples = False
         trainer = _trainer(orl, actor)
@@ -451,10 +454,7 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     try:
         grads = []
         for chunked in (False, True):
-            model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=512), lora=LoraSpec(8, 16), seed=0)
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+            model = _lora_model(seed, vocab=512, layers=2)
             actor = Actor(model, temperature=0.8)
             actor.packing_samples = False
             params = [p for p in model.parameters() if p.requires_grad]
@@ -510,12 +510,9 @@ def test_chunked_head_with_packed_samples(orl, monkeypatch, eager):
     seed = torch.seed() % 2**31
     print("seed", seed)
     exp = experience(seed, B=3, P=10, A=16, vocab=300)
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=300), lora=LoraSpec(8, 16), seed=0)
+    model = _lora_model(seed, vocab=300, layers=2)
     model.config.use_cache = False  # as OpenRLHF's Actor sets it when it loads a model (with a cache, HF's
     # sdpa mask ignores the packed positions)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
     actor = Actor(model, temperature=0.9)
     actor.packing_samples = True
     w = torch.randn(exp.action_mask.shape, generator=torch.Generator().manual_seed(seed))
@@ -602,10 +599,7 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     exp = _experience(seed)
 
     def fresh():
-        m = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
+        m = _lora_model(seed)
         a = Actor(m)
         a.packing_samples = False
         return m, a
