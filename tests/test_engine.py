@@ -57,6 +57,41 @@ def test_h_r_and_gc_are_bitwise_no_gc(arch, lora):
     assert all(torch.equal(g[n], ref[n]) for n in ref), "gc differs from no-gc"
 
 
+@pytest.mark.parametrize("lora", ["full", "lora-dropout"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_p_is_bitwise_no_gc_and_keeps_part_of_a_bundle(arch, lora):
+    """P (plan ``partial``): the unit keeps its matmul and attention-kernel outputs and
+    replays the rest from them: gradients bitwise no-gc, alone, mixed with H and R, and
+    sent to R after forward; an MLP unit keeps fewer bytes than under H."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = tiny(arch, lora)
+    ids, pos = packed_microbatch(96, VOCAB, n_seqs=3)
+    ref, _ = run(model, ids, pos)
+    engine = RecoveryEngine(model)
+    gen = torch.Generator().manual_seed(seed)
+    mixed = {n: "HPR"[int(b)] for n, b in zip(engine.unit_names, torch.randint(0, 3, (4,), generator=gen))}
+    first_r = {n: ("R" if i == 0 else "P") for i, n in enumerate(engine.unit_names)}
+    for plan, actions in [("all-p", None), (mixed, None), ("all-p", first_r), ("all-p", "all-r")]:
+        g, step = run(model, ids, pos, engine, plan, actions)
+        for n in ref:
+            assert torch.equal(g[n], ref[n]), f"{plan}/{actions}: {n} differs"
+    held = {}
+    for plan in ("all-h", "all-p"):
+        model.zero_grad(set_to_none=True)
+        with engine.step(plan) as st:
+            loss = grpo_loss(model, ids, pos)
+            st.set_actions()
+            held[plan] = st.bytes_by_unit(shared=False)
+            loss.backward()
+    for n in engine.unit_names:
+        h, p = held["all-h"][n], held["all-p"][n]
+        print(n, "H", h, "P", p)
+        assert p["exact"] == 0 and p["partial"] > 0
+        if n.endswith("mlp"):
+            assert p["partial"] + p["checkpoint"] < h["exact"] + h["checkpoint"]
+
+
 @pytest.mark.parametrize("codec", ["int8", "int8-g64", "int8-outlier", "bf16", "fp8-e4m3", "fp8-e4m3-b32", "fp8-e5m2"])
 @pytest.mark.parametrize("lora", ["full", "lora-dropout"])
 @pytest.mark.parametrize("arch", ARCHS)

@@ -47,3 +47,26 @@ def test_scaled_is_exact_on_quadratic_bytes_and_reports_the_curvature():
     assert est["codec|L"]["u"] == pytest.approx(2048e-6) and off_line > 0.01
     one, _ = scaled({256: probe(256)}, 1024)
     assert one["L"]["u"] == pytest.approx(2048)  # one probe: proportional
+
+
+def test_partial_costs_and_a_plan_that_takes_p(setup):
+    """P's profiled costs: an MLP unit keeps fewer bytes than under H and its P replay saves
+    part of its R replay; with P offered and room for the P bytes of every unit but not the
+    H bytes, the knapsack takes P somewhere, and that plan's gradients equal all-R's bitwise."""
+    from hilore_actor.allocation import HiLoRe
+
+    runner, mb, budget = setup
+    costs = profile_units(runner, mb, repeats=1, partial=True)
+    for n in costs.dm:
+        print(n, {a: costs.dm[n][a] >> 10 for a in ("H", "P")}, "KiB;", {a: round(costs.dtau[n][a], 4) for a in ("H", "P")}, "s")
+        assert costs.dm[n]["P"] > 0 and 0.0 <= costs.dtau[n]["P"] <= costs.dtau[n]["H"] * 1.5
+        if n.endswith("mlp"):
+            assert costs.dm[n]["P"] < costs.dm[n]["H"]
+    hl = HiLoRe(runner, 10**12, None, mode="hilore-hr", partial=True, loo=False, log=lambda *a: None)
+    room = sum(costs.dm[n]["P"] for n in costs.dm if n.endswith("mlp")) * 1.01
+    actions = hl.allocate(costs, {}, room, 0.0)
+    print(actions)
+    assert "P" in actions.values()
+    g_p = runner.run(mb, {n: a for n, a in actions.items()}, grads=True).grad
+    g_r = runner.run(mb, "all-r", grads=True).grad
+    assert torch.equal(g_p, g_r)

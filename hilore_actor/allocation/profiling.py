@@ -50,12 +50,14 @@ class UnitCosts:
 
 
 def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] = None,
-                  levels: Sequence[str] = ("L",)) -> UnitCosts:
+                  levels: Sequence[str] = ("L",), partial: bool = False) -> UnitCosts:
     """Eq. 9's costs of every unit on ``mb``, for H and each L level in ``levels`` (action
     labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another one). ``cap``: no profiling pass
     may peak above it (the budget B): the all-R passes run on ``mb`` (they are the plan's
     floor), the all-H and all-L passes, which hold far more, on prefixes of ``mb`` that fit,
-    and their bytes and codec times are scaled to ``mb``'s tokens (``probe_bytes``)."""
+    and their bytes and codec times are scaled to ``mb``'s tokens (``probe_bytes``).
+    ``partial``: also P, whose utility is the unit's R replay time less its replay time
+    with the kept op outputs (measured on the probes, scaled like codec times)."""
     names = runner.engine.unit_names
     runner.run(mb, "all-r")  # warm-up
     rec: Dict[str, List[float]] = {n: [] for n in names}
@@ -68,20 +70,28 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
     peak = runner.run(mb, "all-r", measure_peak=True).peak_bytes
     if cap is not None and peak > cap:
         raise ValueError(f"budget {cap} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
-    probes = probe_bytes(runner, mb, repeats, cap, levels)
+    probes = probe_bytes(runner, mb, repeats, cap, levels, partial=partial)
     costs = UnitCosts(shape_class(mb), statistics.median(base), int(peak), tokens=mb.num_tokens,
                       probe_tokens=sorted(probes))
     est, costs.bytes_linear_error = scaled(probes, mb.num_tokens)
     for n in names:
         t = statistics.median(rec[n])
         costs.dtau[n] = dict({"H": t}, **{a: max(0.0, t - est[CODEC + a][n]) for a in levels})
-        costs.dm[n] = _dm(est, n, levels)
-    costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n, levels) for n in names}}
+        if partial:  # the probes' R and P replay times, both scaled: their difference is what P saves
+            costs.dtau[n]["P"] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + "P"][n]) * (t / max(est[REPLAY + "R"][n], 1e-12))
+        costs.dm[n] = _dm(est, n, _kinds(levels, partial))
+    costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n, _kinds(levels, partial))
+                                                                               for n in names}}
                     for x, v in sorted(probes.items())]
     return costs
 
 
 CODEC = "codec|"  # key prefix of an L level's encode + decode seconds in a probe
+REPLAY = "replay|"  # key prefix of a unit's replay seconds under R or P in a probe
+
+
+def _kinds(levels: Sequence[str], partial: bool) -> Sequence[str]:
+    return (*levels, "P") if partial else tuple(levels)
 
 
 def _dm(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
@@ -109,10 +119,11 @@ def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:
     return out
 
 
-def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str]) -> Dict[str, Dict[str, float]]:
+def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], partial: bool = False) -> Dict[str, Dict[str, float]]:
     """Per unit on ``mb``: H and each L level's bytes as if held alone, each level's encode +
     decode seconds, and for an attention unit the MLP input that must then be kept; plus the
-    all-R peak and the highest all-H / all-L peak."""
+    all-R peak and the highest all-H / all-L peak. ``partial``: also P's bytes and the
+    unit's replay seconds under R and under P (paired on the same prefix)."""
     names = runner.engine.unit_names
     r = runner.run(mb, "all-r", measure_peak=True)
     h = runner.run(mb, "all-h", measure_peak=True)
@@ -130,6 +141,8 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str]) -> Di
         out[a] = {n: float(l_run.bytes_alone[n]["compressed"] + l_run.bytes_alone[n]["exact"]) for n in names}
         out[CODEC + a] = {n: statistics.median(codec[n]) for n in names}
         out["peak"]["all-h"] = max(out["peak"]["all-h"], float(l_run.peak_bytes))
+    if partial:
+        _partial_at(runner, mb, repeats, out)
     # keeping a layer's attention while its MLP is R breaks the shared layer replay: the MLP
     # then needs its own input kept (one hidden-state tensor)
     mixed = {layer.units[0].name: layer.units[1].name for layer in runner.engine.layer_specs
@@ -140,8 +153,25 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str]) -> Di
     return out
 
 
+def _partial_at(runner, mb: Microbatch, repeats: int, out: Dict) -> None:
+    """P on ``mb``: each unit's kept op outputs (bytes as if held alone) and its replay
+    seconds with them, interleaved with plain R replays of the same prefix."""
+    names = runner.engine.unit_names
+    p_run = runner.run(mb, "all-p", measure_peak=True)
+    out["P"] = {n: float(p_run.bytes_alone[n]["partial"]) for n in names}
+    out["peak"]["all-h"] = max(out["peak"]["all-h"], float(p_run.peak_bytes))
+    rec = {k: {n: [] for n in names} for k in ("R", "P")}
+    for _ in range(repeats):
+        for k, policy in (("R", "all-r"), ("P", "all-p")):  # R: per unit within the layer replay, as dtau["H"]
+            res = runner.run(mb, policy, profile=True)
+            for n in names:
+                rec[k][n].append(res.unit_seconds[n]["recompute"])
+    for k in ("R", "P"):
+        out[REPLAY + k] = {n: statistics.median(rec[k][n]) for n in names}
+
+
 def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels: Sequence[str] = ("L",),
-                margin: float = 1.15):
+                margin: float = 1.15, partial: bool = False):
     """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``cap`` is None, else up to three
     prefixes (a sixteenth of ``mb``, then halfway to, then at the longest prefix whose all-H
     peak, extrapolated from the probes so far by a polynomial of degree up to 2 (a packed
@@ -150,12 +180,12 @@ def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels
     T = mb.input_ids.shape[1]
     rows = mb.input_ids.shape[0]
     if cap is None:
-        return {mb.num_tokens: _bytes_at(runner, mb, repeats, levels)}
+        return {mb.num_tokens: _bytes_at(runner, mb, repeats, levels, partial)}
     t = min(T, max(64, T // 16))
     probes = {}
     for _ in range(6):
         part = mb.prefix(t) if t < T else mb
-        probes[part.num_tokens] = last = _bytes_at(runner, part, repeats, levels)
+        probes[part.num_tokens] = last = _bytes_at(runner, part, repeats, levels, partial)
         if t == T:
             return {part.num_tokens: last}
         # only probes whose bundles have the same structure as the longest one describe it (a short
@@ -185,7 +215,7 @@ def scaled(probes: Dict[int, Dict], tokens: int):
     out: Dict[str, Dict[str, float]] = {}
     worst = 0.0
     for key in (k for k in probes[xs[-1]] if k not in ("peak", "structure")):
-        timing = key.startswith(CODEC)
+        timing = key.startswith((CODEC, REPLAY))
         out[key] = {}
         for n in probes[xs[-1]][key]:
             ys = [probes[x][key][n] for x in xs]

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 from ..recovery.policies import stores_nothing
-from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT, action_for_plan, allows, plan_for_label, split_label
+from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT, PARTIAL, action_for_plan, allows, plan_for_label, split_label
 from .calibration import Calibration
 from .exposure import exposures
 from .knapsack import Option, solve
@@ -72,6 +72,7 @@ class HiLoRe:
         costs_cache: Optional[Dict[str, UnitCosts]] = None,
         within_budget: bool = True,
         first_fit: float = 0.9,
+        partial: bool = False,
         log=print,
     ):
         """``calibration``: L's calibrated risk, or ``{L level: calibration}`` for several L
@@ -80,7 +81,8 @@ class HiLoRe:
         ``within_budget``: no planning pass may peak above B (profiling measures what
         would not fit on prefixes, ``profiling.probe_bytes``; the exact reference is all-R);
         ``first_fit``: the share of the memory room the first candidate plan may use (the
-        real peak per predicted byte is not known before one plan has run)."""
+        real peak per predicted byte is not known before one plan has run). ``partial``:
+        offer P (keep a unit's matmul and attention outputs, replay the rest) beside H, L, R."""
         if mode not in MODES:
             raise ValueError(f"unknown HiLoRe mode {mode!r}; choose one of {MODES}")
         if mode != "hilore-hr" and calibration is None:
@@ -93,6 +95,7 @@ class HiLoRe:
         self.mode = mode
         self.delta = 0.0 if mode == "hilore-hr" else delta
         self.levels = tuple(sorted(self.calibrations, key=lambda a: (a != "L", a))) if self.delta > 0 else ()
+        self.partial = bool(partial)
         self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
         # static has no online trimming, so its plan may not take more risk than delta
         self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
@@ -108,8 +111,8 @@ class HiLoRe:
     def _options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
         """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
         opts = [Option("R", 0.0, 0.0, 0.0)]
-        for a in ("H", *self.levels):
-            if plan is None or allows(plan, a):
+        for a in ("H", *(("P",) if self.partial else ()), *self.levels):
+            if (plan is None or allows(plan, a)) and a in sp_costs.dm[unit]:
                 opts.append(Option(a, sp_costs.dtau[unit][a], sp_costs.dm[unit][a], risks.get(a, 0.0)))
         return opts
 
@@ -117,7 +120,7 @@ class HiLoRe:
                  plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11)."""
         names = self.engine.unit_names
-        items = [self._options(costs, n, plan[n] if plan else None, risks.get(n, {})) for n in names]
+        items = [self._options(costs, n, plan.get(n) if plan else None, risks.get(n, {})) for n in names]
         picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
         return {n: items[i][picks[i]].action for i, n in enumerate(names)}
 
@@ -136,9 +139,11 @@ class HiLoRe:
         """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
         shape = shape_class(dev[0])
         cached = self.costs_cache.get(shape)
-        if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in self.levels):
+        wanted = (*self.levels, *(("P",) if self.partial else ()))
+        if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in wanted):
             self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
-                                                    cap=self.budget if self.within_budget else None, levels=self.levels)
+                                                    cap=self.budget if self.within_budget else None, levels=self.levels,
+                                                    partial=self.partial)
         costs = self.costs_cache[shape]
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
@@ -146,9 +151,9 @@ class HiLoRe:
         best = None
         for scale in self.scales:
             sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
-            n = {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED)}
+            n = {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED, PARTIAL)}
             saved = self.saved_seconds(costs, actions)
-            self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[COMPRESSED]} compressed; "
+            self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed; "
                      f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B")
             if peak <= self.budget and (best is None or saved > best[0]):
                 best = (saved, sp, scale)
@@ -188,7 +193,7 @@ class HiLoRe:
         """Re-solve ``sp``'s plan for its current budgets; units the leave-one-out check sent
         to R stay R."""
         dropped = set(sp.report.get("loo_recomputed", []))
-        limits = {n: CHECKPOINT if n in dropped else EXACT for n in self.engine.unit_names} if dropped else None
+        limits = {n: CHECKPOINT for n in dropped} if dropped else None  # the others: any option
         actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget, plan=limits)
         sp.plan = {n: plan_for_label(a) for n, a in actions.items()}
 

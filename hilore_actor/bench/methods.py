@@ -20,7 +20,7 @@ from .peers import (PeerUnavailable, compiled_runner, decoder_layers, enable_sac
                     tune_sac_layers)
 from .scope import UpdatePeaks, make_optimizer, update_peaks
 
-OURS = ("hilore-hr", "hilore-static", "hilore")
+OURS = ("hilore-hr", "hilore-static", "hilore", "hilore-hr-p", "hilore-p")  # -p: P offered too (issue 14)
 PEERS = ("sac", "sac-budget", "compile-budget", "compile-fp8")
 BUDGETED = OURS + ("sac-budget", "compile-budget")
 HEADS = ("chunked", "full")
@@ -140,8 +140,9 @@ def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) ->
         return _sac_budget(name, budget_ratio, head, runner, ctx)
     if base in OURS:
         cache = ctx.costs_cache.setdefault(id(runner), {})  # unit costs differ with the head
-        h = HiLoRe(runner, ctx.budget.room(budget_ratio), ctx.calibration, mode=base, costs_cache=cache, loo=ctx.loo,
-                   log=ctx.log)
+        mode, partial = (base[:-2], True) if base.endswith("-p") else (base, False)
+        h = HiLoRe(runner, ctx.budget.room(budget_ratio), ctx.calibration, mode=mode, costs_cache=cache, loo=ctx.loo,
+                   partial=partial, log=ctx.log)
         m = Method(name, budget_ratio, head, runner, lambda mb, **kw: h.run(mb, **kw))
         m.hilore = h
         return m

@@ -45,6 +45,9 @@ HILORE_FLAGS = [
     ("hilore.codec", str, "int8", "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
      "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
      "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk"),
+    ("hilore.partial", boolean, False, "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
+     "and attention kernels and replay the rest from them in backward (exact gradients; torch's selective "
+     "checkpointing, chosen per unit by the knapsack); off until benchmarked"),
     ("hilore.chunked_head", boolean, True, "compute the action log-probs (and entropy) from the last hidden state a "
      "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "

@@ -18,7 +18,13 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
    of the whole layer serves them all (the attention recompute produces the MLP's input, so the
    MLP's input need not be kept): that is exactly decoder-layer checkpointing.
 
-H and R therefore give bitwise the gradients of plain autograd; only L approximates.
+5. P (plan ``partial``): while the unit runs forward, torch's selective-checkpoint caching
+   mode keeps the outputs of its matmuls and attention kernels (``rules.partial_saves``) and
+   the unit keeps no saved tensor; backward replays the unit under the matching cached mode,
+   which hands those outputs back instead of recomputing them. The unit holds a fraction of
+   its bytes and its replay costs a fraction of its time.
+
+H, P and R therefore give bitwise the gradients of plain autograd; only L approximates.
 """
 from __future__ import annotations
 
@@ -30,7 +36,9 @@ import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .codecs import Payload, get_codec
-from .state import CHECKPOINT, COMPRESSED, R, Call, Link, Replay, UnitState, iter_tensors, map_structure, storage_key
+from .rules import partial_policy
+from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
+                    map_structure, storage_key)
 from .step import Step
 from .units import discover_units
 from .zero3 import gathered_alias, is_partitioned, residency_preserved
@@ -173,13 +181,18 @@ class RecoveryEngine:
         if k == 0:
             st.current = u
             u.outputs.clear()
-            if st.track_tokens and u.plan != CHECKPOINT:  # exposure only matters where L may be chosen
+            if st.track_tokens and u.plan not in (CHECKPOINT, PARTIAL):  # exposure only matters where L may be chosen
                 x = next(iter_tensors((args, kwargs)), None)
                 if x is not None and x.dim() >= 2:
                     u.token_norms = x.detach().float().norm(dim=-1)
             if st.layer_joint_plan[li]:
                 return
             u.replay = Replay([], _rng_state((args, kwargs)), _autocast_state())
+            if u.plan == PARTIAL:  # keep the expensive ops' outputs while the unit runs (closed in _module_post)
+                from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+                u.sac = create_selective_checkpoint_contexts(partial_policy())
+                u.sac[0].__enter__()
         if st.layer_joint_plan[li]:
             return
 
@@ -213,6 +226,8 @@ class RecoveryEngine:
         if last:
             st.current = None
             u.outputs.clear()
+            if u.sac is not None and st.mode == "forward":
+                u.sac[0].__exit__(None, None, None)
 
     # ---- saved-tensor hooks --------------------------------------------------------------
     def _is_param(self, t: torch.Tensor, st: "Step") -> bool:
@@ -228,7 +243,7 @@ class RecoveryEngine:
         ext = storage_key(t) in u.ext_keys
         if ext:
             u.external.add(idx)
-        if u.plan == CHECKPOINT:
+        if u.plan in (CHECKPOINT, PARTIAL):
             u.entries[idx] = None
         elif ext:
             u.entries[idx] = st.canonical(t)
@@ -249,7 +264,7 @@ class RecoveryEngine:
             raise RuntimeError("hilore: backward ran after its engine step ended; call loss.backward() inside `with engine.step():`")
         st.ensure_actions()
         u, idx = h.unit, h.idx
-        if u.action == R:
+        if u.action in RECOMPUTED:
             if idx not in u.recomputed:
                 self._recompute(st, u)
             return u.recomputed.pop(idx)
@@ -269,11 +284,11 @@ class RecoveryEngine:
         ls = st.layer_of[u.name]
         if u.replayed:
             raise RuntimeError(f"hilore: {u.name}: a saved tensor is missing after recomputation")
-        targets = [x for x in ls.units if x.action == R] if ls.joint else [u]
+        targets = [x for x in ls.units if x.action in RECOMPUTED] if ls.joint else [u]
         replay = ls.replay if ls.joint else u.replay
         for x in targets:
             x.replayed, x.capture_count = True, 0
-        self._run_replay(st, replay, targets)
+        self._run_replay(st, replay, targets, cached=u.sac[1] if u.action == P else None)
         for x in targets:
             if x.capture_count != x.n_saved:
                 raise RuntimeError(
@@ -281,7 +296,9 @@ class RecoveryEngine:
                     "the unit's forward is not deterministic in structure"
                 )
 
-    def _run_replay(self, st: "Step", replay: Replay, targets: List[UnitState]) -> None:
+    def _run_replay(self, st: "Step", replay: Replay, targets: List[UnitState], cached=None) -> None:
+        """Re-run ``replay``'s calls, capturing the targets' saved tensors; ``cached``: a
+        partial unit's selective-checkpoint mode, which serves its kept op outputs."""
         cpu_rng, devices, dev_states = replay.rng
         device_type = "cuda" if devices else "cpu"
         outs: list = []
@@ -305,6 +322,8 @@ class RecoveryEngine:
                 stack.enter_context(residency_preserved([c.module for c in replay.calls]))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(partial(self._capture, st), lambda x: x))
+                if cached is not None:
+                    stack.enter_context(cached)
                 for call in replay.calls:
                     outs.append(call.module(*map_structure(call.args, resolve), **map_structure(call.kwargs, resolve)))
         except _ReplayDone:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Tuple, Union
 
-from .state import ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PLANS, H, L, R, action_for_plan, plan_for_label, split_label
+from .state import (ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PARTIAL, PLANS, H, L, P, R, action_for_plan, plan_for_label,
+                    split_label)
 
-ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-r": (CHECKPOINT, R)}
+ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-p": (PARTIAL, P), "all-r": (CHECKPOINT, R)}
 BASELINES = ("no-gc", "gc")
 
 

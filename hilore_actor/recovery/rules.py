@@ -1,4 +1,5 @@
-"""Which saved tensors L keeps exact: the one table (issue 12, item 2).
+"""Which saved tensors L keeps exact: the one table (issue 12, item 2); and which op
+outputs a partial unit (P) keeps (``partial_saves``, issue 14).
 
 L compresses a unit's saved tensors, except the kinds below. Measured per kind on SmolLM2-135M
 with its real weights (``benchmarks/results/codecs-smollm2.md``, kinds as in
@@ -39,3 +40,26 @@ def exact_reason(t: torch.Tensor, in_attention_core: bool = False) -> Optional[s
     if in_attention_core:
         return "attention core"
     return None
+
+
+def partial_saves():
+    """The ops whose outputs a partial unit (P) keeps: the matmuls and attention kernels,
+    where a unit's recompute time is; everything else (norms, activations, rotary, casts)
+    is recomputed from them, as torch's selective activation checkpointing does."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def partial_policy():
+    """A selective-checkpoint policy saving ``partial_saves()``."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saves = partial_saves()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saves else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy

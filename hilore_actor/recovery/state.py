@@ -14,16 +14,18 @@ from .codecs import Payload
 from .units import LayerSpec, UnitSpec
 
 # The one table of actions and representations. An action (H: store exactly, L: keep a
-# low-precision copy, R: recompute) is chosen after forward; the representation a unit keeps
+# low-precision copy, P: keep only the outputs of the unit's expensive ops and recompute the
+# rest from them, R: recompute) is chosen after forward; the representation a unit keeps
 # during forward (its plan) bounds it: an exact bundle can still become H, L or R, a
-# compressed one L or R, a checkpointed one only R.
-H, L, R = "H", "L", "R"
-EXACT, COMPRESSED, CHECKPOINT = "exact", "compressed", "checkpoint"
-PLANS = (EXACT, COMPRESSED, CHECKPOINT)
-ACTIONS = (H, L, R)
-ALLOWED = {EXACT: (H, L, R), COMPRESSED: (L, R), CHECKPOINT: (R,)}
-DEFAULT_ACTION = {EXACT: H, COMPRESSED: L, CHECKPOINT: R}  # plan -> the action it was made for
-PLAN_FOR_ACTION = {H: EXACT, L: COMPRESSED, R: CHECKPOINT}
+# compressed one L or R, a partial one P or R, a checkpointed one only R.
+H, L, P, R = "H", "L", "P", "R"
+EXACT, COMPRESSED, PARTIAL, CHECKPOINT = "exact", "compressed", "partial", "checkpoint"
+PLANS = (EXACT, COMPRESSED, PARTIAL, CHECKPOINT)
+ACTIONS = (H, L, P, R)
+ALLOWED = {EXACT: (H, L, R), COMPRESSED: (L, R), PARTIAL: (P, R), CHECKPOINT: (R,)}
+DEFAULT_ACTION = {EXACT: H, COMPRESSED: L, PARTIAL: P, CHECKPOINT: R}  # plan -> the action it was made for
+PLAN_FOR_ACTION = {H: EXACT, L: COMPRESSED, P: PARTIAL, R: CHECKPOINT}
+RECOMPUTED = (P, R)  # actions whose saved tensors backward rebuilds by replaying the unit
 # L may name its codec: the action "L:bf16" and the plan "compressed:bf16" keep a unit's copy
 # in bf16 whatever the engine's default codec is ("L" / "compressed": the default). Several L
 # levels per unit are then just more labels (allocation's knapsack picks among them).
@@ -118,6 +120,7 @@ class UnitState:
     replay_seconds: float = 0.0  # profiling: time spent re-running this unit in backward
     codec_seconds: float = 0.0  # profiling: L encode + decode time
     codec: Any = None  # the Codec of this unit's L copy (None: the engine's default)
+    sac: Any = None  # partial: (caching, cached) op-output modes of its forward and its replay
     timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
 
@@ -152,16 +155,30 @@ def unit_bytes(layers: List[LayerState], shared: bool = True) -> Dict[str, Dict[
         for j, u in enumerate(layer.units):
             if not shared:
                 seen = set()
-            b = {"exact": 0, "compressed": 0, "checkpoint": 0}
+            b = {"exact": 0, "compressed": 0, "partial": 0, "checkpoint": 0}
             for idx, v in u.entries.items():
                 if isinstance(v, Payload):
                     add(b, "compressed", id(v), v.nbytes)
                 elif isinstance(v, torch.Tensor):
                     add(b, "checkpoint" if idx in u.external else "exact", storage_key(v), storage_bytes(v))
+            for t in iter_tensors(partial_outputs(u)):
+                add(b, "partial", storage_key(t), storage_bytes(t))
             calls = u.replay.calls + (layer.replay.calls if j == 0 else [])
             for t in iter_tensors([(c.args, c.kwargs) for c in calls]):
                 add(b, "checkpoint", storage_key(t), storage_bytes(t))
             out[u.name] = b
+    return out
+
+
+def partial_outputs(u: UnitState) -> List[torch.Tensor]:
+    """The op outputs a partial unit keeps (torch's selective-checkpoint storage)."""
+    if u.sac is None:
+        return []
+    out = []
+    for entries in u.sac[0].storage.values():
+        for v in entries.values():
+            val = getattr(v, "val", None)  # torch.utils.checkpoint._VersionWrapper
+            out += list(iter_tensors(val))
     return out
 
 

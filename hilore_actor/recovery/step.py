@@ -13,8 +13,8 @@ import torch
 
 from .codecs import get_codec
 from .rules import exact_reason
-from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, LayerState, Replay, UnitState, allows, split_label, storage_key,
-                    unit_bytes)
+from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows, split_label,
+                    storage_key, unit_bytes)
 
 if TYPE_CHECKING:
     from .engine import RecoveryEngine
@@ -72,6 +72,7 @@ class Step:
             u.entries.clear()
             u.recomputed.clear()
             u.replay = Replay()
+            u.sac = None
         for ls in self.layers:
             ls.replay = Replay()
         self._masks.clear()
@@ -135,20 +136,21 @@ class Step:
             u.action, u.label = a, label
             if a == R:
                 u.entries.clear()
+                u.sac = None  # a partial unit sent to R drops its kept op outputs
             elif a == L and u.plan == EXACT:
                 u.codec = self._codec(label)
                 for idx, v in list(u.entries.items()):
                     if isinstance(v, torch.Tensor) and idx not in u.external and idx not in u.kept:
                         u.entries[idx] = self.compress(v, u)
         for ls in self.layers:
-            ls.joint = all(u.action == R for u in ls.units)
+            ls.joint = all(u.action == R for u in ls.units)  # a P unit replays alone, with its kept outputs
             if ls.joint:
                 for u in ls.units:
                     u.replay = Replay()  # the layer replay rebuilds every unit: drop their own inputs
             else:
                 ls.replay = Replay()
                 for u in ls.units:
-                    if u.action != R:
+                    if u.action not in RECOMPUTED:
                         u.replay = Replay()
         self._compressed.clear()
         self.actions_set = True
