@@ -272,7 +272,7 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
         "tokens_per_second": tokens / max(update_s, 1e-9),
         "peak_over_budget": {str(r["rank"]): max(u[i]["peak_over_budget"] for u in per_update) for i, r in enumerate(last)},
         "peak_over_budget_max": max(r["peak_over_budget"] for u in per_update for r in u),
-        "fraction_H": mean("fraction_H"), "fraction_L": mean("fraction_L"), "fraction_R": mean("fraction_R"),
+        **{f"fraction_{a}": mean(f"fraction_{a}") for a in "HLPR"},
         "coordinator": record,
     }
 

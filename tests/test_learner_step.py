@@ -69,7 +69,7 @@ def test_sequence_keeps_gradients_and_records_actions_and_peak(fresh_seed):
     got = grads(model)
     assert all(torch.equal(got[n], ref[n]) for n in ref)  # H and R are exact
     assert rec.actions == plan.actions(None, None)
-    assert rec.counts == {"H": sum(q == "exact" for q in plan.sp.plan.values()), "L": 0,
+    assert rec.counts == {"H": sum(q == "exact" for q in plan.sp.plan.values()), "L": 0, "P": 0,
                           "R": sum(q == "checkpoint" for q in plan.sp.plan.values())}
     assert rec.peak_bytes > 0
 
@@ -83,7 +83,7 @@ def test_without_engine_the_sequence_only_measures(fresh_seed):
     model.zero_grad(set_to_none=True)
     with MemoryMeter(torch.device("cpu")) as meter:
         grpo_loss(model, ids, pos, seed=fresh_seed).backward()
-    assert rec.step is None and rec.actions == {} and rec.counts == {"H": 0, "L": 0, "R": 0}
+    assert rec.step is None and rec.actions == {} and rec.counts == {"H": 0, "L": 0, "P": 0, "R": 0}
     assert rec.peak_bytes == meter.report.peak_bytes  # the same program measures the same peak
 
 
@@ -95,7 +95,7 @@ def test_report_tightens_the_plan_only_over_budget():
     assert report(plan, co, 0, 0, 0, rec)["action"] == "ok" and plan.tightened == []
     rec.peak_bytes = 1200
     assert report(plan, co, 0, 0, 1, rec)["action"] == "tighten" and plan.tightened == [(int(200 * 1.05), 512)]
-    assert co.step_record(0)["0"]["actions"] == {"H": 2, "L": 0, "R": 4}
+    assert co.step_record(0)["0"]["actions"] == {"H": 2, "L": 0, "P": 0, "R": 4}
     assert report(plan, None, 0, 0, 2, rec) is None
     assert plan.observed == []  # no prediction: nothing to observe
     rec.predicted_bytes, rec.peak_bytes = 800, 700

@@ -53,13 +53,33 @@ def partial_saves():
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 
+CHEAP_MATMUL = 8  # a matmul whose inner size is below 1/8 of its output width is recomputed under P
+
+
+def _matmul_operands(op, args):
+    """(a, b) of ``a @ b`` for mm, bmm, addmm and baddbmm (None for other ops)."""
+    aten = torch.ops.aten
+    if op in (aten.mm.default, aten.bmm.default):
+        return args[0], args[1]
+    if op in (aten.addmm.default, aten.baddbmm.default):
+        return args[1], args[2]
+    return None
+
+
 def partial_policy():
-    """A selective-checkpoint policy saving ``partial_saves()``."""
+    """A selective-checkpoint policy saving ``partial_saves()``, except matmuls that are
+    cheap per output byte: a LoRA up-projection (inner size r, output the layer's width)
+    costs little to recompute and would keep as many bytes as the base projection."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     saves = partial_saves()
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saves else CheckpointPolicy.PREFER_RECOMPUTE
+        if op not in saves:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        ab = _matmul_operands(op, args)
+        if ab is not None and ab[0].shape[-1] * CHEAP_MATMUL < ab[1].shape[-1]:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
     return policy

@@ -33,6 +33,7 @@ import torch
 from ..grpo.microbatch import Microbatch, microbatch_loss
 from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size, worker_device
 from ..learner.coordinator import call
+from ..recovery.state import ACTIONS
 
 
 def _fault(point: str, rank: int, step: int) -> None:
@@ -184,7 +185,7 @@ class Learner:
         _fault("learner", self.rank, step)
         rows = self.rows[u * self.gas:(u + 1) * self.gas]
         stats: Dict[str, List[float]] = {}
-        counts = {"H": 0, "L": 0, "R": 0}
+        counts = dict.fromkeys(ACTIONS, 0)
         peaks, t0, tokens = [], time.perf_counter(), 0
         for i, r in enumerate(rows):
             mb = self._microbatch(r)
@@ -207,7 +208,7 @@ class Learner:
                 **{k: statistics.fmean(v) for k, v in stats.items()},
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
-                "fraction_H": counts["H"] / total, "fraction_L": counts["L"] / total, "fraction_R": counts["R"] / total,
+                **{f"fraction_{a}": counts[a] / total for a in ACTIONS},
                 "lr": self.ds.get_lr()[0]}
 
     # ---- calibration on real rollouts -------------------------------------------------------
