@@ -5,6 +5,7 @@
 #   cpu-ref-b         view (b): --budget-from gc+full at 1.10, plus the gc+full row
 #   cpu-real-b        the same on real weights
 #   cpu-ref-allr      gc, hilore-hr, hilore head for head at 1.10 (activation scope): all-R plans against gc
+#   cpu-small-p       issue 14's first look: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
 # A run too long for one session goes in pieces: RUN:1 .. RUN:4 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
 # exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
@@ -32,6 +33,8 @@ for spec in "$@"; do
     # issue 13: head for head at 1.10 in the activation scope nothing fits, so HiLoRe's plan is all-R
     cpu-ref-allr) a=(--workload cpu-ref --budget-scope activations --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo)
                   only=gc,hilore-hr,hilore ;;
+    cpu-small-p) a=(--workload cpu-small --budgets 1.25,1.5)
+                 only=gc,hilore-hr,hilore-hr-p ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ "$piece" = merge ]; then
