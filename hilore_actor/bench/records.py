@@ -48,7 +48,7 @@ def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget,
         "peak_device_bytes": max(p.device_peak for p in peaks),
         "peaks_by_update": [p.to_dict() for p in peaks],
         "grad_rel_err_mean": sum(errs) / len(errs), "grad_rel_err_max": max(errs), "grad_rel_err_all": errs,
-        "h_frac": frac["H"], "l_frac": frac["L"], "r_frac": frac["R"],
+        "h_frac": frac["H"], "l_frac": frac["L"], "p_frac": frac["P"], "r_frac": frac["R"],
         "online_overhead_seconds": statistics.median(t.overhead) if split_name(m.name)[0].startswith("hilore") else None,
         "prepare_seconds": m.prepare_seconds, **m.extra,
     }

@@ -7,7 +7,7 @@ from typing import Dict, List
 
 FIELDS = ("method", "head", "budget_ratio", "update_seconds", "tokens_per_second", "speed_over_gc", "speed_ci95",
           "peak_bytes", "peak_over_gc", "peak_activations_bytes", "peak_device_bytes", "grad_rel_err_mean",
-          "grad_rel_err_max", "h_frac", "l_frac", "r_frac", "online_overhead_seconds", "update_seconds_all",
+          "grad_rel_err_max", "h_frac", "l_frac", "p_frac", "r_frac", "online_overhead_seconds", "update_seconds_all",
           "paired_gc_seconds_all", "bimodal_times", "fits_budget")
 
 
@@ -35,7 +35,7 @@ def _note(r) -> str:
 
 def table(records: List[Dict]) -> str:
     head = (f"{'method':<18}{'head':>8}{'B':>6}{'upd s':>9}{'x gc':>7}{'95% CI':>17}{'peak/B1':>9}{'err mean':>10}"
-            f"{'err max':>10}{'H':>6}{'L':>6}{'R':>6}  note")
+            f"{'err max':>10}{'H':>6}{'L':>6}{'P':>6}{'R':>6}  note")
     lines = [head, "-" * len(head)]
     for r in records:
         if r.get("unavailable"):
@@ -45,7 +45,7 @@ def table(records: List[Dict]) -> str:
             f"{r['method']:<18}{r['head']:>8}{fmt(r['budget_ratio'], '.2f'):>6}{r['update_seconds']:>9.3f}"
             f"{fmt(r['speed_over_gc']):>7}{_ci(r):>17}{r['peak_over_gc']:>9.3f}{fmt(r['grad_rel_err_mean'], '.4f'):>10}"
             f"{fmt(r['grad_rel_err_max'], '.4f'):>10}{fmt(r['h_frac'], '.2f'):>6}{fmt(r['l_frac'], '.2f'):>6}"
-            f"{fmt(r['r_frac'], '.2f'):>6}  {_note(r)}")
+            f"{fmt(r.get('p_frac'), '.2f'):>6}{fmt(r['r_frac'], '.2f'):>6}  {_note(r)}")
     return "\n".join(lines)
 
 
@@ -65,16 +65,17 @@ def markdown(records: List[Dict], header: Dict) -> str:
     out = [f"Workload `{header['workload']['name']}` ({header['device']}, torch {header['torch']}, "
            f"{header['threads']} threads, GLIBC_TUNABLES={header['glibc_tunables']}, commit {header['git_commit']}), "
            f"{header['repeats']} interleaved repeats; command: `{header['command']}`", "", definitions(header), "",
-           "| method | head | B | update s | speed x gc [95% CI] | recompute removed | peak / B1 | act. peak MiB | device peak MiB | grad err mean | grad err max | H | L | R | notes |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| method | head | B | update s | speed x gc [95% CI] | recompute removed | peak / B1 | act. peak MiB | device peak MiB | grad err mean | grad err max | H | L | P | R | notes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("unavailable"):
-            out.append(f"| {r['method']} | | {fmt(r['budget_ratio'], '.2f')} | not run: {r['unavailable']} ||||||||||||")
+            out.append(f"| {r['method']} | | {fmt(r['budget_ratio'], '.2f')} | not run: {r['unavailable']} |||||||||||||")
             continue
         out.append(f"| {r['method']} | {r['head']} | {fmt(r['budget_ratio'], '.2f')} | {r['update_seconds']:.3f} | "
                    f"{fmt(r['speed_over_gc'])} {_ci(r)} | {fmt(r.get('gap_recovered'), '.0%')} | {r['peak_over_gc']:.3f} | {r['peak_activations_bytes'] / 2**20:.1f} | "
                    f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
-                   f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r['r_frac'], '.2f')} | {_note(r)} |")
+                   f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r.get('p_frac'), '.2f')} | "
+                   f"{fmt(r['r_frac'], '.2f')} | {_note(r)} |")
     return "\n".join(out) + "\n" + plans(records)
 
 
@@ -86,7 +87,7 @@ def plans(records: List[Dict], top: int = 4) -> str:
         if "units" not in r:
             continue
         u = r["units"]
-        kept = {q: sum(v["plan"].split(":")[0] == q for v in u.values()) for q in ("exact", "compressed")}
+        kept = {q: sum(v["plan"].split(":")[0] == q for v in u.values()) for q in ("exact", "compressed", "partial")}
         left = sorted((n for n, v in u.items() if v["plan"] == "checkpoint"),
                       key=lambda n: -u[n]["dtau_H"] / max(u[n]["bytes_H"], 1))[:top]
         desc = "; ".join(f"`{n}` saves {u[n]['dtau_H'] * 1e3:.1f} ms for {u[n]['bytes_H'] / 2**20:.1f} MiB H "
@@ -95,7 +96,7 @@ def plans(records: List[Dict], top: int = 4) -> str:
                          for n in left)
         out.append(f"- `{r['method']}` at {fmt(r['budget_ratio'], '.2f')}: room {r['room_bytes'] / 2**20:.1f} MiB inside a "
                    f"microbatch, all-R peak {r['all_r_peak_bytes'] / 2**20:.1f} MiB, so {r['memory_budget_bytes'] / 2**20:.1f} MiB "
-                   f"for stored units; plan keeps {kept['exact']} H and {kept['compressed']} L of {len(u)}. "
+                   f"for stored units; plan keeps {kept['exact']} H, {kept['partial']} P and {kept['compressed']} L of {len(u)}. "
                    f"Best left R: {desc or 'none'}.")
     return ("\n### HiLoRe plans\n\n" + "\n".join(out) + "\n") if out else ""
 
