@@ -96,6 +96,7 @@ class HiLoRe:
         self.delta = 0.0 if mode == "hilore-hr" else delta
         self.levels = tuple(sorted(self.calibrations, key=lambda a: (a != "L", a))) if self.delta > 0 else ()
         self.partial = bool(partial)
+        self.kinds = ("H", *(("P",) if self.partial else ()), *self.levels)  # the non-R options per unit
         self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
         # static has no online trimming, so its plan may not take more risk than delta
         self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
@@ -111,7 +112,7 @@ class HiLoRe:
     def _options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
         """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
         opts = [Option("R", 0.0, 0.0, 0.0)]
-        for a in ("H", *(("P",) if self.partial else ()), *self.levels):
+        for a in self.kinds:
             if (plan is None or allows(plan, a)) and a in sp_costs.dm[unit]:
                 opts.append(Option(a, sp_costs.dtau[unit][a], sp_costs.dm[unit][a], risks.get(a, 0.0)))
         return opts
@@ -139,8 +140,7 @@ class HiLoRe:
         """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
         shape = shape_class(dev[0])
         cached = self.costs_cache.get(shape)
-        wanted = (*self.levels, *(("P",) if self.partial else ()))
-        if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in wanted):
+        if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in self.kinds):
             self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
                                                     cap=self.budget if self.within_budget else None, levels=self.levels,
                                                     partial=self.partial)
@@ -212,7 +212,7 @@ class HiLoRe:
             if peak <= self.budget and (best is None or sp.memory_budget > best[0].memory_budget):
                 best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
                         t, peak, actions)
-            predicted = sum(sp.costs.dm[n][action_for_plan(q)] for n, q in sp.plan.items() if q != CHECKPOINT)
+            predicted = self.planned_bytes(sp)
             if predicted == 0 or (peak <= self.budget and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
             ratio = max(peak - base, 1) / predicted  # real bytes per predicted byte
@@ -223,6 +223,11 @@ class HiLoRe:
         if best is None:
             return sp, t, peak, actions
         return best
+
+    @staticmethod
+    def planned_bytes(sp: ShapePlan) -> int:
+        """The bytes ``sp``'s plan stores above its all-R peak, by its profiled costs."""
+        return int(sum(sp.costs.dm[n][action_for_plan(q)] for n, q in sp.plan.items() if q != CHECKPOINT))
 
     @staticmethod
     def costs_total(costs: UnitCosts) -> float:

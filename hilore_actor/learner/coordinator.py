@@ -6,8 +6,9 @@ answers each report: ``ok``, or ``tighten`` with the overshoot in bytes, after w
 shrinks its own allocation budget by that much (plus a margin) and re-plans before its next
 microbatch (ranks also size their plans by their own measured peaks, ``RankPlan.observe``;
 ``tighten`` is the guard). It keeps a per-step record (per rank: max peak / B, each
-microbatch's peak, tokens and predicted peak, tightenings) that the driver puts into the metrics. Plain Python: ``ray.remote(BudgetCoordinator)`` makes the actor,
-and tests use the class directly.
+microbatch's peak, tokens and predicted peak, tightenings) that the driver puts into the
+metrics. Plain Python: ``ray.remote(BudgetCoordinator)`` makes the actor, and tests use the
+class directly.
 """
 from __future__ import annotations
 

@@ -136,8 +136,7 @@ class RankPlan:
     def predicted_peak(self, sp) -> int:
         """The in-microbatch peak ``sp`` was sized for: its all-R peak plus the planned bytes
         of what it stores (before the correction its fit measured, ``HiLoRe._fit``)."""
-        return int(sp.costs.base_peak + sum(sp.costs.dm[n][action_for_plan(q)] for n, q in sp.plan.items()
-                                            if action_for_plan(q) != "R"))
+        return int(sp.costs.base_peak + self.hl.planned_bytes(sp))
 
     def actions(self, step, loss_output, sp=None) -> Dict[str, str]:
         """Online actions for a microbatch run under ``sp`` (default: the planning-size plan)."""
@@ -168,7 +167,8 @@ class RankPlan:
         if self.peak_ratio is not None:  # sized by observed peaks: aim that much lower from now on
             self.info["tightened_bytes"] = int(self.info.get("tightened_bytes", 0)) + int(by_bytes)
             self._sized.clear()
-        self._set_memory_budget(self.sp.memory_budget - by_bytes * self._room_ratio(tokens))
+        else:
+            self._set_memory_budget(self.sp.memory_budget - by_bytes * self._room_ratio(tokens))
         self.log(f"[hilore{who}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
 
     @property

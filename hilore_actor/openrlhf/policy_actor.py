@@ -102,12 +102,12 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         if args.actor.gradient_checkpointing_enable:
             strategy.print("[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute")
             args.actor.gradient_checkpointing_enable = False
-        holder = {}
-        prepare = planning_prepare(strategy, hcfg, torch.device("cuda", torch.cuda.current_device()), holder)
+        holder, device = {}, torch.device("cuda", torch.cuda.current_device())
+        prepare = planning_prepare(strategy, hcfg, device, holder)
         with shadowed(strategy, prepare=prepare):
             super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
         plan = holder["plan"]
-        plan.rebase(resident_now(torch.device("cuda", torch.cuda.current_device()), self.actor.model))
+        plan.rebase(resident_now(device, self.actor.model))
         engine = RecoveryEngine(self.actor.model, codec=codec_levels(hcfg.codec)[0])
         coordinator = ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
         rank = torch.distributed.get_rank()

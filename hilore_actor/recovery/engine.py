@@ -9,7 +9,7 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
 2. While a unit runs, its module calls are recorded (arguments that come from outside the unit
    are its exact *checkpoint inputs*; arguments produced inside the unit are links), together
    with the RNG and autocast state. Each decoder layer's own call is recorded the same way.
-3. After forward the caller sets *actions*. exact -> H | L | R, compressed -> L | R,
+3. After forward the caller sets *actions*. exact -> H | L | R, compressed -> L | R, partial -> P | R,
    checkpoint -> R. L compresses the exact bundle now; R drops it now: memory is freed before
    backward starts.
 4. In backward, unpacking an H handle returns the stored tensor; L decodes; R re-runs the
@@ -37,7 +37,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .codecs import Payload, get_codec
 from .rules import partial_policy
-from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
+from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, R, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
                     map_structure, storage_key)
 from .step import Step
 from .units import discover_units
@@ -284,7 +284,7 @@ class RecoveryEngine:
         ls = st.layer_of[u.name]
         if u.replayed:
             raise RuntimeError(f"hilore: {u.name}: a saved tensor is missing after recomputation")
-        targets = [x for x in ls.units if x.action in RECOMPUTED] if ls.joint else [u]
+        targets = [x for x in ls.units if x.action == R] if ls.joint else [u]  # joint: every unit is R
         replay = ls.replay if ls.joint else u.replay
         for x in targets:
             x.replayed, x.capture_count = True, 0
