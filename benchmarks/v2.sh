@@ -6,6 +6,7 @@
 #   cpu-real-b        the same on real weights
 #   cpu-ref-allr      gc, hilore-hr, hilore head for head at 1.10 (activation scope): all-R plans against gc
 #   cpu-small-p       issue 14's first look: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
+#   cpu-small-2codec  issue 12: hilore with two L levels (int8-g64 and bf16) within B and the tolerance
 # A run too long for one session goes in pieces: RUN:1 .. RUN:4 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
 # exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
@@ -35,6 +36,8 @@ for spec in "$@"; do
                   only=gc,hilore-hr,hilore ;;
     cpu-small-p) a=(--workload cpu-small --budgets 1.25,1.5)
                  only=gc,hilore-hr,hilore-hr-p ;;
+    cpu-small-2codec) a=(--workload cpu-small --budgets 1.10,1.25,1.5 --codec int8-g64,bf16)
+                      only=gc,all-l,hilore-static,hilore ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ "$piece" = merge ]; then
