@@ -34,6 +34,9 @@ EXTRAS = {
     # compile llama-cpp-python, which we never use. scripts/setup.sh does that.
     "smollm2": ["gguf>=0.10"],
     "openrlhf": ["openrlhf==0.11.2"],
+    # verl 0.9.1 itself goes in with --no-deps (its transformers<5.11 pin excludes OpenRLHF's
+    # 5.15.0 and this project's range); these are the imports of its actor path.
+    "verl": ["tensordict>=0.8.0,<=0.10.0,!=0.9.0", "hydra-core>=1.3", "codetiming", "datasets"],
 }
 
 setup(
@@ -46,5 +49,7 @@ setup(
     packages=find_packages(include=["hilore_actor", "hilore_actor.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["hilore-train-grpo=hilore_actor.train_grpo:main"]},
+    entry_points={"console_scripts": ["hilore-train-grpo=hilore_actor.train_grpo:main"],
+                  # verl imports every installed plugin on `import verl`: registers backend "hilore"
+                  "verl.plugins": ["hilore=hilore_actor.verl.register"]},
 )

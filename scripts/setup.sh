@@ -16,4 +16,9 @@ PY=${PYTHON:-python3}
 # hard-pins flash-attn (no CPU build), vllm and exact versions of deepspeed/ray/transformers.
 # Its pure-Python imports that the rest of the stack does not bring: pylatexenc, torchdata.
 "$VENV/bin/python" -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.11 torchdata==0.11.0
+# verl 0.9.1 for the verl backend's CPU tests (tests/test_verl.py): --no-deps, because it pins
+# transformers<5.11 (OpenRLHF pins 5.15.0); tensordict too, whose pyvers would downgrade
+# packaging; then the rest of verl's actor-path imports.
+"$VENV/bin/python" -m pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
+"$VENV/bin/python" -m pip install -q hydra-core==1.3.8 codetiming==1.4.0 datasets orjson cloudpickle importlib_metadata
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

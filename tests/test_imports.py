@@ -2,7 +2,8 @@
 import subprocess
 import sys
 
-HEAVY = ["transformers", "peft", "deepspeed", "ray", "vllm", "flash_attn", "openrlhf", "reasoning_gym", "math_verify", "matplotlib"]
+HEAVY = ["transformers", "peft", "deepspeed", "ray", "vllm", "flash_attn", "openrlhf", "reasoning_gym", "math_verify", "matplotlib",
+         "verl", "tensordict", "hydra"]
 
 BLOCKER = """
 import importlib.abc, sys
@@ -16,6 +17,8 @@ import hilore_actor.recovery, hilore_actor.workloads
 import hilore_actor.train, hilore_actor.train.config, hilore_actor.train.checkpoint, hilore_actor.learner.coordinator
 import hilore_actor.learner.plan, hilore_actor.learner.step, hilore_actor.learner.settings, hilore_actor.train_grpo, hilore_actor.openrlhf, hilore_actor.openrlhf.training_step
 import hilore_actor.openrlhf.train_ppo_ray
+import hilore_actor.verl, hilore_actor.verl.settings, hilore_actor.verl.main_ppo, hilore_actor.verl.token_weights
+import hilore_actor.verl.microbatches
 import hilore_actor.grpo as g, torch
 s = torch.randn(2, 3, requires_grad=True)
 loss, _ = g.policy_loss(s, s.detach(), torch.ones(2))

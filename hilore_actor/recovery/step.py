@@ -58,7 +58,9 @@ class Step:
     def __enter__(self) -> "Step":
         if self.engine._step is not None:
             raise RuntimeError("hilore: an engine step is already active; steps do not nest")
-        self.param_keys = {storage_key(p) for p in self.engine.model.parameters() if p.numel() > 0}
+        # FSDP2 parameters are DTensors between forwards: their local shard has the storage
+        self.param_keys = {storage_key(p.to_local() if hasattr(p, "to_local") else p)
+                           for p in self.engine.model.parameters() if p.numel() > 0}
         self.engine._core_depth = self.engine._child_depth = 0  # a failed forward may have left them set
         self.engine._step = self
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.engine._pack, self.engine._unpack)

@@ -1,0 +1,91 @@
+"""HiLoRe's actor engine for verl 0.9.1: a subclass of its FSDP engine under backend ``hilore``.
+
+verl picks the actor's engine from ``EngineRegistry`` by ``actor_rollout_ref.actor.strategy``
+(``TrainingWorker.__init__``), so HiLoRe is a new backend key, not a patch: the engine is
+``FSDPEngineWithLMHead`` with
+
+1. the FSDP version it wraps with restored into its config (verl branches on the strategy
+   string when it wraps the model), so FSDP2 (default) or FSDP1 runs as verl runs it;
+2. HF gradient checkpointing left off on the training engine (the recovery engine decides per
+   unit); the reference model, built on the same backend with ``forward_only``, is verl's;
+3. after verl has built and wrapped the model: B and the plan (``learner/plan.py``, on the
+   wrapped model, one rank: see ``_refuse``), the recovery engine on it, and the budget
+   coordinator (a named Ray actor, when Ray runs the worker);
+4. ``forward_backward_batch`` and ``forward_step`` as verl's, each micro-batch inside a learner
+   microbatch (``microbatches.py``).
+
+Why a backend key rather than verl's other hooks (docs/DESIGN.md section 9): it is opt-in per
+role, it fails loudly when the plugin is missing (verl: ``Unknown backend``), and it keeps
+verl's worker, loss and trainer untouched; a loss registered with ``register_policy_loss`` sees
+no forward, and a patched ``FSDPEngine`` would reach the critic too.
+"""
+from __future__ import annotations
+
+import torch
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from .settings import PREFIX, from_env
+
+BACKEND = "hilore"
+
+
+def _refuse(engine_config, world: int) -> None:
+    """Settings HiLoRe cannot run yet: one clear message, in the worker."""
+    problems = []
+    if int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1) > 1:
+        problems.append("Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)")
+    if world > 1:
+        problems.append(f"{world} FSDP ranks (planning runs passes through the sharded model; every rank must run the "
+                        "same passes in lockstep, which the planner does not guarantee yet)")
+    if problems:
+        raise ValueError("actor_rollout_ref.actor.strategy=hilore does not support " + "; ".join(problems)
+                         + f" yet; run without +{PREFIX}enable=true")
+
+
+class HiLoReFSDPEngine(FSDPEngineWithLMHead):
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        self.hilore_cfg, self.hilore_job = from_env()
+        self.hilore = None  # the training engine's Microbatches, once initialized
+        if not engine_config.forward_only:
+            _refuse(engine_config, torch.distributed.get_world_size())
+        object.__setattr__(engine_config, "strategy", self.hilore_job.get("fsdp", "fsdp2"))
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+
+    def _build_module(self):
+        module = super()._build_module()
+        if not self.engine_config.forward_only and getattr(module, "is_gradient_checkpointing", False):
+            module.gradient_checkpointing_disable()  # HiLoRe's recovery engine decides per unit
+        return module
+
+    def initialize(self):
+        super().initialize()
+        if not self.engine_config.forward_only:
+            from .attach import attach
+
+            self.hilore = attach(self)
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if forward_only or self.hilore is None:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        with self.hilore.batch() as wrap:
+            return super().forward_backward_batch(data, wrap(loss_function), forward_only)
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if not forward_only and self.hilore is not None and self.hilore.active:
+            self.hilore.open(micro_batch)
+        return super().forward_step(micro_batch, loss_function, forward_only)
+
+
+def register() -> None:
+    """Register the engine under ``BACKEND`` for CUDA (and NPU-free CPU tests pass ``devices``);
+    idempotent: verl's registry asserts on a second registration of a key."""
+    register_for(("cuda",))
+
+
+def register_for(devices) -> None:
+    from verl.workers.engine import EngineRegistry
+
+    have = EngineRegistry._engines.get("language_model", {}).get(BACKEND, {})
+    todo = [d for d in devices if d not in have]
+    if todo:
+        EngineRegistry.register(model_type="language_model", backend=BACKEND, device=list(todo))(HiLoReFSDPEngine)

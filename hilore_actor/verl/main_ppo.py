@@ -1,0 +1,89 @@
+"""``python -m hilore_actor.verl.main_ppo <verl hydra overrides> +actor_rollout_ref.actor.hilore.enable=true
+[+actor_rollout_ref.actor.hilore.budget=1.10 ...]``: verl's own ``main_ppo`` with HiLoRe's engine.
+
+The launcher takes HiLoRe's overrides out of the command line (verl's actor config refuses
+unknown keys; ``settings.py``), checks them, composes verl's config once to read what the
+engine cannot see (the planning microbatch's tokens, the group size, the clip and KL options),
+and runs ``verl.trainer.main_ppo.main`` with:
+
+- ``actor_rollout_ref.actor.strategy=hilore`` (the registry key of ``engine.py``; the reference
+  model inherits it and runs verl's forward unchanged);
+- HiLoRe's settings and the job facts as one base64 JSON variable, in this process and, through
+  ``+ray_kwargs.ray_init.runtime_env.env_vars``, in every Ray worker, beside
+  ``VERL_USE_EXTERNAL_MODULES=hilore_actor.verl.register``.
+
+Without ``enable=true`` verl runs unchanged. A bad override stops here with one message.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List, Tuple
+
+from .settings import CONFIG_ENV, PREFIX, parse, split_overrides, to_env
+
+REGISTER = "hilore_actor.verl.register"
+KL_ESTIMATORS = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
+
+
+def compose(overrides: List[str]):
+    """verl's ``ppo_trainer`` config with ``overrides``, as its ``main`` would see it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import verl.trainer.main_ppo as main_ppo
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__file__), "config"), version_base=None):
+        return hydra_compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def job_facts(cfg) -> Dict:
+    """What the worker's engine cannot read from its own config."""
+    actor, data = cfg.actor_rollout_ref.actor, cfg.data
+    seq = int(data.max_prompt_length) + int(data.max_response_length)
+    micro = actor.ppo_micro_batch_size_per_gpu or 1
+    tokens = int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else int(micro) * seq
+    return {"plan_tokens": tokens, "seqs_per_microbatch": int(micro) if not actor.use_dynamic_bsz else max(1, tokens // seq),
+            "group_size": int(cfg.actor_rollout_ref.rollout.n),
+            "loss_options": {"clip_eps_low": float(actor.clip_ratio_low), "clip_eps_high": float(actor.clip_ratio_high),
+                             "kl_coef": float(actor.kl_loss_coef) if actor.use_kl_loss else 0.0,
+                             "kl_estimator": KL_ESTIMATORS.get(str(actor.kl_loss_type), "k3")}}
+
+
+def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
+    """(verl's overrides, environment to set) for ``argv``; ``ValueError`` on a bad override."""
+    rest, ours = split_overrides(argv)
+    enabled, settings, verl_only = parse(ours)
+    if not enabled:
+        return rest, {}
+    if any(a.lstrip("+").startswith("actor_rollout_ref.actor.strategy=") for a in rest):
+        raise ValueError(f"+{PREFIX}enable=true sets actor_rollout_ref.actor.strategy=hilore; choose FSDP1 or FSDP2 "
+                         f"with +{PREFIX}fsdp=fsdp|fsdp2 instead of actor_rollout_ref.actor.strategy")
+    facts = job_facts(compose(rest))
+    value = to_env(settings, {**facts, **verl_only})
+    env = {CONFIG_ENV: value, "VERL_USE_EXTERNAL_MODULES": REGISTER}
+    extra = ["actor_rollout_ref.actor.strategy=hilore"] + [
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env.items()]
+    return rest + extra, env
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        overrides, env = launch_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(env)
+    import verl  # noqa: F401  (imports REGISTER now that the variable is set)
+    from verl.trainer.main_ppo import main as verl_main
+
+    sys.argv = [sys.argv[0]] + overrides
+    verl_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

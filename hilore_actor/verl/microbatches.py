@@ -1,0 +1,106 @@
+"""HiLoRe around verl's ``forward_backward_batch``: one learner microbatch per verl micro-batch.
+
+verl's loop (``FSDPEngine.forward_backward_batch``) calls ``forward_step`` (model forward,
+log-probs, the configured loss) and then ``loss.backward()`` itself, for each micro-batch. The
+learner room's microbatch (``learner/step.py``: meter -> plan sized to the tokens ->
+recovery-engine step -> actions -> peak report -> tighten) must span both, so here a
+microbatch opens in ``forward_step`` and closes when the next one opens or the batch ends.
+Between loss and backward, inside verl's loss call, the actions are set from omega = d loss /
+d log-prob (Eq. 4; ``token_weights.py``), plus |d loss / d entropy| per token when the recipe
+has an entropy term (it reaches the weights through the logits, not the log-probs; the same
+rule as the OpenRLHF drop-in).
+
+Imports torch and this package only; verl's objects come in as arguments.
+"""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ..learner.step import report, run_microbatch
+from .token_weights import differentiable, flat_gradient, flat_mask, to_input_layout
+
+
+class Microbatches:
+    def __init__(self, plan, engine, device, coordinator=None, rank: int = 0,
+                 resident: Optional[Callable[[], int]] = None):
+        self.plan, self.engine, self.device = plan, engine, torch.device(device)
+        self.coordinator, self.rank = coordinator, rank
+        self.resident = resident or (lambda: 0)
+        self.active = False
+        self.step = 0  # verl mini-batches seen (the coordinator's step)
+        self.index = 0  # microbatches seen in this step
+        self.last: Dict = {}  # the last closed microbatch: peak, actions (tests, metrics)
+        self.weights: Dict = {}  # the last microbatch's token weights (tests, diagnostics)
+        self._open = None  # (ExitStack, record) of the running microbatch
+
+    @contextlib.contextmanager
+    def batch(self):
+        """One ``forward_backward_batch`` (a verl mini-batch); yields the loss wrapper."""
+        self.active, self.index = True, 0
+        try:
+            yield self.wrap
+        finally:
+            self.close()
+            self.active = False
+            self.step += 1
+
+    def open(self, micro_batch) -> None:
+        """Called by the engine's ``forward_step`` before verl's forward."""
+        self.close()
+        ids = micro_batch["input_ids"]
+        tokens = ids.values().numel() if ids.is_nested else ids.numel()
+        resident = self.resident() if self.plan.scope == "device" else 0
+        stack = contextlib.ExitStack()
+        rec = stack.enter_context(run_microbatch(self.plan, self.engine, self.device, tokens, resident))
+        self._open = (stack, rec)
+
+    def close(self) -> None:
+        if self._open is None:
+            return
+        stack, rec = self._open
+        self._open = None
+        stack.close()
+        self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget,
+                     "actions": rec.actions, "counts": rec.counts}
+        report(self.plan, self.coordinator, self.rank, self.step, self.index, rec)
+        self.index += 1
+
+    def wrap(self, loss_function):
+        """verl's loss, with the actions set between it and verl's backward."""
+        def loss_with_actions(model_output, data, dp_group=None):
+            originals = dict(model_output)
+            held = differentiable(model_output)
+            loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+            model_output.update(originals)  # verl's nested outputs back, for whoever reads them after
+            rec = self._open[1] if self._open is not None else None
+            if rec is not None and rec.step is not None and "log_probs" in held and loss.requires_grad:
+                rec.step.set_actions(self._choose(rec, loss, held, data))
+            return loss, metrics
+
+        return loss_with_actions
+
+    def _choose(self, rec, loss, held: Dict, data) -> Dict[str, str]:
+        """Actions from the token weights of verl's whole loss (see the module docstring)."""
+        grads = torch.autograd.grad(loss, list(held.values()), retain_graph=True, allow_unused=True)
+        g = {k: flat_gradient(v, held[k]) for k, v in zip(held, grads)}
+        del grads
+        omega = g["log_probs"]
+        weight = omega.abs()
+        if "entropy" in g:
+            weight = weight + g["entropy"].abs()
+        nnz = weight.numel()
+        mask = flat_mask(data, nnz).to(weight.device, weight.dtype)
+        from verl.utils import tensordict_utils as tu
+
+        norms = rec.step.token_norms() if self.plan.track_tokens else {}
+        packed = bool(tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True))
+        width = next(iter(norms.values())).shape[-1] if norms and not packed else None
+        offsets = data["input_ids"].offsets()
+        self.weights = {"omega": omega, "weight": weight, "mask": mask}
+        out = SimpleNamespace(omega=to_input_layout(weight, offsets, packed, width),
+                              mask=to_input_layout(mask, offsets, packed, width))
+        return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out, rec.sp)

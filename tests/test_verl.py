@@ -1,0 +1,243 @@
+"""HiLoRe's verl engine (hilore_actor/verl) against verl 0.9.1's own FSDP engine, on CPU.
+
+Both engines are verl's real code (FSDP2 or FSDP1 over gloo, one rank, a tiny Llama with LoRA);
+only the device platform is supplied (``verl_cpu.py``). The reference is verl's path with its
+gradient checkpointing."""
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("tensordict")
+
+import verl_cpu  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def verl_env(tmp_path_factory):
+    import torch.distributed as dist
+    from verl.plugin.platform import platform_manager
+
+    from hilore_actor.verl.engine import register_for
+
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    platform_manager.set_platform(verl_cpu.cpu_platform())
+    fresh = not dist.is_initialized()
+    if fresh:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    register_for(("cpu",))
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    path = verl_cpu.save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed)
+    yield path, seed
+    if fresh:
+        dist.destroy_process_group()
+    platform_manager._current_platform = None
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def engines(verl_env):
+    """``engines(kind, remove_padding)``: one engine per kind and batch layout for the module
+    (each build plans for seconds), all on the same weights: kind ``verl`` is verl's own
+    engine with its gradient checkpointing, ``hilore-hr`` and ``hilore`` HiLoRe's engine in
+    that mode. Collected when the module ends, not inside a later engine's build (torch
+    2.13's collector has crashed on such garbage mid-build)."""
+    import gc
+
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    from hilore_actor.verl.engine import HiLoReFSDPEngine
+    from hilore_actor.verl.settings import CONFIG_ENV, to_env
+
+    path, seed = verl_env
+    built = {}
+    was_enabled = gc.isenabled()
+    gc.disable()  # collected between tests only (collect_between_tests)
+
+    def get(kind: str, remove_padding: bool = True):
+        if (kind, remove_padding) not in built:
+            cls = FSDPEngineWithLMHead if kind == "verl" else HiLoReFSDPEngine
+            settings = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2, "mode": kind}
+            os.environ[CONFIG_ENV] = to_env(settings, {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"})
+            try:
+                built[kind, remove_padding] = verl_cpu.build_engine(cls, path, seed, gc=True, remove_padding=remove_padding)
+            finally:
+                os.environ.pop(CONFIG_ENV, None)
+        return built[kind, remove_padding]
+
+    yield get
+    built.clear()
+    gc.collect()
+    if was_enabled:
+        gc.enable()
+
+
+@pytest.fixture(autouse=True)
+def collect_between_tests():
+    """Under pytest (never reproduced outside it, even with aggressive collector thresholds),
+    torch 2.13's collector has crashed when it ran inside a forward, on garbage left by earlier
+    verl batches; the module's tests collect only between tests. Open question for GPU runs."""
+    import gc
+
+    yield
+    gc.collect()
+
+
+def _hilore(monkeypatch, fsdp="fsdp2", **settings):
+    from hilore_actor.verl.settings import CONFIG_ENV, to_env
+
+    base = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
+    monkeypatch.setenv(CONFIG_ENV, to_env({**base, **settings}, {"plan_tokens": 64, "group_size": 4, "fsdp": fsdp}))
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_hr_plan_is_bitwise_equal_to_verls_checkpointed_path(verl_env, engines, remove_padding):
+    """FSDP2 only: torch's FSDP1 refuses CPU modules under verl's ``sync_module_states=True``."""
+    path, seed = verl_env
+    td = verl_cpu.grpo_batch(seed, remove_padding=remove_padding, full=True)  # micro-batches of the planning size
+    loss_fn = verl_cpu.ppo_loss_fn()
+    ref = verl_cpu.batch_gradient(engines("verl", remove_padding), td.clone(), loss_fn)
+    ours = engines("hilore-hr", remove_padding)
+    assert not ours.module.is_gradient_checkpointing  # verl's HF checkpointing is off under HiLoRe
+    mb = ours.hilore
+    step, g = mb.step, verl_cpu.batch_gradient(ours, td.clone(), loss_fn)
+    print("plan", mb.plan.info.get("plan"), "actions", mb.last.get("counts"))
+    assert mb.index == 2 and mb.step == step + 1  # two micro-batches, each one learner microbatch
+    assert set(mb.last["actions"].values()) == {"H", "R"}  # a mixed plan: both paths ran
+    assert ref.abs().sum() > 0 and torch.equal(g, ref)
+
+
+@pytest.mark.parametrize("actor,entropy", [({}, False),
+                                           ({"loss_agg_mode": "seq-mean-token-mean", "use_kl_loss": True}, False),
+                                           ({"entropy_coeff": 0.01, "loss_agg_mode": "token-sum"}, True)])
+def test_omega_is_autograd_of_verls_loss_and_zero_off_the_responses(verl_env, engines, monkeypatch, actor, entropy):
+    """omega from the re-wrapped log-probs equals d loss / d log-prob taken by autograd on verl's
+    own nested output (a stock engine, same weights), for several loss settings; it and the
+    mask are zero off the response tokens, and the mask counts exactly the response tokens."""
+    path, seed = verl_env
+    td = verl_cpu.grpo_batch(seed + 7, entropy=entropy, full=True)
+    loss_fn = verl_cpu.ppo_loss_fn(**actor)
+    refs = []
+
+    def reference(model_output, data, dp_group=None):  # verl's loss on detached leaves: autograd w.r.t. them
+        leaves = {k: v.values().detach().requires_grad_() for k, v in model_output.items() if k in ("log_probs", "entropy")}
+        loss, _ = loss_fn(model_output=leaves, data=data, dp_group=dp_group)
+        refs.append(torch.autograd.grad(loss, leaves["log_probs"])[0])
+        return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+
+    verl_cpu.batch_gradient(engines("verl"), td.clone(), reference)
+    ours = engines("hilore-hr")
+    seen = []
+    real_choose = ours.hilore._choose
+
+    def choose(rec, loss, held, data):
+        out = real_choose(rec, loss, held, data)
+        seen.append((dict(ours.hilore.weights), data["response_mask"].sum()))
+        return out
+
+    monkeypatch.setattr(ours.hilore, "_choose", choose)
+    verl_cpu.batch_gradient(ours, td.clone(), loss_fn)
+    assert len(seen) == len(refs) == 2
+    for (w, n_resp), ref in zip(seen, refs):
+        assert torch.allclose(w["omega"], ref, rtol=1e-6, atol=1e-9) and ref.abs().sum() > 0
+        assert int(w["mask"].sum()) == int(n_resp)
+        assert (w["omega"][w["mask"] == 0] == 0).all() and (w["weight"][w["mask"] == 0] == 0).all()
+        if entropy:
+            assert (w["weight"] > w["omega"].abs()).any()  # the entropy term's weight is counted
+
+
+def test_hilore_mode_stays_within_the_gradient_tolerance(verl_env, engines):
+    """Mode hilore (L offered, calibrated on synthetic microbatches) over one verl batch: the
+    gradient stays within the tolerance of verl's checkpointed path."""
+    path, seed = verl_env
+    td = verl_cpu.grpo_batch(seed + 11, full=True)
+    loss_fn = verl_cpu.ppo_loss_fn()
+    ref = verl_cpu.batch_gradient(engines("verl"), td.clone(), loss_fn)
+    ours = engines("hilore")
+    g = verl_cpu.batch_gradient(ours, td.clone(), loss_fn)
+    rel = float((g - ref).norm() / ref.norm())
+    print("actions", ours.hilore.last["counts"], "relative error", rel)
+    assert rel <= 0.015
+    assert ours.hilore.last["peak_over_budget"] <= 1.0
+
+
+def test_unsupported_settings_stop_with_one_message(verl_env, monkeypatch):
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    from hilore_actor.verl.engine import HiLoReFSDPEngine
+
+    path, seed = verl_env
+    _hilore(monkeypatch)
+    mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
+    ec = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
+        HiLoReFSDPEngine(mc, ec, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+
+
+GRPO = ["algorithm.adv_estimator=grpo", "data.train_files=/tmp/train.parquet", "data.val_files=/tmp/val.parquet",
+        "data.max_prompt_length=512", "data.max_response_length=1024", "data.train_batch_size=64",
+        "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
+
+
+def test_launcher_composes_a_real_grpo_config(monkeypatch):
+    """verl's own config, composed with HiLoRe's overrides, passes verl's validation; the actor
+    config names the hilore backend and the workers get the settings and job facts."""
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from hilore_actor.verl.main_ppo import REGISTER, compose, launch_args
+    from hilore_actor.verl.settings import CONFIG_ENV, from_env
+
+    overrides, env = launch_args(GRPO + ["+actor_rollout_ref.actor.hilore.enable=true",
+                                         "+actor_rollout_ref.actor.hilore.budget=1.25", "actor_rollout_ref.actor.hilore.mode=hilore-hr"])
+    cfg = compose(overrides)
+    validate_config(cfg, use_reference_policy=True, use_critic=False)
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).strategy == "hilore"
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == env and env["VERL_USE_EXTERNAL_MODULES"] == REGISTER
+    monkeypatch.setenv(CONFIG_ENV, env[CONFIG_ENV])
+    hcfg, job = from_env()
+    assert (hcfg.budget, hcfg.mode) == ("1.25", "hilore-hr")
+    assert job["plan_tokens"] == 4 * (512 + 1024) and job["group_size"] == 8 and job["loss_options"]["kl_coef"] == 0.001
+    assert launch_args(GRPO) == (GRPO, {})  # without enable=true verl runs unchanged
+
+
+@pytest.mark.parametrize("bad,word", [("+actor_rollout_ref.actor.hilore.budget=lots", "budget"),
+                                      ("+actor_rollout_ref.actor.hilore.speed=2", "speed"),
+                                      ("+actor_rollout_ref.actor.hilore.enable=perhaps", "enable"),
+                                      ("+actor_rollout_ref.actor.hilore.fsdp=fsdp3", "fsdp"),
+                                      ("actor_rollout_ref.actor.strategy=fsdp", "strategy")])
+def test_bad_overrides_stop_the_launcher_with_one_message(capsys, bad, word):
+    from hilore_actor.verl.main_ppo import main
+
+    args = GRPO + ["+actor_rollout_ref.actor.hilore.enable=true", bad]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and word in err and len(err.splitlines()) == 1
+
+
+def test_registration_is_idempotent(verl_env):
+    from verl.workers.engine import EngineRegistry
+
+    from hilore_actor.verl.engine import BACKEND, HiLoReFSDPEngine, register_for
+
+    register_for(("cpu",))
+    register_for(("cpu",))
+    assert EngineRegistry._engines["language_model"][BACKEND]["cpu"] is HiLoReFSDPEngine
