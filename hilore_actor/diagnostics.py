@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .recovery.codecs import DEFAULT_CODECS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hilore_actor.diagnostics", description=__doc__)
@@ -18,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=512, help="tokens per packed microbatch")
     p.add_argument("--calib", type=int, default=4, help="calibration microbatches (C)")
     p.add_argument("--heldout", type=int, default=4, help="held-out microbatches")
-    p.add_argument("--codec", default="int8")
+    p.add_argument("--codec", default=DEFAULT_CODECS.split(",")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report here")
     return p

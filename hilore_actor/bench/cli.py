@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ..recovery.codecs import DEFAULT_CODECS
 from .workloads import WORKLOADS
 
 DEFAULT_METHODS = "no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore"
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
     p.add_argument("--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget")
-    p.add_argument("--codec", default="int8", help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
+    p.add_argument("--codec", default=DEFAULT_CODECS, help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
                    "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
                    "level per unit for HiLoRe's knapsack (all-l uses the first)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

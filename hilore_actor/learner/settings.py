@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Dict, List
 
+from ..recovery.codecs import DEFAULT_CODECS
 
 
 def boolean(value) -> bool:
@@ -42,7 +43,7 @@ HILORE_FLAGS = [
     ("hilore.calibration_batches", int, 16, "microbatches for L's risk calibration (C; modes with L): the first step's real "
      "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)"),
     ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
-    ("hilore.codec", str, "int8", "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
+    ("hilore.codec", str, DEFAULT_CODECS, "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
      "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
      "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk"),
     ("hilore.partial", boolean, False, "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from .codecs import Payload, get_codec
+from .codecs import DEFAULT_CODECS, Payload, get_codec
 from .rules import partial_policy
 from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, R, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
                     map_structure, storage_key)
@@ -90,7 +90,7 @@ class RecoveryEngine:
     """Attach once to an HF decoder model (plain, peft, or inside a DeepSpeed engine); then
     ``with engine.step(plan): forward; loss; step.set_actions(...); loss.backward()``."""
 
-    def __init__(self, model: torch.nn.Module, codec: str = "int8", attention_core_exact: bool = True):
+    def __init__(self, model: torch.nn.Module, codec: str = DEFAULT_CODECS.split(",")[0], attention_core_exact: bool = True):
         """``attention_core_exact``: L keeps the attention core's saved tensors exact
         (``rules.KEEP_EXACT``); off only to measure what that rule buys."""
         self.model = model
