@@ -34,13 +34,14 @@ class Microbatches:
         self.step = 0  # verl mini-batches seen (the coordinator's step)
         self.index = 0  # microbatches seen in this step
         self.last: Dict = {}  # the last closed microbatch: peak, actions (tests, metrics)
+        self.batch_peaks = []  # peak / B of each microbatch of the current (or last) batch
         self.weights: Dict = {}  # the last microbatch's token weights (tests, diagnostics)
         self._open = None  # (ExitStack, record) of the running microbatch
 
     @contextlib.contextmanager
     def batch(self):
         """One ``forward_backward_batch`` (a verl mini-batch); yields the loss wrapper."""
-        self.active, self.index = True, 0
+        self.active, self.index, self.batch_peaks = True, 0, []
         try:
             yield self.wrap
         finally:
@@ -66,6 +67,7 @@ class Microbatches:
         stack.close()
         self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget,
                      "actions": rec.actions, "counts": rec.counts}
+        self.batch_peaks.append(self.last["peak_over_budget"])
         report(self.plan, self.coordinator, self.rank, self.step, self.index, rec)
         self.index += 1
 
