@@ -50,7 +50,7 @@ def test_levels_merge_save_load_and_check(tmp_path):
     mbs = replayed_microbatches(model, 3, 128, seed=seed)
     runner = Runner(model)
     whole = calibrate_levels(runner, mbs, ("L", "L:bf16"))
-    assert whole["L"].codec == "int8" and whole["L:bf16"].codec == "bf16"
+    assert whole["L"].codec == runner.engine.codec.name == "int8-g64" and whole["L:bf16"].codec == "bf16"  # the default's first
     assert all(whole["L:bf16"].e_bar[n] < whole["L"].e_bar[n] for n in whole["L"].e_bar)  # bf16 reconstructs better
     parts = [calibrate(runner, mbs[:2]), calibrate(runner, mbs[2:])]
     merged = merge(parts)
@@ -59,8 +59,8 @@ def test_levels_merge_save_load_and_check(tmp_path):
     save_levels(whole, path)
     again = load_levels(path)
     assert set(again) == {"L", "L:bf16"} and again["L:bf16"].kappa == whole["L:bf16"].kappa
-    check_levels(again, "int8,bf16", path)
-    for codecs in ("bf16,int8", "int8", "int8,fp8-e4m3"):
+    check_levels(again, "int8-g64,bf16", path)
+    for codecs in ("bf16,int8-g64", "int8-g64", "int8,bf16", "int8-g64,fp8-e4m3"):
         with pytest.raises(ValueError, match="calibrate again"):
             check_levels(again, codecs, path)
     save_levels({"L": whole["L"]}, path)  # one level: the single-calibration format

@@ -73,14 +73,14 @@ def test_prepare_keeps_the_candidate_that_saves_most(setup):
 
 
 def test_two_l_levels_replay_within_budget_and_tolerance(setup):
-    """Two L levels (the engine's int8 and bf16): each unit's knapsack sees R, H and both L
+    """Two L levels (the engine's default, int8-g64, and bf16): each unit's knapsack sees R, H and both L
     options with their own bytes and calibrated risk; the replay stays within B and within
     the tolerance."""
     from hilore_actor.allocation.calibration import calibrate
 
     runner, cal, mbs, budget = setup
     cals = {"L": cal, "L:bf16": calibrate(runner, mbs[:4], level="L:bf16")}
-    assert cals["L:bf16"].codec == "bf16" and cal.codec == "int8"
+    assert cals["L:bf16"].codec == "bf16" and cal.codec == runner.engine.codec.name == "int8-g64"
     h = HiLoRe(runner, budget, cals, mode="hilore", loo=False, log=lambda *_: None)
     sp = h.prepare(mbs[4:6])
     unit = next(iter(sp.costs.dm))

@@ -9,7 +9,8 @@ plain torch ops so it runs on CPU and CUDA alike:
 
 - ``int8``, ``fp8-e4m3``, ``fp8-e5m2``: one absmax scale per row (per token);
 - ``int8-g64``, ``int8-g128``, ``fp8-e4m3-b32``: one scale per row per group of 64 / 128 / 32
-  channels (the MX / group-wise idea): an outlier only flattens its own group;
+  channels (the MX / group-wise idea): an outlier only flattens its own group; a row narrower
+  than a group is one group;
 - ``int8-outlier``: per-row int8 with the ``k`` channels of largest magnitude kept exact in
   a side table (chosen per tensor from its own column absmax, so no calibration is needed);
 - ``bf16``: a plain bfloat16 copy: half of float32, three significant digits, no scale.
@@ -72,23 +73,30 @@ class AbsmaxCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Payload:
         rows = _rows(x)
-        if self.group is not None:
-            pad = -rows.shape[1] % self.group
+        group = self._group(rows.shape[1])
+        if group is not None:
+            pad = -rows.shape[1] % group
             if pad:
                 rows = torch.nn.functional.pad(rows, (0, pad))
-            rows = rows.reshape(rows.shape[0], -1, self.group)
+            rows = rows.reshape(rows.shape[0], -1, group)
         scale = _absmax(rows).float().clamp_(min=1e-30) / self.qmax
         q = rows * scale.reciprocal()  # |q| <= qmax by construction: rounding cannot overflow
         if self.rounding:
             q = q.round_()
         q = q.to(self.qdtype)
-        if self.group is not None:
+        if group is not None:
             q, scale = q.reshape(q.shape[0], -1), scale.squeeze(-1)
         return Payload(q, scale, tuple(x.shape), x.dtype)
 
+    def _group(self, cols: int) -> Optional[int]:
+        """Channels per scale for rows of ``cols``: a row narrower than a group (LoRA's rank-r
+        intermediates) is one group, unpadded."""
+        return None if self.group is None else min(self.group, max(1, cols))
+
     def decode(self, p: Payload) -> torch.Tensor:
-        data = p.data if self.group is None else p.data.reshape(p.data.shape[0], -1, self.group)
-        scale = p.scale if self.group is None else p.scale.unsqueeze(-1)
+        group = self._group(p.shape[-1] if p.shape else 1)
+        data = p.data if group is None else p.data.reshape(p.data.shape[0], -1, group)
+        scale = p.scale if group is None else p.scale.unsqueeze(-1)
         if data.dtype == torch.int8:  # int8 x float32 promotes in one kernel
             out = torch.mul(data, scale)
         else:
