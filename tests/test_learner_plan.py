@@ -99,7 +99,10 @@ def test_measured_peaks_size_the_next_plans_towards_fill_within_b(fresh_seed):
     rec = co.step_record(0)["0"]
     print("peak / B", [f"{p:.3f}" for p in peaks], "predicted / B", [f"{p:.3f}" for p in rec["predicted_over_budget"]],
           "stored units", stored, "ratios", plan.info["peak_ratios"])
-    assert stored[-1] > stored[0] and peaks[-1] >= peaks[0]  # a unit stored may not move the peak
+    predicted = rec["predicted_over_budget"]
+    # later plans are sized up: they store more and predict more (the measured peak need not rise
+    # with them: a unit stored may not move it, and the stored set may change which units it holds)
+    assert stored[-1] > stored[0] and predicted[-1] > predicted[0]
     assert max(peaks) <= 1.0 and not rec["tightened"]
     assert len(plan.info["peak_ratios"]) == 4  # the window
     # the coordinator's tighten lowers the target of every later plan by its bytes
