@@ -31,6 +31,7 @@ CPU_AUTO_RATIO = 1.25
 def _storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
         if isinstance(t, torch.Tensor) and t.numel():
             s = t.untyped_storage()
             key = (s.data_ptr(), str(s.device))

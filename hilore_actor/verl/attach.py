@@ -30,18 +30,10 @@ def _local(t):
 
 
 def resident_bytes(fsdp_engine, device: torch.device) -> int:
-    """What the rank holds between micro-batches: CUDA's allocator count, or (CPU) this rank's
-    shards of the parameters and gradients and the optimizer's state."""
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    from ..learner.scope import _storage_bytes
+    """What the rank holds between micro-batches (``scope.resident_now``: DTensors count their shard)."""
+    from ..learner.scope import resident_now
 
-    params = list(fsdp_engine.module.parameters())
-    tensors = [_local(p) for p in params] + [_local(p.grad) for p in params if p.grad is not None]
-    opt = getattr(fsdp_engine, "optimizer", None)
-    for st in (getattr(opt, "state", None) or {}).values():
-        tensors += [_local(v) for v in st.values() if isinstance(v, torch.Tensor)]
-    return _storage_bytes(tensors + [_local(b) for b in fsdp_engine.module.buffers()])
+    return resident_now(device, fsdp_engine.module, getattr(fsdp_engine, "optimizer", None))
 
 
 def estimate_resident_local(module) -> int:
