@@ -2,12 +2,7 @@
 
 Both engines are verl's real code (FSDP2 or FSDP1 over gloo, one rank, a tiny Llama with LoRA);
 only the device platform is supplied (``verl_cpu.py``). The reference is verl's path with its
-gradient checkpointing.
-
-The tests that train (``ENGINE``) are out of the default suite for now: under pytest the
-process has died in torch's allocator or garbage collector between or inside them (a
-segfault; once glibc's "corrupted size vs. prev_size"), in runs where every assertion held,
-and never outside pytest. Run them with ``pytest -m slow tests/test_verl.py``."""
+gradient checkpointing."""
 import os
 import socket
 
@@ -22,7 +17,6 @@ import verl_cpu  # noqa: E402
 from hilore_actor.verl import verify  # noqa: E402
 
 VOCAB = verl_cpu.TINY["vocab_size"]
-ENGINE = pytest.mark.slow  # builds and trains verl engines: see the module docstring
 SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
 JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
 
@@ -66,16 +60,11 @@ def engines(verl_env):
     """``engines(kind, remove_padding)``: one engine per kind and batch layout for the module
     (each build plans for seconds), all on the same weights: kind ``verl`` is verl's own
     engine with its gradient checkpointing, ``hilore-hr`` and ``hilore`` HiLoRe's engine in
-    that mode. Collected when the module ends, not inside a later engine's build (torch
-    2.13's collector has crashed on such garbage mid-build)."""
-    import gc
-
+    that mode."""
     from hilore_actor.verl.settings import CONFIG_ENV
 
     path, seed = verl_env
     built = {}
-    was_enabled = gc.isenabled()
-    gc.disable()  # collected between tests only (collect_between_tests)
 
     def get(kind: str, remove_padding: bool = True):
         if (kind, remove_padding) not in built:
@@ -88,20 +77,6 @@ def engines(verl_env):
 
     yield get
     built.clear()
-    gc.collect()
-    if was_enabled:
-        gc.enable()
-
-
-@pytest.fixture(autouse=True)
-def collect_between_tests():
-    """Under pytest (never reproduced outside it, even with aggressive collector thresholds),
-    torch 2.13's collector has crashed when it ran inside a forward, on garbage left by earlier
-    verl batches; the module's tests collect only between tests. Open question for GPU runs."""
-    import gc
-
-    yield
-    gc.collect()
 
 
 def _hilore(monkeypatch, **settings):
@@ -110,10 +85,11 @@ def _hilore(monkeypatch, **settings):
     monkeypatch.setenv(CONFIG_ENV, to_env({**SETTINGS, **settings}, JOB))
 
 
-@ENGINE
 @pytest.mark.parametrize("remove_padding", [True, False])
-def test_hr_plan_is_bitwise_equal_to_verls_checkpointed_path(verl_env, engines, remove_padding):
-    """FSDP2 only: torch's FSDP1 refuses CPU modules under verl's ``sync_module_states=True``."""
+def test_hr_plan_is_bitwise_equal_to_verls_checkpointed_path(verl_env, engines, monkeypatch, remove_padding):
+    """FSDP2 only: torch's FSDP1 refuses CPU modules under verl's ``sync_module_states=True``.
+    Each learner microbatch closes after verl's ``micro_batch<i>`` scope has ended (a profiler
+    stopped inside a scope that began while it ran corrupts the heap: engine.py)."""
     path, seed = verl_env
     td = verify.grpo_batch(seed, vocab=VOCAB, remove_padding=remove_padding, full=True)  # micro-batches of the planning size
     loss_fn = verify.ppo_loss_fn()
@@ -121,14 +97,26 @@ def test_hr_plan_is_bitwise_equal_to_verls_checkpointed_path(verl_env, engines, 
     ours = engines("hilore-hr", remove_padding)
     assert not ours.module.is_gradient_checkpointing  # verl's HF checkpointing is off under HiLoRe
     mb = ours.hilore
+    events = []
+    real_scope, real_open, real_close = torch.profiler.record_function, mb.open, mb.close
+
+    class Scope(real_scope):
+        def __exit__(self, *exc):
+            events.append(("end", self.name))
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(torch.profiler, "record_function", Scope)
+    monkeypatch.setattr(mb, "open", lambda batch: (events.append(("open",)), real_open(batch)))
+    monkeypatch.setattr(mb, "close", lambda: (events.append(("close",)) if mb._open else None, real_close()))
     step, g = mb.step, verify.batch_gradient(ours, td.clone(), loss_fn)
     print("plan", mb.plan.info.get("plan"), "actions", mb.last.get("counts"))
     assert mb.index == 2 and mb.step == step + 1  # two micro-batches, each one learner microbatch
+    order = [e for e in events if e[0] != "end" or e[1].startswith("micro_batch")]
+    assert order == [("open",), ("end", "micro_batch0"), ("close",), ("open",), ("end", "micro_batch1"), ("close",)]
     assert set(mb.last["actions"].values()) == {"H", "R"}  # a mixed plan: both paths ran
     assert ref.abs().sum() > 0 and torch.equal(g, ref)
 
 
-@ENGINE
 @pytest.mark.parametrize("actor,entropy", [({}, False),
                                            ({"loss_agg_mode": "seq-mean-token-mean", "use_kl_loss": True}, False),
                                            ({"entropy_coeff": 0.01, "loss_agg_mode": "token-sum"}, True)])
@@ -168,7 +156,6 @@ def test_omega_is_autograd_of_verls_loss_and_zero_off_the_responses(verl_env, en
             assert (w["weight"] > w["omega"].abs()).any()  # the entropy term's weight is counted
 
 
-@ENGINE
 def test_hilore_mode_stays_within_the_gradient_tolerance(verl_env, engines):
     """Mode hilore (L offered, calibrated on synthetic microbatches) over one verl batch: the
     gradient stays within the tolerance of verl's checkpointed path."""
@@ -305,7 +292,6 @@ def test_the_patch_applies_to_verls_released_file(tmp_path):
     assert "hilore_actor.verl.register" in target.read_text()
 
 
-@ENGINE
 def test_verify_check_passes_on_the_engine_and_fails_on_a_peak_over_b(verl_env, engines):
     """The GPU check's comparison (``verify.check``) on CPU: no failure for HiLoRe's engines;
     one when the budget it is held to is below the measured peak."""

@@ -11,7 +11,10 @@ hands out, not process RSS and not a model of it:
   figure is the peak of bytes allocated *inside* the region and still live.
 
 Both report ``peak_bytes``: the peak of live bytes above what was live when the region began.
-The profiler slows CPU code down, so measure peaks and times in separate passes.
+The profiler slows CPU code down, so measure peaks and times in separate passes. On CPU, end
+a meter outside every ``torch.profiler.record_function`` scope that began after it: a scope
+that began under the profiler and ends after it stopped writes into the freed profiler (heap
+corruption, seen as later segfaults; verl opens one per micro-batch: ``verl/engine.py``).
 """
 from __future__ import annotations
 

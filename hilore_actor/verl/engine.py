@@ -12,7 +12,13 @@ verl picks the actor's engine from ``EngineRegistry`` by ``actor_rollout_ref.act
    wrapped model, one rank: see ``_refuse``), the recovery engine on it, and the budget
    coordinator (a named Ray actor, when Ray runs the worker);
 4. ``forward_backward_batch`` and ``forward_step`` as verl's, each micro-batch inside a learner
-   microbatch (``microbatches.py``).
+   microbatch (``microbatches.py``) that opens in ``forward_step`` and closes as verl's
+   per-micro-batch gradient-sync context exits, i.e. after its backward and after the
+   ``record_function("micro_batch<i>")`` that verl opens inside that context. The order
+   matters on CPU, where the microbatch's meter is a torch profiler: a profiler stopped and
+   freed inside a ``record_function`` that began while it ran leaves that scope's end to write
+   into the freed profiler (a heap corruption that surfaced later as a segfault in the
+   collector or a glibc abort).
 
 Why a backend key rather than verl's other hooks (docs/DESIGN.md section 9): it is opt-in per
 role, it fails loudly when the plugin is missing (verl: ``Unknown backend``), and it keeps
@@ -20,6 +26,8 @@ verl's worker, loss and trainer untouched; a loss registered with ``register_pol
 no forward, and a patched ``FSDPEngine`` would reach the critic too.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -69,6 +77,16 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only)
         with self.hilore.batch() as wrap:
             return super().forward_backward_batch(data, wrap(loss_function), forward_only)
+
+    @contextlib.contextmanager
+    def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+        """verl's, then the micro-batch's learner microbatch closes (see the module docstring)."""
+        try:
+            with super()._gradient_sync_context(is_last_micro_batch=is_last_micro_batch):
+                yield
+        finally:
+            if self.hilore is not None and self.hilore.active:
+                self.hilore.close()
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         if not forward_only and self.hilore is not None and self.hilore.active:
