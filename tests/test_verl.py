@@ -171,6 +171,24 @@ def test_hilore_mode_stays_within_the_gradient_tolerance(verl_env, engines):
     assert ours.hilore.last["peak_over_budget"] <= 1.0
 
 
+def test_each_micro_batch_reports_its_peak_and_actions_in_verls_metrics(verl_env, engines):
+    """verl's worker reduces the metrics of ``forward_backward_batch``'s output: HiLoRe's peak / B
+    (max) and action fractions (mean) are there, one value per micro-batch, as measured."""
+    path, seed = verl_env
+    td = verify.grpo_batch(seed + 5, vocab=VOCAB, full=True)
+    ours = engines("hilore-hr")
+    ours.optimizer_zero_grad()
+    with ours.train_mode():
+        out = ours.forward_backward_batch(td, verify.ppo_loss_fn())
+    m = out["metrics"]  # verl merges the micro-batches' Metric objects key by key
+    peaks = m["actor/hilore_peak_over_budget"]
+    assert peaks.values == ours.hilore.batch_peaks and len(peaks.values) == 2
+    assert peaks.aggregate() == max(ours.hilore.batch_peaks) and "actor/pg_loss" in m
+    fractions = [sum(m[f"actor/hilore_fraction_{a}"].values[i] for a in "HLPR") for i in range(2)]
+    assert fractions == pytest.approx([1.0, 1.0])
+    assert m["actor/hilore_fraction_H"].values[-1] == ours.hilore.last["counts"]["H"] / len(ours.hilore.last["actions"])
+
+
 def test_unsupported_settings_stop_with_one_message(verl_env, monkeypatch):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -183,6 +201,24 @@ def test_unsupported_settings_stop_with_one_message(verl_env, monkeypatch):
     ec = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=2)
     with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
         HiLoReFSDPEngine(mc, ec, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+
+
+def test_a_worker_without_cuda_stops_with_one_message(verl_env, monkeypatch):
+    """verl falls back to device "cuda" when it finds no accelerator; the engine refuses then,
+    in the worker, before building anything."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    import hilore_actor.verl.engine as engine_mod
+    import verl.utils.device
+
+    path, seed = verl_env
+    _hilore(monkeypatch)
+    monkeypatch.setattr(verl.utils.device, "get_device_name", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
+    with pytest.raises(RuntimeError, match="needs a CUDA device in each actor worker"):
+        engine_mod.HiLoReFSDPEngine(mc, FSDPEngineConfig(strategy="fsdp2"), FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
 
 
 GRPO = ["algorithm.adv_estimator=grpo", "data.train_files=/tmp/train.parquet", "data.val_files=/tmp/val.parquet",
@@ -260,6 +296,21 @@ def test_bad_overrides_stop_the_launcher_with_one_message(capsys, bad, word):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and word in err and len(err.splitlines()) == 1
+
+
+def test_megatron_and_a_missing_verl_stop_the_launcher_with_one_message(capsys, monkeypatch):
+    import sys
+
+    from hilore_actor.verl.main_ppo import main
+
+    args = GRPO + ["+actor_rollout_ref.actor.hilore.enable=true"]
+    assert main(["--config-name", "ppo_megatron_trainer"] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "megatron" in err and "Megatron is not supported" in err and len(err.splitlines()) == 1
+    monkeypatch.setitem(sys.modules, "verl", None)  # import verl raises ImportError
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: verl is not installed") and "verl==0.9.1" in err and len(err.splitlines()) == 1
 
 
 def test_registration_is_idempotent(verl_env):

@@ -50,10 +50,23 @@ def _refuse(engine_config, world: int) -> None:
                          + f" yet; run without +{PREFIX}enable=true")
 
 
+def _need_device() -> None:
+    """In the worker (the driver may have no GPU): verl falls back to "cuda" when it finds no
+    accelerator, and its FSDP engine would then fail deep inside model building."""
+    from verl.utils.device import get_device_name
+
+    device = get_device_name()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("HiLoRe's verl engine (actor_rollout_ref.actor.strategy=hilore) needs a CUDA device in each "
+                           "actor worker, and this worker has none: give the actor GPUs (trainer.n_gpus_per_node) or run "
+                           f"without +{PREFIX}enable=true")
+
+
 class HiLoReFSDPEngine(FSDPEngineWithLMHead):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         self.hilore_cfg, self.hilore_job = from_env()
         self.hilore = None  # the training engine's Microbatches, once initialized
+        _need_device()
         if not engine_config.forward_only:
             _refuse(engine_config, torch.distributed.get_world_size())
         object.__setattr__(engine_config, "strategy", self.hilore_job.get("fsdp", "fsdp2"))

@@ -12,10 +12,13 @@ and runs ``verl.trainer.main_ppo.main`` with:
   ``+ray_kwargs.ray_init.runtime_env.env_vars``, in every Ray worker, beside
   ``VERL_USE_EXTERNAL_MODULES=hilore_actor.verl.register``.
 
-Without ``enable=true`` verl runs unchanged. A bad override stops here with one message.
+Without ``enable=true`` verl runs unchanged. A bad override, a missing verl, or an actor
+strategy other than FSDP (``--config-name ppo_megatron_trainer``: Megatron) stops here with one
+message; a worker without CUDA stops in the worker (``engine.py``).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import Dict, List, Tuple
@@ -26,17 +29,38 @@ REGISTER = "hilore_actor.verl.register"
 KL_ESTIMATORS = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
 
 
-def compose(overrides: List[str]):
-    """verl's ``ppo_trainer`` config with ``overrides``, as its ``main`` would see it."""
+def hydra_options(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
+    """(the overrides, Hydra's ``--config-name``/``--config-path`` values) of a command line."""
+    overrides, options, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        key = arg.split("=", 1)[0]
+        if key in ("--config-name", "-cn", "--config-path", "-cp"):
+            name = "config_name" if key in ("--config-name", "-cn") else "config_path"
+            if "=" in arg:
+                options[name] = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                options[name], i = argv[i + 1], i + 1
+        else:
+            overrides.append(arg)
+        i += 1
+    return overrides, options
+
+
+def compose(argv: List[str]):
+    """verl's trainer config (``ppo_trainer`` unless ``--config-name`` says otherwise) with the
+    overrides of ``argv``, as its ``main`` would see it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     import verl.trainer.main_ppo as main_ppo
 
+    overrides, options = hydra_options(argv)
+    config_dir = os.path.abspath(options.get("config_path", os.path.join(os.path.dirname(main_ppo.__file__), "config")))
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(main_ppo.__file__), "config"), version_base=None):
-        return hydra_compose(config_name="ppo_trainer", overrides=list(overrides))
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose(config_name=options.get("config_name", "ppo_trainer"), overrides=overrides)
 
 
 def job_facts(cfg) -> Dict:
@@ -61,7 +85,12 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     if any(a.lstrip("+").startswith("actor_rollout_ref.actor.strategy=") for a in rest):
         raise ValueError(f"+{PREFIX}enable=true sets actor_rollout_ref.actor.strategy=hilore; choose FSDP1 or FSDP2 "
                          f"with +{PREFIX}fsdp=fsdp|fsdp2 instead of actor_rollout_ref.actor.strategy")
-    facts = job_facts(compose(rest))
+    cfg = compose(rest)
+    strategy = str(cfg.actor_rollout_ref.actor.strategy)
+    if strategy not in ("fsdp", "fsdp2"):
+        raise ValueError(f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
+                         f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true")
+    facts = job_facts(cfg)
     value = to_env(settings, {**facts, **verl_only})
     env = {CONFIG_ENV: value, "VERL_USE_EXTERNAL_MODULES": REGISTER}
     extra = ["actor_rollout_ref.actor.strategy=hilore"] + [
@@ -72,12 +101,20 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        import hydra  # noqa: F401
+        import verl  # noqa: F401
+    except ImportError as e:
+        print(f"error: verl is not installed ({e}); install it as the README's install table says "
+              "(pip install -e \".[verl]\" && pip install --no-deps verl==0.9.1)", file=sys.stderr)
+        return 2
+    try:
         overrides, env = launch_args(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.environ.update(env)
-    import verl  # noqa: F401  (imports REGISTER now that the variable is set)
+    if env:
+        importlib.import_module(REGISTER)  # this process; the workers import it from env
     from verl.trainer.main_ppo import main as verl_main
 
     sys.argv = [sys.argv[0]] + overrides

@@ -38,6 +38,7 @@ class Microbatches:
         self.batch_peaks = []  # peak / B of each microbatch of the current (or last) batch
         self.weights: Dict = {}  # the last microbatch's token weights (tests, diagnostics)
         self._open = None  # (ExitStack, record) of the running microbatch
+        self._metrics = None  # the running micro-batch's metrics dict, as verl's loss returned it
 
     @contextlib.contextmanager
     def batch(self):
@@ -58,7 +59,7 @@ class Microbatches:
         resident = self.resident() if self.plan.scope == "device" else 0
         stack = contextlib.ExitStack()
         rec = stack.enter_context(run_microbatch(self.plan, self.engine, self.device, tokens, resident))
-        self._open = (stack, rec)
+        self._open, self._metrics = (stack, rec), None
 
     def close(self) -> None:
         if self._open is None:
@@ -69,6 +70,9 @@ class Microbatches:
         self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget,
                      "actions": rec.actions, "counts": rec.counts}
         self.batch_peaks.append(self.last["peak_over_budget"])
+        if self._metrics is not None:
+            self._metrics.update(metrics(self.last))
+            self._metrics = None
         report(self.plan, self.coordinator, self.rank, self.step, self.index, rec)
         self.index += 1
 
@@ -77,12 +81,14 @@ class Microbatches:
         def loss_with_actions(model_output, data, dp_group=None):
             originals = dict(model_output)
             held = differentiable(model_output)
-            loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+            loss, out = loss_function(model_output=model_output, data=data, dp_group=dp_group)
             model_output.update(originals)  # verl's nested outputs back, for whoever reads them after
             rec = self._open[1] if self._open is not None else None
             if rec is not None and rec.step is not None and "log_probs" in held and loss.requires_grad:
                 rec.step.set_actions(self._choose(rec, loss, held, data))
-            return loss, metrics
+            if rec is not None and isinstance(out, dict):
+                self._metrics = out  # filled in when the micro-batch closes, after its backward
+            return loss, out
 
         return loss_with_actions
 
@@ -107,3 +113,15 @@ class Microbatches:
         out = SimpleNamespace(omega=to_input_layout(weight, offsets, packed, width),
                               mask=to_input_layout(mask, offsets, packed, width))
         return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out, rec.sp)
+
+
+def metrics(last: Dict) -> Dict:
+    """A micro-batch's HiLoRe metrics for verl's logger, under the OpenRLHF drop-in's names
+    with verl's ``actor/`` prefix: peak / B (max over micro-batches and ranks) and the fraction
+    of units per action (mean)."""
+    from verl.utils.metric import Metric
+
+    n = max(1, len(last["actions"]))
+    out = {"actor/hilore_peak_over_budget": Metric("max", last["peak_over_budget"])}
+    out.update({f"actor/hilore_fraction_{a}": Metric("mean", c / n) for a, c in last["counts"].items()})
+    return out
