@@ -2,8 +2,8 @@
 # A verl 0.9.1 GRPO recipe (Qwen2.5-3B-Instruct, LoRA rank 16, 8 samples per prompt, vLLM
 # rollouts, remove-padding) with HiLoRe as the actor. The only change from running
 # `python3 -m verl.trainer.main_ppo` is the module and `+actor_rollout_ref.actor.hilore.enable=true`
-# (the other hilore overrides are optional). One GPU: HiLoRe's verl engine plans on one FSDP rank
-# for now (more ranks stop with a message). Needs a GPU, verl's vllm and flash-attn.
+# (the other hilore overrides are optional). GPUS=8 by default (one FSDP rank per GPU; rank 0
+# plans, the others replay its planning passes). Needs GPUs, verl's vllm and flash-attn.
 #
 #   MODEL=/path/to/Qwen2.5-3B-Instruct TRAIN=/path/to/gsm8k/train.parquet TEST=/path/to/gsm8k/test.parquet \
 #     bash examples/verl_grpo_hilore.sh
@@ -13,13 +13,14 @@ set -x
 MODEL=${MODEL:?set MODEL to a local Qwen2.5-3B-Instruct directory}
 TRAIN=${TRAIN:?set TRAIN to a verl-format parquet file}
 TEST=${TEST:-$TRAIN}
+GPUS=${GPUS:-8}
 cd "$(dirname "$0")/.."
 
 python3 -m hilore_actor.verl.main_ppo \
     algorithm.adv_estimator=grpo \
     data.train_files="$TRAIN" \
     data.val_files="$TEST" \
-    data.train_batch_size=32 \
+    data.train_batch_size=64 \
     data.max_prompt_length=512 \
     data.max_response_length=1024 \
     data.filter_overlong_prompts=True \
@@ -29,7 +30,7 @@ python3 -m hilore_actor.verl.main_ppo \
     actor_rollout_ref.model.lora_alpha=32 \
     actor_rollout_ref.model.target_modules=all-linear \
     actor_rollout_ref.actor.optim.lr=3e-6 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=32 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
     actor_rollout_ref.actor.use_kl_loss=True \
     actor_rollout_ref.actor.kl_loss_coef=0.001 \
@@ -41,7 +42,7 @@ python3 -m hilore_actor.verl.main_ppo \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.5 \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
-    trainer.n_gpus_per_node=1 \
+    trainer.n_gpus_per_node="$GPUS" \
     trainer.nnodes=1 \
     trainer.total_epochs=1 \
     trainer.logger='["console"]' \

@@ -189,6 +189,36 @@ def test_each_micro_batch_reports_its_peak_and_actions_in_verls_metrics(verl_env
     assert m["actor/hilore_fraction_H"].values[-1] == ours.hilore.last["counts"]["H"] / len(ours.hilore.last["actions"])
 
 
+def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(tmp_path):
+    """Two ranks (``verl_two_ranks.py``, two processes over gloo): rank 0 plans, rank 1 replays
+    its passes (``learner/lockstep.py``), so neither hangs in a collective the other skipped;
+    both adopt one budget and one plan; each rank's own batch then gives the reduced gradient
+    of verl's checkpointed path bitwise under the H/R plan, also when rank 1 recomputes every
+    unit while rank 0 stores one, and within the tolerance in mode hilore."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = verl_cpu.save_tiny_model(tmp_path / "tiny", seed)
+    out = tmp_path / "two.json"
+    script = Path(__file__).parent / "verl_two_ranks.py"
+    run = subprocess.run([sys.executable, str(script), model, str(seed), str(out)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "HILORE_TEST_HANG_S": "300"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = json.loads(out.read_text())["ranks"]
+    print({k: (r0[k]["counts"], r1[k]["counts"]) for k in r0})
+    for kind in ("hilore-hr", "hilore"):
+        assert r0[kind]["plan"] == r1[kind]["plan"] and r0[kind]["budget"] == r1[kind]["budget"]
+    assert r0["hilore-hr"]["equal"] and r1["hilore-hr"]["equal"]
+    assert r0["hilore-hr"]["counts"]["H"] >= 1 and r0["hilore-hr"]["counts"]["R"] >= 1  # a mixed plan ran
+    assert r1["divergent"]["counts"]["R"] == sum(r1["divergent"]["counts"].values()) and r0["divergent"]["counts"]["H"] >= 1
+    assert r0["divergent"]["equal"] and r1["divergent"]["equal"]
+    assert r0["hilore"]["rel"] <= 0.015 and r1["hilore"]["rel"] <= 0.015
+
+
 def test_unsupported_settings_stop_with_one_message(verl_env, monkeypatch):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -238,7 +268,8 @@ def _example_overrides():
 
     text = (Path(__file__).parent.parent / "examples" / "verl_grpo_hilore.sh").read_text()
     cmd = text[text.index("python3 -m hilore_actor.verl.main_ppo"):].split("\n#")[0].replace("\\\n", " ")
-    cmd = re.sub(r'"\$(MODEL|TRAIN|TEST)"', lambda m: {"MODEL": "/models/qwen", "TRAIN": "/d/t.parquet", "TEST": "/d/v.parquet"}[m.group(1)], cmd)
+    values = {"MODEL": "/models/qwen", "TRAIN": "/d/t.parquet", "TEST": "/d/v.parquet", "GPUS": "8"}
+    cmd = re.sub(r'"\$(MODEL|TRAIN|TEST|GPUS)"', lambda m: values[m.group(1)], cmd)
     return shlex.split(cmd)[3:]
 
 

@@ -144,7 +144,13 @@ class Runner:
             if self.watch is not None:
                 self.watch.append(res.peak_bytes)
         if grads:
-            res.grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
-                                  for p in self.params])
+            res.grad = torch.cat([_whole(p.grad).detach().float().flatten() if p.grad is not None
+                                  else torch.zeros(p.shape, device=self.device) for p in self.params])
         return res
 
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) gradient gathered whole: a collective every rank joins
+    (``learner/lockstep.py``); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

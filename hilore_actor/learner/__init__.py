@@ -3,6 +3,7 @@ drop-in, later verl), so that none of them imports another.
 
 - ``settings``: the ``--hilore.*`` flags, their defaults and checks;
 - ``plan``: a rank's budget B and plan, made on the bare model before DeepSpeed wraps it;
+- ``lockstep``: planning on a sharded (FSDP) model: rank 0 leads, the other ranks replay;
 - ``step``: one microbatch's sequence (meter -> engine step -> actions -> report -> tighten);
 - ``coordinator``: the budget coordinator every rank reports its peaks to.
 

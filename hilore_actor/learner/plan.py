@@ -247,23 +247,27 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
 
 def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_microbatch: int, group_size: int,
                          loss_options: Dict, loss_fn, std_loss_fn, device, seed: int, resident: Optional[int] = None,
-                         write_calibration: bool = True, calibrate_later: bool = False, log=print) -> RankPlan:
+                         write_calibration: bool = True, calibrate_later: bool = False, runner_cls=None,
+                         log=print) -> RankPlan:
     """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
     ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``
     for its DeepSpeed setup), which the device scope counts; None: one rank with a plain AdamW. ``calibrate_later``: a mode with L and no saved calibration
     plans H/R (``info["calibration"] == "pending"``) until the job calibrates on its real
     rollouts (``RankPlan.adopt_calibration``); else calibration runs here on synthetic
     microbatches. ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope,
-    over B."""
+    over B. ``runner_cls``: ``lockstep.Leader`` when other ranks replay the passes
+    (``plan_in_lockstep``); calibration then runs on this rank alone."""
     from ..allocation import Runner
+
+    runner_cls = runner_cls or Runner
 
     t0 = time.perf_counter()
     saved = bool(hcfg.calibration and Path(hcfg.calibration).is_file())
     wants_l = backend == "hilore" and hcfg.mode != "hilore-hr"
-    n_cal = hcfg.calibration_batches if wants_l and not saved and not calibrate_later else 0
+    n_cal = _planning_count(hcfg, backend, calibrate_later) - 1
     dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
                                 group_size=group_size, seed=seed, loss_options=loss_options, device=device)
-    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
+    runner = runner_cls(model, _engine(model, hcfg), loss_fn=loss_fn)
     if resident is None:
         from .scope import estimate_resident
 
@@ -277,7 +281,8 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
                 "budget_scope": hcfg.budget_scope, "resident_bytes": offset, "fill": float(hcfg.fill)}
         hl = sp = None
         if backend == "hilore":
-            cal = _calibration(runner, dev[1:], hcfg, write_calibration, log, budget - offset) if (saved or n_cal) else None
+            cal = (_calibration(runner, dev[1:], hcfg, write_calibration, log, budget - offset, shared=runner_cls is Runner)
+                   if (saved or n_cal) else None)
             info["calibration"] = (None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic")
             hl = _scheduler(runner, budget - offset, cal, hcfg, log)
             sp = hl.prepare(dev[:1], accumulate=1)
@@ -288,6 +293,39 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     info.update(plan_seconds=time.perf_counter() - t0, plan_peak_bytes=offset + max(peaks),
                 plan_peak_over_budget=(offset + max(peaks)) / budget)
     return RankPlan(budget, info, hl, sp, log)
+
+
+def _planning_count(hcfg, backend: str, calibrate_later: bool) -> int:
+    """How many synthetic microbatches planning makes: one, plus L's calibration set."""
+    saved = bool(hcfg.calibration and Path(hcfg.calibration).is_file())
+    wants_l = backend == "hilore" and hcfg.mode != "hilore-hr"
+    return 1 + (hcfg.calibration_batches if wants_l and not saved and not calibrate_later else 0)
+
+
+def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> RankPlan:
+    """``plan_before_wrapping`` for a model whose passes are collectives (FSDP): rank 0 plans,
+    the others replay its passes and adopt its plan (``lockstep.py``). One rank: plain. Every
+    rank makes the synthetic microbatches (their old log-probs are forward passes too)."""
+    from ..allocation import Runner
+    from .lockstep import Leader, finish, follow
+
+    if _world() == 1:
+        return plan_before_wrapping(model, hcfg, backend=backend, loss_fn=loss_fn, log=log, **kw)
+    rank = torch.distributed.get_rank()
+    count = [_planning_count(hcfg, backend, kw.get("calibrate_later", False)) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(count, src=0)  # rank 0's (a saved calibration only it may see)
+    if rank == 0:
+        plan = plan_before_wrapping(model, hcfg, backend=backend, loss_fn=loss_fn, runner_cls=Leader, log=log, **kw)
+        finish(plan.state())
+        return plan
+    planning_microbatches(model, count[0], **{k: kw[k] for k in ("tokens", "seqs_per_microbatch", "group_size", "seed",
+                                                                   "loss_options", "device")})
+    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
+    state = follow(runner)
+    runner.engine.detach()
+    for p in model.parameters():
+        p.grad = None
+    return restore_rank_plan(model, state, hcfg, loss_fn, backend, log=log)
 
 
 def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
@@ -311,9 +349,9 @@ def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
     return budget
 
 
-def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = None):
+def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = None, shared: bool = True):
     """L's calibrated risk per L level (``{level: Calibration}``): None for hilore-hr, a saved
-    file, or measured on ``batches``."""
+    file, or measured on ``batches`` (``shared``: split over the ranks, ``shared_calibration``)."""
     from ..allocation.calibration import calibrate_levels, check_levels, load_levels, save_levels
     from ..recovery.state import codec_levels
 
@@ -325,7 +363,8 @@ def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = N
         check_levels(cal, hcfg.codec, f"--hilore.calibration {hcfg.calibration}")
         return cal
     log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
-    cal = shared_calibration(runner, batches, levels, cap) if _world() > 1 else calibrate_levels(runner, batches, levels, cap=cap)
+    cal = (shared_calibration(runner, batches, levels, cap) if shared and _world() > 1
+           else calibrate_levels(runner, batches, levels, cap=cap))
     if hcfg.calibration and write:
         save_levels(cal, hcfg.calibration)
     return cal

@@ -1,7 +1,8 @@
 """Plan and attach HiLoRe to a verl FSDP engine that verl has just built (``engine.py``, step 3).
 
 The plan is made on the wrapped model, under the autocast verl trains with, with synthetic GRPO
-microbatches of the planning size (``learner/plan.py``): B from gc with verl's full-logits head
+microbatches of the planning size (``learner/plan.py``), by rank 0 while the other FSDP ranks
+replay its passes (``learner/lockstep.py``): B from gc with verl's full-logits head
 (what verl's own gradient checkpointing needs), the plan for the same head. The planning size is
 ``+actor_rollout_ref.actor.hilore.plan_tokens``, else what the launcher read from the data
 config (micro-batch x longest sequence), else verl's ``max_token_len_per_gpu`` under dynamic
@@ -58,7 +59,7 @@ def planning_tokens(hcfg, job, engine_config) -> int:
 def attach(fsdp_engine):
     """The training engine's ``Microbatches``: plan, recovery engine, coordinator."""
     from ..grpo.microbatch import microbatch_loss
-    from ..learner.plan import plan_before_wrapping
+    from ..learner.plan import plan_in_lockstep
     from ..recovery import RecoveryEngine
     from ..recovery.state import codec_levels
     from .microbatches import Microbatches
@@ -70,7 +71,7 @@ def attach(fsdp_engine):
     autocast = (contextlib.nullcontext() if dtype == torch.float32
                 else torch.autocast(device_type=device.type, dtype=dtype))
     with autocast:
-        plan = plan_before_wrapping(
+        plan = plan_in_lockstep(
             model, hcfg, backend="hilore", tokens=planning_tokens(hcfg, job, ec),
             seqs_per_microbatch=int(job.get("seqs_per_microbatch") or ec.micro_batch_size_per_gpu or 1),
             group_size=int(job.get("group_size", 8)), loss_options=dict(job.get("loss_options", {})),

@@ -9,7 +9,8 @@ verl picks the actor's engine from ``EngineRegistry`` by ``actor_rollout_ref.act
 2. HF gradient checkpointing left off on the training engine (the recovery engine decides per
    unit); the reference model, built on the same backend with ``forward_only``, is verl's;
 3. after verl has built and wrapped the model: B and the plan (``learner/plan.py``, on the
-   wrapped model, one rank: see ``_refuse``), the recovery engine on it, and the budget
+   wrapped model, rank 0 leading the others: ``learner/lockstep.py``), the recovery engine on
+   it, and the budget
    coordinator (a named Ray actor, when Ray runs the worker);
 4. ``forward_backward_batch`` and ``forward_step`` as verl's, each micro-batch inside a learner
    microbatch (``microbatches.py``) that opens in ``forward_step`` and closes as verl's
@@ -37,14 +38,11 @@ from .settings import PREFIX, from_env
 BACKEND = "hilore"
 
 
-def _refuse(engine_config, world: int) -> None:
+def _refuse(engine_config) -> None:
     """Settings HiLoRe cannot run yet: one clear message, in the worker."""
     problems = []
     if int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1) > 1:
         problems.append("Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)")
-    if world > 1:
-        problems.append(f"{world} FSDP ranks (planning runs passes through the sharded model; every rank must run the "
-                        "same passes in lockstep, which the planner does not guarantee yet)")
     if problems:
         raise ValueError("actor_rollout_ref.actor.strategy=hilore does not support " + "; ".join(problems)
                          + f" yet; run without +{PREFIX}enable=true")
@@ -68,7 +66,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.hilore = None  # the training engine's Microbatches, once initialized
         _need_device()
         if not engine_config.forward_only:
-            _refuse(engine_config, torch.distributed.get_world_size())
+            _refuse(engine_config)
         object.__setattr__(engine_config, "strategy", self.hilore_job.get("fsdp", "fsdp2"))
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
