@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -26,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from hilore_actor.train.config import ConfigError, flatten_ns, parse_config, plan_tokens, world_size
+from hilore_actor.train.faults import StopRequest
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
 PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
@@ -178,9 +180,10 @@ def run(cfg) -> int:
     ckpts = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
     start, resume_dir = 0, None
     if cfg.ckpt.load_enable:
-        last = ckpts.latest()
+        last, skipped = ckpts.resumable()
         if last is None:
-            raise JobError(f"--resume: no complete checkpoint under {ckpts.root}")
+            raise JobError(f"--resume: no complete checkpoint under {ckpts.root}"
+                           + (f" ({len(skipped)} damaged: see above)" if skipped else ""))
         start, resume_dir = CheckpointDir.meta(last)["step"], str(last)
         print(f"[train] resuming from {last} (after step {start})", flush=True)
     if start >= cfg.max_steps:
@@ -215,10 +218,12 @@ def run(cfg) -> int:
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
                file=sys.stdout, dynamic_ncols=True)
     job.sync_weights()
+    stop = StopRequest().__enter__()
     for step in bar:
         examples = step_prompts(task, cfg, step)
         t = time.perf_counter()
         out = job.generate([e.prompt for e in examples], step)
+        stop.inject(step)
         rollout_s = time.perf_counter() - t
         rewards = torch.tensor([task.score(txt, examples[i // G]) for i, txt in enumerate(out["texts"])], dtype=torch.float32)
         adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
@@ -246,10 +251,19 @@ def run(cfg) -> int:
             job.calibrate()
         bar.set_postfix_str(summary(m))
         tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
-        if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps:
+        if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps \
+                or stop.requested:
             stage = ckpts.staging(step + 1)
             job.get([l.save.remote(str(stage)) for l in job.learners])
-            ckpts.commit(stage, step + 1, {"metrics": m}, keep=cfg.ckpt.max_num)
+            saved = ckpts.commit(stage, step + 1, {"metrics": m}, keep=cfg.ckpt.max_num)
+        if stop.requested and step + 1 < cfg.max_steps:
+            bar.close()
+            log.close()
+            stop.__exit__()
+            print(f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
+                  f"checkpoint {saved}; rerun the same command with --resume to continue", flush=True)
+            return 0
+    stop.__exit__()
     bar.close()
     log.close()
     path = job.get([l.save_hf.remote(os.path.join(cfg.save_path, "final")) for l in job.learners])[0]

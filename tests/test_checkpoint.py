@@ -1,5 +1,8 @@
 """Checkpoint folders: ``latest`` only ever names a complete checkpoint."""
+import hashlib
 import json
+
+import pytest
 
 from hilore_actor.train.checkpoint import CheckpointDir
 
@@ -13,7 +16,9 @@ def test_commit_is_atomic_and_prunes(tmp_path):
         (stage / "ds" / "state.pt").write_bytes(b"x" * step)
         assert ck.latest() is None or CheckpointDir.meta(ck.latest())["step"] == step - 1  # staging is invisible
         ck.commit(stage, step, {"metrics": {"loss": step}}, keep=2)
-        assert CheckpointDir.meta(ck.latest()) == {"metrics": {"loss": step}, "step": step}
+        meta = CheckpointDir.meta(ck.latest())
+        assert meta["metrics"] == {"loss": step} and meta["step"] == step
+        assert meta["files"] == {"ds/state.pt": {"bytes": step, "sha256": hashlib.sha256(b"x" * step).hexdigest()}}
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_2", "step_3"]
     # a crash mid-save (staging written, never committed) leaves latest on the last complete one
     stage = ck.staging(4)
@@ -26,3 +31,47 @@ def test_commit_is_atomic_and_prunes(tmp_path):
     assert ck.latest().name == "step_4" and json.loads((ck.latest() / "meta.json").read_text())["step"] == 4
     (tmp_path / "ck" / "latest").write_text("step_9")  # points at nothing complete
     assert ck.latest() is None
+
+
+@pytest.mark.parametrize("harm, why", [("truncate", "bytes"), ("flip", "checksum"), ("delete", "missing"),
+                                       ("meta", "meta.json unreadable")])
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, harm, why):
+    """Each way a checkpoint's files go bad: ``resumable`` names it and why, and returns the
+    newest older one that checks out; with none left it returns None."""
+    ck = CheckpointDir(tmp_path / "ck")
+    for step in (1, 2):
+        stage = ck.staging(step)
+        (stage / "ds").mkdir()
+        (stage / "ds" / "state.pt").write_bytes(bytes(range(256)) * 4 * step)
+        (stage / "rng_rank0.pt").write_bytes(b"rng%d" % step)
+        ck.commit(stage, step, {}, keep=2)
+    assert ck.resumable(log=lambda m: None) == (tmp_path / "ck" / "step_2", [])
+    bad = tmp_path / "ck" / "step_2"
+    target = bad / "ds" / "state.pt"
+    if harm == "truncate":
+        target.write_bytes(target.read_bytes()[:100])
+    elif harm == "flip":
+        data = bytearray(target.read_bytes())
+        data[7] ^= 1
+        target.write_bytes(bytes(data))
+    elif harm == "delete":
+        target.unlink()
+    else:
+        (bad / "meta.json").write_text('{"step": 2, "fil')
+    said = []
+    good, skipped = ck.resumable(log=said.append)
+    assert good == tmp_path / "ck" / "step_1" and [p for p, _ in skipped] == [bad] and why in skipped[0][1]
+    assert len(said) == 1 and str(bad) in said[0] and str(good) in said[0] and why in said[0]
+    (tmp_path / "ck" / "step_1" / "rng_rank0.pt").write_bytes(b"rng9")  # same size, other bytes
+    assert ck.resumable(log=said.append)[0] is None
+
+
+def test_checkpoints_from_before_checksums_are_taken_as_they_are(tmp_path):
+    ck = CheckpointDir(tmp_path / "ck")
+    stage = ck.staging(1)
+    (stage / "x.pt").write_bytes(b"x")
+    ck.commit(stage, 1, {})
+    meta = json.loads((ck.latest() / "meta.json").read_text())
+    del meta["files"]
+    (ck.latest() / "meta.json").write_text(json.dumps(meta))
+    assert ck.resumable(log=lambda m: None)[0] == ck.latest()

@@ -102,6 +102,29 @@ def test_dead_worker_fails_cleanly_and_resumes(tmp_path):
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
 
 
+def test_sigterm_checkpoints_and_exits_then_a_damaged_checkpoint_is_skipped(uninterrupted, tmp_path):
+    """A preemption (SIGTERM to the driver during step 2) ends the job after that step with a
+    checkpoint and exit 0; then that checkpoint is damaged (a file cut short), so --resume
+    names it, falls back to step 1's, and reproduces the uninterrupted run's step 3 bitwise,
+    with one metrics row per step."""
+    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "sigterm:1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SIGTERM received" in r.stdout and "stopped after step 2 of 3" in r.stdout and "--resume" in r.stdout
+    ck = tmp_path / "checkpoints"
+    assert (ck / "latest").read_text() == "step_2" and (ck / "step_1" / "meta.json").is_file()
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not (tmp_path / "final").exists()
+    victim = max((f for f in (ck / "step_2").rglob("*") if f.is_file() and f.name != "meta.json"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    r = job(tmp_path, "--max_steps", "3", "--resume")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"checkpoint {ck / 'step_2'} is damaged" in r.stdout and f"resuming from {ck / 'step_1'}" in r.stdout
+    resumed, ref = metrics(tmp_path), metrics(uninterrupted[0])
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for key in ("loss", "policy_loss", "kl", "grad_norm", "reward_mean", "response_length"):
+        assert resumed[2][key] == ref[2][key], key
+    assert (ck / "latest").read_text() == "step_3"
+
+
 def test_budget_below_minimum_is_a_clear_error(tmp_path):
     r = job(tmp_path, "--hilore.budget", "0.5")
     assert r.returncode == 2

@@ -33,14 +33,14 @@ import torch
 from ..grpo.microbatch import Microbatch, microbatch_loss
 from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size, worker_device
 from ..learner.coordinator import call
+from .faults import injected
 from ..recovery.state import ACTIONS
 
 
 def _fault(point: str, rank: int, step: int) -> None:
-    """Fault injection for tests: ``HILORE_FAULT=learner:<rank>:<step>`` kills that rank
-    (a hard exit, as a crashed worker) when it starts that step's update."""
-    spec = os.environ.get("HILORE_FAULT", "")
-    if spec == f"{point}:{rank}:{step}":
+    """``HILORE_FAULT=learner:<rank>:<step>`` (``faults.py``) kills that rank (a hard exit, as
+    a crashed worker) when it starts that step's update."""
+    if injected(point, rank, step):
         os._exit(17)
 
 
