@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from hilore_actor.train.config import ConfigError, flatten_ns, parse_config, plan_tokens, world_size
-from hilore_actor.train.faults import StopRequest
+from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
 PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
@@ -218,7 +218,7 @@ def run(cfg) -> int:
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
                file=sys.stdout, dynamic_ncols=True)
     job.sync_weights()
-    stop = StopRequest().__enter__()
+    stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
     for step in bar:
         examples = step_prompts(task, cfg, step)
         t = time.perf_counter()
@@ -247,6 +247,8 @@ def run(cfg) -> int:
                 m[key] = max(c[key] for c in cmp)
             m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
         log.log(step + 1, m)
+        for upd in per_update:
+            skips.update(any(r["skipped"] for r in upd), step + 1)
         if job.calibration_pending:  # the first step ran H/R; from the next one on, the wanted mode
             job.calibrate()
         bar.set_postfix_str(summary(m))
@@ -282,6 +284,7 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
         "response_length": statistics.fmean(s[2] for s in out["seqs"]),
         "loss": mean("loss"), "policy_loss": mean("policy_loss"), "kl": mean("kl_mean"), "clip_fraction": mean("clip_fraction"),
         "grad_norm": last[0]["grad_norm"], "lr": last[0]["lr"],
+        "skipped_updates": sum(any(r.get("skipped") for r in upd) for upd in per_update),
         "update_seconds": update_s, "rollout_seconds": rollout_s, "ref_seconds": ref_s,
         "tokens_per_second": tokens / max(update_s, 1e-9),
         "peak_over_budget": {str(r["rank"]): max(u[i]["peak_over_budget"] for u in per_update) for i, r in enumerate(last)},
@@ -318,6 +321,12 @@ def main(argv=None) -> int:
     except (JobError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TooManySkipped as e:
+        from hilore_actor.train.checkpoint import CheckpointDir
+
+        last = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints")).latest()
+        print(f"error: {e}; the last checkpoint is {last}" if last else f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # Ray wraps worker failures
         return _worker_failure(e, cfg)
 

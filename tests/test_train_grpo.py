@@ -2,6 +2,7 @@
 DeepSpeed ZeRO-2, 1 HF rollout worker, a reference worker, the budget coordinator), its
 checkpoints and resume, and its answers to bad input and a dying worker."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -123,6 +124,23 @@ def test_sigterm_checkpoints_and_exits_then_a_damaged_checkpoint_is_skipped(unin
     for key in ("loss", "policy_loss", "kl", "grad_norm", "reward_mean", "response_length"):
         assert resumed[2][key] == ref[2][key], key
     assert (ck / "latest").read_text() == "step_3"
+
+
+def test_non_finite_updates_are_skipped_counted_and_too_many_stop_the_job(tmp_path):
+    """A NaN loss on rank 0 in step 2: DeepSpeed skips that update on both ranks, the step's
+    metrics count it, the job goes on to step 3. NaN on rank 1 in every step with a limit of 2
+    in a row: exit 1 after step 2 with one message naming the last checkpoint."""
+    r = job(tmp_path / "once", "--max_steps", "3", env={"HILORE_FAULT": "nonfinite:0:1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = metrics(tmp_path / "once")
+    assert [m["step"] for m in rows] == [1, 2, 3] and [m["skipped_updates"] for m in rows] == [0, 1, 0]
+    assert not math.isfinite(rows[1]["grad_norm"]) and math.isfinite(rows[2]["grad_norm"]) and math.isfinite(rows[2]["loss"])
+    assert "step 2: an update had a non-finite gradient and was skipped" in r.stdout
+    r = job(tmp_path / "always", "--max_steps", "3", "--train.max_skipped_updates", "2", env={"HILORE_FAULT": "nonfinite:1:*"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "2 updates in a row had a non-finite gradient (the last in step 2)" in r.stderr
+    assert "the last checkpoint is" in r.stderr and "step_1" in r.stderr.splitlines()[-1]
+    assert [m["step"] for m in metrics(tmp_path / "always")] == [1, 2]
 
 
 def test_budget_below_minimum_is_a_clear_error(tmp_path):

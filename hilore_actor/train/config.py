@@ -73,6 +73,7 @@ FLAGS = [
     ("train.batch_size", int, 16, "sequences per optimizer update, over all ranks"),
     ("train.micro_batch_size", int, 4, "sequences per packed learner microbatch, per rank"),
     ("train.seed", int, 42, "seed of prompt order, sampling, LoRA dropout and initialisation"),
+    ("train.max_skipped_updates", int, 3, "stop after this many updates in a row skipped for a non-finite gradient (0: never)"),
     ("max_steps", int, 1, "training steps (one rollout batch each, then its updates)"),
     ("ds.zero_stage", int, 2, "DeepSpeed ZeRO stage (2 or 3; 0 = plain data parallel)"),
     ("ds.param_dtype", str, "fp32", "fp32 or bf16"),

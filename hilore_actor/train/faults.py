@@ -5,7 +5,13 @@
 - ``learner:<rank>:<step>``: that learner rank dies (a hard exit) as it starts the update of
   step index ``<step>``; the driver reports it and names the checkpoint to ``--resume`` from;
 - ``sigterm:<step>``: the driver receives SIGTERM (a preempted node) while step index
-  ``<step>`` runs; the job finishes that step, checkpoints it and exits 0 (``StopRequest``).
+  ``<step>`` runs; the job finishes that step, checkpoints it and exits 0 (``StopRequest``);
+- ``nonfinite:<rank>:<step>``: that rank's first microbatch of each update in that step has a
+  NaN loss. DeepSpeed's ZeRO optimizer then skips the update on every rank (the all-reduced
+  gradient norm is not finite); the job counts it (``skipped_updates``) and goes on, and stops
+  after ``--train.max_skipped_updates`` in a row (``SkipCounter``).
+
+``*`` stands for any rank or step.
 
 A damaged checkpoint is handled by ``checkpoint.CheckpointDir.resumable``.
 """
@@ -17,8 +23,11 @@ from typing import Optional
 
 
 def injected(kind: str, *args) -> bool:
-    """Whether ``HILORE_FAULT`` asks for fault ``kind`` at ``args`` (e.g. a rank and a step)."""
-    return os.environ.get("HILORE_FAULT", "") == ":".join([kind, *map(str, args)])
+    """Whether ``HILORE_FAULT`` asks for fault ``kind`` at ``args`` (e.g. a rank and a step;
+    ``*`` in the spec matches any value)."""
+    spec = os.environ.get("HILORE_FAULT", "").split(":")
+    want = [kind, *map(str, args)]
+    return len(spec) == len(want) and all(s in (w, "*") for s, w in zip(spec, want))
 
 
 class StopRequest:
@@ -56,3 +65,24 @@ class StopRequest:
         """``HILORE_FAULT=sigterm:<step>``: the driver signals itself, as a preemption would."""
         if injected("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class TooManySkipped(RuntimeError):
+    """Updates skipped for non-finite gradients, too many in a row: the run is diverging."""
+
+
+class SkipCounter:
+    """Updates skipped in a row; ``TooManySkipped`` at ``limit`` (0: never)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = int(limit), 0
+
+    def update(self, skipped: bool, step: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if skipped:
+            print(f"[train] step {step}: an update had a non-finite gradient and was skipped on every rank "
+                  f"({self.in_a_row} in a row)", flush=True)
+        if self.limit and self.in_a_row >= self.limit:
+            raise TooManySkipped(f"{self.in_a_row} updates in a row had a non-finite gradient (the last in step {step}), "
+                                 "so the run stopped: lower the learning rate or check the data and rewards of those "
+                                 "steps (--train.max_skipped_updates sets the limit)")

@@ -193,6 +193,8 @@ class Learner:
             with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident()) as rec:
                 out = self.loss_fn(self.ds, mb)
                 rec.set_actions(self.plan, out)
+                if i == 0 and injected("nonfinite", self.rank, step):
+                    out.loss = out.loss * float("nan")
                 self.ds.backward(out.loss)
             self.ds.step()
             for a, n in rec.counts.items():
@@ -204,7 +206,9 @@ class Learner:
         seconds = time.perf_counter() - t0
         grad_norm = self.ds.get_global_grad_norm()
         total = max(1, sum(counts.values()))
-        return {"rank": self.rank, "update_seconds": seconds, "tokens": tokens,
+        # DeepSpeed's ZeRO optimizer skips a step whose all-reduced gradient norm is not finite
+        # (fp32, and bf16 with its check_grad_overflow), on every rank alike
+        return {"rank": self.rank, "update_seconds": seconds, "tokens": tokens, "skipped": not self.ds.was_step_applied(),
                 **{k: statistics.fmean(v) for k, v in stats.items()},
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
