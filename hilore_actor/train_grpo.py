@@ -99,13 +99,14 @@ class Job:
         lopts = dict(num_cpus=0, num_gpus=1 if cuda else 0, **env)
         self.learners = [ray.remote(Learner).options(**lopts).remote(flat, r, "127.0.0.1", port, self.coordinator, resume_dir)
                          for r in range(world_size(cfg))]
+        ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
         if cfg.vllm.num_engines > 0:
             if not cuda:
                 raise JobError("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
-            self.rollout = [ray.remote(VLLMRolloutWorker).options(num_cpus=0, num_gpus=cfg.vllm.tensor_parallel_size, **env)
+            self.rollout = [ray.remote(VLLMRolloutWorker).options(num_gpus=cfg.vllm.tensor_parallel_size, **ropts)
                             .remote(flat, i) for i in range(cfg.vllm.num_engines)]
         else:
-            self.rollout = [ray.remote(HFRolloutWorker).options(num_cpus=0, num_gpus=cfg.rollout.num_gpus if cuda else 0, **env)
+            self.rollout = [ray.remote(HFRolloutWorker).options(num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
                             .remote(flat, i) for i in range(cfg.rollout.num_workers)]
         self.ref = ray.remote(ReferenceWorker).options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env).remote(flat)
         self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
@@ -146,9 +147,42 @@ class Job:
         self.get([r.load_weights.remote(ref) for r in self.rollout])
 
     def generate(self, prompts: List[str], step: int) -> Dict:
+        """The step's rollouts. A rollout worker that dies is restarted by Ray (up to
+        ``--rollout.max_restarts`` times); the restarted workers get the current weights and the
+        step's rollouts are redone with the same seeds, so the step runs once, as it would have."""
+        from ray.exceptions import RayActorError
+
+        for attempt in range(self.cfg.rollout.max_restarts + 1):
+            try:
+                return self._generate(prompts, step)
+            except RayActorError as e:
+                if attempt == self.cfg.rollout.max_restarts:
+                    raise
+                print(f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
+                      f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
+                      flush=True)
+                self._wait_for_rollout_workers()
+                self.sync_weights()
+        raise AssertionError("unreachable")
+
+    def _wait_for_rollout_workers(self, timeout_s: float = 600.0) -> None:
+        """Until every rollout worker answers (Ray refuses calls while one restarts)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.get([w.weight_kind.remote() for w in self.rollout])
+                return
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def _generate(self, prompts: List[str], step: int) -> Dict:
         k = len(self.rollout)
         chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
-        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i)
+        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step)
                          for i, (w, c) in enumerate(zip(self.rollout, chunks)) if c])
         seqs, texts = [], []
         for o in outs:

@@ -143,6 +143,20 @@ def test_non_finite_updates_are_skipped_counted_and_too_many_stop_the_job(tmp_pa
     assert [m["step"] for m in metrics(tmp_path / "always")] == [1, 2]
 
 
+def test_a_dead_rollout_worker_is_restarted_and_its_step_redone(uninterrupted, tmp_path):
+    """The rollout worker dies in step 2's generate: Ray restarts it, it gets the current
+    weights, the step's rollouts are redone with the same seeds; the run equals the
+    uninterrupted one bitwise, one metrics row per step."""
+    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "rollout:0:1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("a rollout worker died in step 2") == 1 and "redoing the step's rollouts" in r.stdout
+    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for i in (1, 2):
+        for key in ("loss", "kl", "grad_norm", "reward_mean", "response_length"):
+            assert rows[i][key] == ref[i][key], (i, key)
+
+
 def test_budget_below_minimum_is_a_clear_error(tmp_path):
     r = job(tmp_path, "--hilore.budget", "0.5")
     assert r.returncode == 2

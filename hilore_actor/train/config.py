@@ -46,6 +46,7 @@ FLAGS = [
     ("rollout.top_p", float, 1.0, "nucleus sampling"),
     ("rollout.num_workers", int, 1, "HF generate rollout workers (CPU, or GPU without vLLM)"),
     ("rollout.num_gpus", float, 1.0, "GPUs per HF rollout worker on CUDA (a fraction shares a GPU)"),
+    ("rollout.max_restarts", int, 2, "times Ray restarts a dead rollout worker (the step's rollouts are then redone)"),
     ("ref.num_gpus", float, 1.0, "GPUs of the reference worker on CUDA (a fraction shares a GPU)"),
     ("vllm.num_engines", int, 0, "vLLM engines (GPU; 0 = HF generate workers)"),
     ("vllm.tensor_parallel_size", int, 1, "GPUs per vLLM engine"),

@@ -4,6 +4,8 @@
 
 - ``learner:<rank>:<step>``: that learner rank dies (a hard exit) as it starts the update of
   step index ``<step>``; the driver reports it and names the checkpoint to ``--resume`` from;
+- ``rollout:<worker>:<step>``: that rollout worker dies in that step's ``generate`` (once: the
+  copy Ray restarts does not); the job redoes the step's rollouts (``Job.generate``);
 - ``sigterm:<step>``: the driver receives SIGTERM (a preempted node) while step index
   ``<step>`` runs; the job finishes that step, checkpoints it and exits 0 (``StopRequest``);
 - ``nonfinite:<rank>:<step>``: that rank's first microbatch of each update in that step has a

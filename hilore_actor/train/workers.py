@@ -14,6 +14,16 @@ from typing import Dict, List, Sequence
 import torch
 
 from .config import hierarchize, param_dtype, worker_device
+from .faults import injected
+
+
+def _fault(index: int, step: int) -> None:
+    """``HILORE_FAULT=rollout:<worker>:<step>`` (``faults.py``): the worker dies (a hard exit)
+    in that step's ``generate``, once: the copy Ray restarts does not."""
+    import ray
+
+    if injected("rollout", index, step) and not ray.get_runtime_context().was_current_actor_reconstructed:
+        os._exit(17)
 
 
 def _threads(cfg) -> None:
@@ -45,9 +55,10 @@ class HFRolloutWorker:
 
         load_weights(self.model, {k: v.to(self.device) for k, v in weights.items()}, self.weight_kind())
 
-    def generate(self, prompts: Sequence[str], seed: int) -> Dict:
+    def generate(self, prompts: Sequence[str], seed: int, step: int = -1) -> Dict:
         from ..rollout.hf_generate import generate_groups
 
+        _fault(self.index, step)
         c = self.cfg.rollout
         r = generate_groups(self.model, self.tok, prompts, c.n_samples_per_prompt, c.max_new_tokens, c.temperature, seed,
                             c.top_p, batched=True)
@@ -82,9 +93,10 @@ class VLLMRolloutWorker:
         self.llm.apply_model(lambda model: model.load_weights(items))
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: Sequence[str], seed: int) -> Dict:
+    def generate(self, prompts: Sequence[str], seed: int, step: int = -1) -> Dict:
         import vllm
 
+        _fault(self.index, step)
         from ..rollout.hf_generate import apply_chat
 
         c = self.cfg.rollout
