@@ -83,7 +83,7 @@ def shard_rows(seqs, cfg) -> List[List[Dict]]:
 class Job:
     """The Ray actors of one run and the calls the recipe makes on them."""
 
-    def __init__(self, cfg, resume_dir: Optional[str]):
+    def __init__(self, cfg, resume_dir: Optional[str], checkpoints: str):
         import ray
 
         from hilore_actor.learner.coordinator import BudgetCoordinator
@@ -94,7 +94,9 @@ class Job:
         flat = flatten_ns(cfg)
         cuda = torch.cuda.is_available()
         env = {"runtime_env": {"env_vars": {k: os.environ[k] for k in PASS_ENV if k in os.environ}}}
-        self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, **env).remote()
+        # Ray restarts a dead coordinator, which reloads the last checkpoint's state (coordinator.py)
+        self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, max_restarts=3, **env).remote(
+            checkpoints=checkpoints, resume_from=resume_dir)
         port = _free_port()
         lopts = dict(num_cpus=0, num_gpus=1 if cuda else 0, **env)
         self.learners = [ray.remote(Learner).options(**lopts).remote(flat, r, "127.0.0.1", port, self.coordinator, resume_dir)
@@ -197,6 +199,7 @@ def run(cfg) -> int:
     from tqdm import tqdm
 
     from hilore_actor.grpo import group_advantages
+    from hilore_actor.learner.coordinator import STATE_FILE, call
     from hilore_actor.models.source import check_model_spec, load_tokenizer
     from hilore_actor.train.checkpoint import CheckpointDir
     from hilore_actor.train.metrics import MetricsLog, summary
@@ -236,7 +239,7 @@ def run(cfg) -> int:
           f"worker(s) and a reference worker; each learner measures gc and plans its units on a "
           f"{cfg.hilore.plan_tokens}-token microbatch first (minutes for a real model on CPU; --log_workers shows it)",
           flush=True)
-    job = Job(cfg, resume_dir)
+    job = Job(cfg, resume_dir, str(ckpts.root))
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
     info = job.infos[0]
@@ -273,8 +276,9 @@ def run(cfg) -> int:
         for u in range(info["updates_per_step"]):
             per_update.append(job.get([l.update.remote(step, u) for l in job.learners]))
             job.sync_weights()
-        m = step_metrics(rewards, out, per_update, rollout_s, ref_s, job.get(job.coordinator.step_record.remote(step)))
+        m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
         m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info.get("budget_scope", "activations")
+        m["coordinator_restarts"] = call(job.coordinator.restart_count)
         if cfg.compare_gc:
             cmp = job.get([l.compare.remote() for l in job.learners])
             for key in cmp[0]:
@@ -291,6 +295,7 @@ def run(cfg) -> int:
                 or stop.requested:
             stage = ckpts.staging(step + 1)
             job.get([l.save.remote(str(stage)) for l in job.learners])
+            (stage / STATE_FILE).write_text(json.dumps(call(job.coordinator.state)))
             saved = ckpts.commit(stage, step + 1, {"metrics": m}, keep=cfg.ckpt.max_num)
         if stop.requested and step + 1 < cfg.max_steps:
             bar.close()

@@ -98,3 +98,23 @@ def test_rank_forced_over_budget_tightens_and_recovers(monkeypatch):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_state_survives_a_restart_and_unknown_ranks_re_register(tmp_path):
+    """What a restarted coordinator does: the state saved with a checkpoint comes back whole;
+    a rank it does not know registers with the budget its report carries."""
+    import json
+
+    from hilore_actor.learner.coordinator import STATE_FILE
+
+    co = BudgetCoordinator(margin=0.1)
+    co.register(0, 1000)
+    co.report(0, 0, 0, 900, {"H": 2}, 64, 850)
+    co.report(0, 0, 1, 1100, {"R": 2}, 64, 950)
+    (tmp_path / STATE_FILE).write_text(json.dumps(co.state()))
+    again = BudgetCoordinator(margin=0.1, resume_from=str(tmp_path))
+    assert again.step_record(0) == co.step_record(0) and again.budget(0) == 1000
+    with pytest.raises(KeyError, match="before registering"):
+        again.report(1, 1, 0, 500)
+    assert again.report(1, 1, 0, 500, budget_bytes=800)["action"] == "ok" and again.budget(1) == 800
+    assert BudgetCoordinator(resume_from=str(tmp_path / "none")).budgets == {}  # no state there: a fresh one

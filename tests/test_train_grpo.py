@@ -157,6 +157,22 @@ def test_a_dead_rollout_worker_is_restarted_and_its_step_redone(uninterrupted, t
             assert rows[i][key] == ref[i][key], (i, key)
 
 
+def test_a_dead_budget_coordinator_comes_back_with_its_checkpointed_state(uninterrupted, tmp_path):
+    """The coordinator dies at step 2's first report: Ray restarts it, it reloads step 1's
+    checkpointed state, the ranks wait for it and report on; the run equals the uninterrupted
+    one, and the last checkpoint's coordinator state holds every step, step 2 complete."""
+    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "coordinator:1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
+    assert [m["step"] for m in rows] == [1, 2, 3] and [m["coordinator_restarts"] for m in rows] == [0, 1, 1]
+    for i in (1, 2):
+        for key in ("loss", "kl", "grad_norm", "reward_mean"):
+            assert rows[i][key] == ref[i][key], (i, key)
+    state = json.loads((tmp_path / "checkpoints" / "step_3" / "coordinator.json").read_text())
+    assert sorted(state["steps"]) == ["0", "1", "2"] and state["restarts"] == 1
+    assert all(state["steps"]["1"][rank]["microbatches"] == 2 for rank in ("0", "1"))
+
+
 def test_budget_below_minimum_is_a_clear_error(tmp_path):
     r = job(tmp_path, "--hilore.budget", "0.5")
     assert r.returncode == 2

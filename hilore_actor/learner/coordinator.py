@@ -9,26 +9,83 @@ microbatch (ranks also size their plans by their own measured peaks, ``RankPlan.
 microbatch's peak, tokens and predicted peak, tightenings) that the driver puts into the
 metrics. Plain Python: ``ray.remote(BudgetCoordinator)`` makes the actor, and tests use the
 class directly.
+
+If the actor dies, Ray restarts it (the job gives it ``max_restarts``): the new copy reloads
+the state saved with the last checkpoint (``checkpoints``: the job's checkpoint folder, whose
+``latest`` names the newest; ``STATE_FILE`` in it), ranks wait while it restarts (``call``),
+and a rank it does not know re-registers with the budget its report carries. The records of
+steps since that checkpoint are lost with the old copy (``restarts`` counts the restarts).
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from typing import Dict, List, Optional
 
+from .faults import injected, reconstructed
 
-def call(method, *args):
-    """Call a coordinator method: on a Ray actor handle (the job) or a plain object (tests)."""
-    if hasattr(method, "remote"):
-        import ray
+STATE_FILE = "coordinator.json"
 
-        return ray.get(method.remote(*args))
-    return method(*args)
+
+def call(method, *args, wait_s: float = 600.0):
+    """Call a coordinator method: on a Ray actor handle (the job) or a plain object (tests).
+    While Ray restarts the actor, calls are refused: wait for it, up to ``wait_s``."""
+    if not hasattr(method, "remote"):
+        return method(*args)
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return ray.get(method.remote(*args))
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 class BudgetCoordinator:
-    def __init__(self, margin: float = 0.05):
+    def __init__(self, margin: float = 0.05, checkpoints: Optional[str] = None, resume_from: Optional[str] = None):
+        """``resume_from``: a checkpoint folder whose state to start from (``--resume``);
+        ``checkpoints``: the job's checkpoint folder, whose newest state a copy that Ray
+        restarted loads."""
         self.margin = margin  # tighten by overshoot x (1 + margin)
         self.budgets: Dict[int, int] = {}
         self.steps: Dict[int, Dict[int, dict]] = {}  # step -> rank -> record
+        self.restarts = 0
+        if checkpoints and reconstructed():
+            try:
+                with open(os.path.join(checkpoints, "latest")) as f:
+                    resume_from = os.path.join(checkpoints, f.read().strip())
+            except OSError:
+                pass  # no checkpoint yet: ranks re-register with their reports
+            if resume_from:
+                self.load_state(resume_from)
+            self.restarts += 1
+        elif resume_from:
+            self.load_state(resume_from)
+
+    def state(self) -> Dict:
+        """JSON-ready: budgets and step records (saved with each checkpoint)."""
+        return {"margin": self.margin, "budgets": {str(r): b for r, b in self.budgets.items()}, "restarts": self.restarts,
+                "steps": {str(s): {str(r): rec for r, rec in recs.items()} for s, recs in self.steps.items()}}
+
+    def restart_count(self) -> int:
+        return self.restarts
+
+    def load_state(self, folder: str) -> bool:
+        """The state saved in checkpoint ``folder`` (False: it has none)."""
+        try:
+            with open(os.path.join(folder, STATE_FILE)) as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            return False
+        self.budgets = {int(r): int(b) for r, b in state["budgets"].items()}
+        self.steps = {int(s): {int(r): rec for r, rec in recs.items()} for s, recs in state["steps"].items()}
+        self.restarts = int(state.get("restarts", 0))
+        return True
 
     def register(self, rank: int, budget_bytes: int) -> None:
         if budget_bytes <= 0:
@@ -39,10 +96,15 @@ class BudgetCoordinator:
         return self.budgets[int(rank)]
 
     def report(self, rank: int, step: int, microbatch: int, peak_bytes: int, actions: Optional[Dict[str, int]] = None,
-               tokens: int = 0, predicted_bytes: int = 0) -> dict:
+               tokens: int = 0, predicted_bytes: int = 0, budget_bytes: int = 0) -> dict:
         """Record one microbatch's measured peak (with its tokens and the peak its plan
-        predicted, when known); return the directive for the rank's next one."""
+        predicted, when known); return the directive for the rank's next one. ``budget_bytes``:
+        the rank's B, registered if this copy does not know the rank (a restart)."""
         rank = int(rank)
+        if injected("coordinator", step) and not reconstructed():
+            os._exit(17)
+        if rank not in self.budgets and budget_bytes > 0:
+            self.register(rank, budget_bytes)
         if rank not in self.budgets:
             raise KeyError(f"rank {rank} reported before registering its budget")
         B = self.budgets[rank]

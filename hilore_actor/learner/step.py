@@ -95,7 +95,7 @@ def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchR
     if coordinator is None:
         return None
     predicted = rec.resident + rec.predicted_bytes if rec.predicted_bytes else 0
-    d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts, rec.tokens, predicted)
+    d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts, rec.tokens, predicted, plan.budget)
     if d["action"] == "tighten":
         plan.tighten(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
     return d

@@ -8,12 +8,15 @@
   copy Ray restarts does not); the job redoes the step's rollouts (``Job.generate``);
 - ``sigterm:<step>``: the driver receives SIGTERM (a preempted node) while step index
   ``<step>`` runs; the job finishes that step, checkpoints it and exits 0 (``StopRequest``);
+- ``coordinator:<step>``: the budget coordinator dies at the first report of that step; Ray
+  restarts it, it reloads its state from the last checkpoint, ranks re-register with their
+  next report (``learner/coordinator.py``);
 - ``nonfinite:<rank>:<step>``: that rank's first microbatch of each update in that step has a
   NaN loss. DeepSpeed's ZeRO optimizer then skips the update on every rank (the all-reduced
   gradient norm is not finite); the job counts it (``skipped_updates``) and goes on, and stops
   after ``--train.max_skipped_updates`` in a row (``SkipCounter``).
 
-``*`` stands for any rank or step.
+``*`` stands for any rank or step (``learner/faults.py`` reads the variable).
 
 A damaged checkpoint is handled by ``checkpoint.CheckpointDir.resumable``.
 """
@@ -23,13 +26,7 @@ import os
 import signal
 from typing import Optional
 
-
-def injected(kind: str, *args) -> bool:
-    """Whether ``HILORE_FAULT`` asks for fault ``kind`` at ``args`` (e.g. a rank and a step;
-    ``*`` in the spec matches any value)."""
-    spec = os.environ.get("HILORE_FAULT", "").split(":")
-    want = [kind, *map(str, args)]
-    return len(spec) == len(want) and all(s in (w, "*") for s, w in zip(spec, want))
+from ..learner.faults import injected
 
 
 class StopRequest:

@@ -33,7 +33,7 @@ import torch
 from ..grpo.microbatch import Microbatch, microbatch_loss
 from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size, worker_device
 from ..learner.coordinator import call
-from .faults import injected
+from ..learner.faults import injected
 from ..recovery.state import ACTIONS
 
 

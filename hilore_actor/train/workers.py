@@ -14,15 +14,13 @@ from typing import Dict, List, Sequence
 import torch
 
 from .config import hierarchize, param_dtype, worker_device
-from .faults import injected
+from ..learner.faults import injected, reconstructed
 
 
 def _fault(index: int, step: int) -> None:
     """``HILORE_FAULT=rollout:<worker>:<step>`` (``faults.py``): the worker dies (a hard exit)
     in that step's ``generate``, once: the copy Ray restarts does not."""
-    import ray
-
-    if injected("rollout", index, step) and not ray.get_runtime_context().was_current_actor_reconstructed:
+    if injected("rollout", index, step) and not reconstructed():
         os._exit(17)
 
 
