@@ -324,6 +324,7 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
         "loss": mean("loss"), "policy_loss": mean("policy_loss"), "kl": mean("kl_mean"), "clip_fraction": mean("clip_fraction"),
         "grad_norm": last[0]["grad_norm"], "lr": last[0]["lr"],
         "skipped_updates": sum(any(r.get("skipped") for r in upd) for upd in per_update),
+        "oom_reruns": sum(r.get("oom_reruns", 0) for upd in per_update for r in upd),
         "update_seconds": update_s, "rollout_seconds": rollout_s, "ref_seconds": ref_s,
         "tokens_per_second": tokens / max(update_s, 1e-9),
         "peak_over_budget": {str(r["rank"]): max(u[i]["peak_over_budget"] for u in per_update) for i, r in enumerate(last)},

@@ -173,6 +173,21 @@ def test_a_dead_budget_coordinator_comes_back_with_its_checkpointed_state(uninte
     assert all(state["steps"]["1"][rank]["microbatches"] == 2 for rank in ("0", "1"))
 
 
+def test_out_of_memory_in_a_microbatch_reruns_it_all_r_and_tightens(uninterrupted, tmp_path):
+    """Rank 1 runs out of memory in step 2's first microbatch: it reruns that microbatch all-R
+    with the same random state, its plan stores less, the coordinator records it; H/R and
+    all-R gradients are exact, so the run equals the uninterrupted one."""
+    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "oom:1:1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
+    assert [m["step"] for m in rows] == [1, 2, 3] and [m["oom_reruns"] for m in rows] == [0, 1, 0]
+    ooms = rows[1]["coordinator"]["1"]["out_of_memory"]
+    assert len(ooms) == 1 and ooms[0]["microbatch"] == 0 and rows[1]["coordinator"]["0"]["out_of_memory"] == []
+    for i in (1, 2):
+        for key in ("loss", "kl", "grad_norm", "reward_mean"):
+            assert rows[i][key] == ref[i][key], (i, key)
+
+
 def test_budget_below_minimum_is_a_clear_error(tmp_path):
     r = job(tmp_path, "--hilore.budget", "0.5")
     assert r.returncode == 2

@@ -108,9 +108,7 @@ class BudgetCoordinator:
         if rank not in self.budgets:
             raise KeyError(f"rank {rank} reported before registering its budget")
         B = self.budgets[rank]
-        rec = self.steps.setdefault(int(step), {}).setdefault(rank, {"max_peak": 0, "microbatches": 0, "tightened": [],
-                                                                     "actions": {}, "peaks": [],
-                                                                     "tokens": [], "predicted": []})
+        rec = self._record(step, rank)
         rec["max_peak"] = max(rec["max_peak"], int(peak_bytes))
         rec["microbatches"] += 1
         rec["peaks"].append(int(peak_bytes))
@@ -124,6 +122,16 @@ class BudgetCoordinator:
             return {"action": "tighten", "by_bytes": over, "peak_over_budget": peak_bytes / B}
         return {"action": "ok", "peak_over_budget": peak_bytes / B}
 
+    def _record(self, step: int, rank: int) -> dict:
+        return self.steps.setdefault(int(step), {}).setdefault(int(rank), {
+            "max_peak": 0, "microbatches": 0, "tightened": [], "actions": {}, "peaks": [], "tokens": [], "predicted": [],
+            "out_of_memory": []})
+
+    def out_of_memory(self, rank: int, step: int, microbatch: int, tokens: int, by_bytes: int) -> None:
+        """A rank ran out of memory in a microbatch and reruns it all-R, its plan ``by_bytes``
+        smaller (``learner/step.out_of_memory``)."""
+        self._record(step, rank)["out_of_memory"].append({"microbatch": int(microbatch), "tokens": int(tokens), "by_bytes": int(by_bytes)})
+
     def step_record(self, step: int) -> Dict[str, dict]:
         """Per rank: ``peak_over_budget`` (max peak / B), microbatches, tightenings, action
         counts, and per microbatch its peak, tokens and predicted peak over B."""
@@ -134,7 +142,8 @@ class BudgetCoordinator:
                               "tightened": list(rec["tightened"]), "actions": dict(rec["actions"]),
                               "peaks_over_budget": [p / self.budgets[rank] for p in rec["peaks"]],
                               "tokens": list(rec["tokens"]),
-                              "predicted_over_budget": [p / self.budgets[rank] for p in rec["predicted"]]}
+                              "predicted_over_budget": [p / self.budgets[rank] for p in rec["predicted"]],
+                              "out_of_memory": list(rec.get("out_of_memory", []))}
         return out
 
     def over_budget_ranks(self, step: int) -> List[int]:

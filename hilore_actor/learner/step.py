@@ -61,11 +61,12 @@ class MicrobatchRecord:
 
 
 @contextlib.contextmanager
-def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iterator[MicrobatchRecord]:
+def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: bool = False) -> Iterator[MicrobatchRecord]:
     """Run the block as one microbatch of ``tokens`` tokens under ``plan`` (a ``RankPlan``;
     its plan sized to those tokens) on ``engine`` (a ``RecoveryEngine`` or None); the record
     is complete when the block exits. ``resident``: what the rank holds as the microbatch
-    begins, in B's scope (``scope.resident_now`` for the device scope, 0 otherwise)."""
+    begins, in B's scope (``scope.resident_now`` for the device scope, 0 otherwise).
+    ``all_r``: recompute every unit whatever the plan (a rerun after running out of memory)."""
     rec = MicrobatchRecord(tokens=int(tokens), resident=int(resident))
     meter = rec.meter = MemoryMeter(device)
     with meter:
@@ -74,7 +75,7 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0) -> Iter
         else:
             rec.sp = plan.for_tokens(tokens)
             rec.predicted_bytes = plan.predicted_peak(rec.sp)
-            if stores_nothing(rec.sp.plan):  # all-R: plain layer checkpointing, no engine bookkeeping
+            if all_r or stores_nothing(rec.sp.plan):  # all-R: plain layer checkpointing, no engine bookkeeping
                 with layer_checkpointing(engine.model):
                     yield rec
                 rec.actions = {n: "R" for n in rec.sp.plan}
@@ -99,3 +100,16 @@ def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchR
     if d["action"] == "tighten":
         plan.tighten(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
     return d
+
+
+def out_of_memory(plan, coordinator, rank: int, step: int, index: int, tokens: int) -> int:
+    """A microbatch ran out of memory before its backward: the rank's plan for that size gives
+    up half of what it stores (``RankPlan.tighten``), the coordinator records it, and the caller
+    reruns the microbatch all-R (``run_microbatch(all_r=True)``). Returns the bytes given up."""
+    sp = plan.for_tokens(tokens) if plan.hl is not None else None
+    by = int(plan.hl.planned_bytes(sp) // 2) if sp is not None else 0
+    if by > 0:
+        plan.tighten(by, f" rank {rank} (out of memory)", tokens=tokens)
+    if coordinator is not None:
+        call(coordinator.out_of_memory, rank, step, index, tokens, by)
+    return by

@@ -11,6 +11,10 @@
 - ``coordinator:<step>``: the budget coordinator dies at the first report of that step; Ray
   restarts it, it reloads its state from the last checkpoint, ranks re-register with their
   next report (``learner/coordinator.py``);
+- ``oom:<rank>:<step>``: that rank's first microbatch of that step runs out of memory after
+  its forward (``torch.OutOfMemoryError``, as CUDA raises it); the rank frees it, gives up half
+  of what its plan stores at that size, tells the coordinator, reruns the microbatch all-R
+  with the same random state and goes on (``Learner._forward_backward``);
 - ``nonfinite:<rank>:<step>``: that rank's first microbatch of each update in that step has a
   NaN loss. DeepSpeed's ZeRO optimizer then skips the update on every rank (the all-reduced
   gradient norm is not finite); the job counts it (``skipped_updates``) and goes on, and stops

@@ -49,6 +49,7 @@ class Learner:
                  resume_dir: Optional[str] = None):
         cfg = self.cfg = hierarchize(flat_cfg)
         self.rank, self.world = rank, world_size(cfg)
+        self.oom_reruns, self._oom_injected = 0, False  # microbatches rerun all-R after running out of memory
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         self.device = worker_device()
@@ -180,7 +181,7 @@ class Learner:
 
     def update(self, step: int, u: int) -> Dict:
         """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
-        from ..learner.step import report, run_microbatch
+        from ..learner.step import report
 
         _fault("learner", self.rank, step)
         rows = self.rows[u * self.gas:(u + 1) * self.gas]
@@ -190,12 +191,7 @@ class Learner:
         for i, r in enumerate(rows):
             mb = self._microbatch(r)
             tokens += mb.num_tokens
-            with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident()) as rec:
-                out = self.loss_fn(self.ds, mb)
-                rec.set_actions(self.plan, out)
-                if i == 0 and injected("nonfinite", self.rank, step):
-                    out.loss = out.loss * float("nan")
-                self.ds.backward(out.loss)
+            out, rec = self._forward_backward(mb, step, i + u * self.gas)
             self.ds.step()
             for a, n in rec.counts.items():
                 counts[a] += n
@@ -208,12 +204,56 @@ class Learner:
         total = max(1, sum(counts.values()))
         # DeepSpeed's ZeRO optimizer skips a step whose all-reduced gradient norm is not finite
         # (fp32, and bf16 with its check_grad_overflow), on every rank alike
+        reruns, self.oom_reruns = self.oom_reruns, 0
         return {"rank": self.rank, "update_seconds": seconds, "tokens": tokens, "skipped": not self.ds.was_step_applied(),
+                "oom_reruns": reruns,
                 **{k: statistics.fmean(v) for k, v in stats.items()},
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
                 **{f"fraction_{a}": counts[a] / total for a in ACTIONS},
                 "lr": self.ds.get_lr()[0]}
+
+    def _forward_backward(self, mb, step: int, index: int):
+        """One microbatch under the plan. Out of memory before its backward (nothing reduced or
+        accumulated yet): free it, tighten the plan, tell the coordinator, rerun it all-R with
+        the same random state (LoRA dropout draws the same masks). Out of memory in the
+        backward, or under ZeRO-3 (whose forward gathers parameters with the other ranks), is
+        not recoverable: the error names it."""
+        from ..learner.step import out_of_memory, run_microbatch
+
+        rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
+        stage = "forward"
+        try:
+            with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident()) as rec:
+                out = self.loss_fn(self.ds, mb)
+                if injected("oom", self.rank, step) and index == 0 and not self._oom_injected:
+                    self._oom_injected = True
+                    raise torch.OutOfMemoryError("injected by HILORE_FAULT")
+                rec.set_actions(self.plan, out)
+                if index == 0 and injected("nonfinite", self.rank, step):
+                    out.loss = out.loss * float("nan")
+                stage = "backward"
+                self.ds.backward(out.loss)
+            return out, rec
+        except torch.OutOfMemoryError as e:
+            if stage == "backward" or self.cfg.ds.zero_stage >= 3:
+                raise RuntimeError(f"rank {self.rank} ran out of memory in the {stage} of step {step + 1}'s microbatch "
+                                   f"{index} ({e}); lower --hilore.budget or the microbatch size") from None
+            message = str(e).splitlines()[0] if str(e) else "out of memory"
+        out = rec = None  # what the failed forward held goes now
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        by = out_of_memory(self.plan, self.coordinator, self.rank, step, index, mb.num_tokens)
+        print(f"[learner {self.rank}] out of memory in step {step + 1}'s microbatch {index} ({message}): rerun all-R, "
+              f"plan {by / 2**20:.1f} MiB smaller", flush=True)
+        self.oom_reruns += 1
+        torch.random.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1])
+        with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident(), all_r=True) as rec:
+            out = self.loss_fn(self.ds, mb)
+            self.ds.backward(out.loss)
+        return out, rec
 
     # ---- calibration on real rollouts -------------------------------------------------------
     @contextlib.contextmanager
