@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -36,12 +35,6 @@ PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_
 
 class JobError(RuntimeError):
     """A failure the user can act on; ``main`` prints it without a traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_prompts(cfg):
@@ -88,6 +81,7 @@ class Job:
 
         from hilore_actor.learner.coordinator import BudgetCoordinator
         from hilore_actor.train.learner import Learner
+        from hilore_actor.train.placement import check_shared, learner_placement
         from hilore_actor.train.workers import HFRolloutWorker, ReferenceWorker, VLLMRolloutWorker
 
         self.ray, self.cfg = ray, cfg
@@ -97,9 +91,12 @@ class Job:
         # Ray restarts a dead coordinator, which reloads the last checkpoint's state (coordinator.py)
         self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, max_restarts=3, **env).remote(
             checkpoints=checkpoints, resume_from=resume_dir)
-        port = _free_port()
-        lopts = dict(num_cpus=0, num_gpus=1 if cuda else 0, **env)
-        self.learners = [ray.remote(Learner).options(**lopts).remote(flat, r, "127.0.0.1", port, self.coordinator, resume_dir)
+        try:  # ranks placed (one bundle each), checkpoint storage checked, then the learners start
+            self.pg, place, addr, port = learner_placement(ray, world_size(cfg), cfg.actor.num_nodes, cuda)
+            check_shared(ray, place, checkpoints, **env)
+        except RuntimeError as e:
+            raise JobError(str(e)) from None
+        self.learners = [ray.remote(Learner).options(**place[r], **env).remote(flat, r, addr, port, self.coordinator, resume_dir)
                          for r in range(world_size(cfg))]
         ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
         if cfg.vllm.num_engines > 0:
@@ -256,6 +253,7 @@ def run(cfg) -> int:
                file=sys.stdout, dynamic_ncols=True)
     job.sync_weights()
     stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
+    restarts_before = call(job.coordinator.restart_count)
     for step in bar:
         examples = step_prompts(task, cfg, step)
         t = time.perf_counter()
@@ -279,6 +277,9 @@ def run(cfg) -> int:
         m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
         m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info.get("budget_scope", "activations")
         m["coordinator_restarts"] = call(job.coordinator.restart_count)
+        _say_recoveries(m, step + 1, restarts_before)
+        restarts_before = m["coordinator_restarts"]
+        m["learner_nodes"] = {str(i["rank"]): i.get("node_id") for i in job.infos}
         if cfg.compare_gc:
             cmp = job.get([l.compare.remote() for l in job.learners])
             for key in cmp[0]:
@@ -311,6 +312,17 @@ def run(cfg) -> int:
     print(f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}", flush=True)
     print_report(log.path, cfg)
     return 0
+
+
+def _say_recoveries(m: Dict, step: int, restarts_before: int) -> None:
+    """What the learner side recovered from in this step, on the driver's stdout."""
+    if m["coordinator_restarts"] > restarts_before:
+        print(f"[train] step {step}: the budget coordinator died and was restarted by Ray; it reloaded the state "
+              f"saved with the last checkpoint", flush=True)
+    if m["oom_reruns"]:
+        ranks = sorted(r for r, rec in m["coordinator"].items() if rec.get("out_of_memory"))
+        print(f"[train] step {step}: {m['oom_reruns']} microbatch(es) ran out of memory (rank {', '.join(ranks)}) and "
+              "were rerun all-R; those plans now store less", flush=True)
 
 
 def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:

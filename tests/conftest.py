@@ -58,3 +58,15 @@ def bench_setup(arch: str, num_layers: int, n_mbs: int):
     init_lora_b(model, 1e-2, seed)
     model.train()
     return head_runners(model, RecoveryEngine(model)), replayed_microbatches(model, n_mbs, 256, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """Three uninterrupted steps of the training job's tiny preset (``train_job.py``): the
+    reference the fault, resume and multi-node tests reproduce."""
+    from train_job import job
+
+    out = tmp_path_factory.mktemp("full")
+    r = job(out, "--max_steps", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r

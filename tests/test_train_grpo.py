@@ -3,35 +3,13 @@ DeepSpeed ZeRO-2, 1 HF rollout worker, a reference worker, the budget coordinato
 checkpoints and resume, and its answers to bad input and a dying worker."""
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from hilore_actor.train.checkpoint import CheckpointDir
 from hilore_actor.train.config import ConfigError, parse_config
 
-TINY = ["--preset", "tiny", "--hilore.mode", "hilore-hr"]  # H/R only: gradients exact, so runs compare bitwise
-
-
-def job(tmp, *args, env=None, timeout=420):
-    e = dict(os.environ, DS_ACCELERATOR="cpu")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "hilore_actor.train_grpo", *TINY, "--save_path", str(tmp), *args],
-                          capture_output=True, text=True, timeout=timeout, env=e)
-
-
-def metrics(path):
-    return [json.loads(ln) for ln in (Path(path) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("full")
-    r = job(out, "--max_steps", "3")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out, r
+from train_job import job, metrics, same_training  # noqa: E402
 
 
 def test_three_steps_write_metrics_checkpoints_and_weights(uninterrupted):
@@ -46,7 +24,7 @@ def test_three_steps_write_metrics_checkpoints_and_weights(uninterrupted):
         assert m["grad_norm"] > 0
     assert any(m["reward_mean"] != rows[0]["reward_mean"] for m in rows)  # fresh rollouts every step
     ck = out / "checkpoints"
-    assert (ck / "latest").read_text() == "step_3"
+    assert (ck / "latest").read_text() == "step_3" and CheckpointDir(ck).resumable(log=print)[1] == []
     for name in ("meta.json", "rng_rank0.pt", "rng_rank1.pt", "hilore_rank0.json", "hilore_rank1.json", "ds"):
         assert (ck / "step_3" / name).exists(), name
     assert not list(ck.glob(".*tmp"))
@@ -91,101 +69,82 @@ def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(t
     assert again["calibration"] == saved[0]["calibration"]
 
 
-def test_dead_worker_fails_cleanly_and_resumes(tmp_path):
+def test_a_dead_learner_fails_cleanly_and_a_damaged_checkpoint_is_skipped_on_resume(uninterrupted, tmp_path):
+    """Rank 1 dies in step 3: exit 1, one message naming the last checkpoint (step 2), metrics
+    of steps 1-2. Then that checkpoint is damaged (its largest file cut short), so --resume
+    names it, falls back to step 1's, and reproduces the uninterrupted steps 2-3 bitwise, one
+    metrics row per step, ending on a checkpoint that checks out."""
     r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "learner:1:2"})  # rank 1 dies in step 3 (index 2)
     assert r.returncode == 1
-    assert "a Ray worker died" in r.stderr and "--resume" in r.stderr
+    assert "a Ray worker died" in r.stderr and "--resume" in r.stderr and "step_2" in r.stderr
     assert "Traceback" not in r.stderr
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
-    r = job(tmp_path, "--max_steps", "3", "--resume")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
-
-
-def test_sigterm_checkpoints_and_exits_then_a_damaged_checkpoint_is_skipped(uninterrupted, tmp_path):
-    """A preemption (SIGTERM to the driver during step 2) ends the job after that step with a
-    checkpoint and exit 0; then that checkpoint is damaged (a file cut short), so --resume
-    names it, falls back to step 1's, and reproduces the uninterrupted run's step 3 bitwise,
-    with one metrics row per step."""
-    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "sigterm:1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "SIGTERM received" in r.stdout and "stopped after step 2 of 3" in r.stdout and "--resume" in r.stdout
     ck = tmp_path / "checkpoints"
     assert (ck / "latest").read_text() == "step_2" and (ck / "step_1" / "meta.json").is_file()
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not (tmp_path / "final").exists()
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not list(ck.glob(".*tmp*"))
     victim = max((f for f in (ck / "step_2").rglob("*") if f.is_file() and f.name != "meta.json"), key=lambda f: f.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     r = job(tmp_path, "--max_steps", "3", "--resume")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"checkpoint {ck / 'step_2'} is damaged" in r.stdout and f"resuming from {ck / 'step_1'}" in r.stdout
-    resumed, ref = metrics(tmp_path), metrics(uninterrupted[0])
-    assert [m["step"] for m in resumed] == [1, 2, 3]
-    for key in ("loss", "policy_loss", "kl", "grad_norm", "reward_mean", "response_length"):
-        assert resumed[2][key] == ref[2][key], key
-    assert (ck / "latest").read_text() == "step_3"
+    rows = metrics(tmp_path)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    same_training(rows, metrics(uninterrupted[0]), (1, 2))
+    assert CheckpointDir(ck).resumable(log=print) == (ck / "step_3", [])
 
 
-def test_non_finite_updates_are_skipped_counted_and_too_many_stop_the_job(tmp_path):
-    """A NaN loss on rank 0 in step 2: DeepSpeed skips that update on both ranks, the step's
-    metrics count it, the job goes on to step 3. NaN on rank 1 in every step with a limit of 2
-    in a row: exit 1 after step 2 with one message naming the last checkpoint."""
-    r = job(tmp_path / "once", "--max_steps", "3", env={"HILORE_FAULT": "nonfinite:0:1"})
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_0(tmp_path):
+    """A preemption (SIGTERM to the driver during step 2): the job ends after that step with a
+    checkpoint that checks out, exit 0 and a message saying how to resume."""
+    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "sigterm:1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = metrics(tmp_path / "once")
-    assert [m["step"] for m in rows] == [1, 2, 3] and [m["skipped_updates"] for m in rows] == [0, 1, 0]
-    assert not math.isfinite(rows[1]["grad_norm"]) and math.isfinite(rows[2]["grad_norm"]) and math.isfinite(rows[2]["loss"])
-    assert "step 2: an update had a non-finite gradient and was skipped" in r.stdout
-    r = job(tmp_path / "always", "--max_steps", "3", "--train.max_skipped_updates", "2", env={"HILORE_FAULT": "nonfinite:1:*"})
+    assert "SIGTERM received" in r.stdout and "stopped after step 2 of 3" in r.stdout and "--resume" in r.stdout
+    ck = tmp_path / "checkpoints"
+    assert CheckpointDir(ck).resumable(log=print) == (ck / "step_2", [])
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not (tmp_path / "final").exists()
+
+
+def test_too_many_non_finite_updates_in_a_row_stop_the_job(tmp_path):
+    """NaN on rank 1 in every step with a limit of 2 in a row: both updates are skipped and
+    counted, then exit 1 after step 2 with one message naming the last checkpoint."""
+    r = job(tmp_path, "--max_steps", "3", "--train.max_skipped_updates", "2", env={"HILORE_FAULT": "nonfinite:1:*"})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "2 updates in a row had a non-finite gradient (the last in step 2)" in r.stderr
     assert "the last checkpoint is" in r.stderr and "step_1" in r.stderr.splitlines()[-1]
-    assert [m["step"] for m in metrics(tmp_path / "always")] == [1, 2]
+    rows = metrics(tmp_path)
+    assert [m["step"] for m in rows] == [1, 2] and [m["skipped_updates"] for m in rows] == [1, 1]
+    assert CheckpointDir(tmp_path / "checkpoints").resumable(log=print) == (tmp_path / "checkpoints" / "step_1", [])
 
 
-def test_a_dead_rollout_worker_is_restarted_and_its_step_redone(uninterrupted, tmp_path):
-    """The rollout worker dies in step 2's generate: Ray restarts it, it gets the current
-    weights, the step's rollouts are redone with the same seeds; the run equals the
-    uninterrupted one bitwise, one metrics row per step."""
-    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "rollout:0:1"})
+def test_faults_a_run_survives(uninterrupted, tmp_path):
+    """Four faults in one five-step run, one per step, with one metrics row per step:
+    step 1: the rollout worker dies in generate: Ray restarts it, it gets the current weights,
+    the step's rollouts are redone with the same seeds;
+    step 2: the budget coordinator dies at the first report: Ray restarts it, it reloads step
+    1's checkpointed state, the ranks wait for it and re-register;
+    step 3: rank 1 runs out of memory in its first microbatch: it reruns it all-R with the same
+    random state, its plan stores less, the coordinator records it;
+    (steps 1-3 equal the uninterrupted run bitwise: none of these changes what is learned)
+    step 4: rank 0's first microbatch has a NaN loss: DeepSpeed skips the update on both ranks,
+    the step counts it, and step 5 trains on."""
+    r = job(tmp_path, "--max_steps", "5", env={"HILORE_FAULT": "rollout:0:0,coordinator:1,oom:1:2,nonfinite:0:3"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("a rollout worker died in step 2") == 1 and "redoing the step's rollouts" in r.stdout
-    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
-    assert [m["step"] for m in rows] == [1, 2, 3]
-    for i in (1, 2):
-        for key in ("loss", "kl", "grad_norm", "reward_mean", "response_length"):
-            assert rows[i][key] == ref[i][key], (i, key)
-
-
-def test_a_dead_budget_coordinator_comes_back_with_its_checkpointed_state(uninterrupted, tmp_path):
-    """The coordinator dies at step 2's first report: Ray restarts it, it reloads step 1's
-    checkpointed state, the ranks wait for it and report on; the run equals the uninterrupted
-    one, and the last checkpoint's coordinator state holds every step, step 2 complete."""
-    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "coordinator:1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
-    assert [m["step"] for m in rows] == [1, 2, 3] and [m["coordinator_restarts"] for m in rows] == [0, 1, 1]
-    for i in (1, 2):
-        for key in ("loss", "kl", "grad_norm", "reward_mean"):
-            assert rows[i][key] == ref[i][key], (i, key)
-    state = json.loads((tmp_path / "checkpoints" / "step_3" / "coordinator.json").read_text())
-    assert sorted(state["steps"]) == ["0", "1", "2"] and state["restarts"] == 1
+    rows = metrics(tmp_path)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5]
+    same_training(rows, metrics(uninterrupted[0]), (0, 1, 2))
+    assert r.stdout.count("a rollout worker died in step 1") == 1 and "redoing the step's rollouts" in r.stdout
+    assert [m["coordinator_restarts"] for m in rows] == [0, 1, 1, 1, 1]
+    assert "step 2: the budget coordinator died and was restarted" in r.stdout
+    state = json.loads((tmp_path / "checkpoints" / "step_5" / "coordinator.json").read_text())
+    assert sorted(state["steps"]) == ["0", "1", "2", "3", "4"] and state["restarts"] == 1  # step 1 came back from its checkpoint
     assert all(state["steps"]["1"][rank]["microbatches"] == 2 for rank in ("0", "1"))
-
-
-def test_out_of_memory_in_a_microbatch_reruns_it_all_r_and_tightens(uninterrupted, tmp_path):
-    """Rank 1 runs out of memory in step 2's first microbatch: it reruns that microbatch all-R
-    with the same random state, its plan stores less, the coordinator records it; H/R and
-    all-R gradients are exact, so the run equals the uninterrupted one."""
-    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "oom:1:1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
-    assert [m["step"] for m in rows] == [1, 2, 3] and [m["oom_reruns"] for m in rows] == [0, 1, 0]
-    ooms = rows[1]["coordinator"]["1"]["out_of_memory"]
-    assert len(ooms) == 1 and ooms[0]["microbatch"] == 0 and rows[1]["coordinator"]["0"]["out_of_memory"] == []
-    for i in (1, 2):
-        for key in ("loss", "kl", "grad_norm", "reward_mean"):
-            assert rows[i][key] == ref[i][key], (i, key)
+    assert [m["oom_reruns"] for m in rows] == [0, 0, 1, 0, 0]
+    ooms = rows[2]["coordinator"]["1"]["out_of_memory"]
+    assert len(ooms) == 1 and ooms[0]["microbatch"] == 0 and rows[2]["coordinator"]["0"]["out_of_memory"] == []
+    assert ooms[0]["by_bytes"] > 0  # the plan stored units at that size (fraction_H > 0) and gave up half of them
+    assert "step 3: 1 microbatch(es) ran out of memory (rank 1) and were rerun all-R" in r.stdout
+    assert [m["skipped_updates"] for m in rows] == [0, 0, 0, 1, 0] and "step 4: an update had a non-finite gradient" in r.stdout
+    assert not math.isfinite(rows[3]["grad_norm"]) and math.isfinite(rows[4]["grad_norm"]) and math.isfinite(rows[4]["loss"])
+    assert CheckpointDir(tmp_path / "checkpoints").resumable(log=print) == (tmp_path / "checkpoints" / "step_5", [])
 
 
 def test_budget_below_minimum_is_a_clear_error(tmp_path):

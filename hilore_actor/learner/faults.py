@@ -1,4 +1,4 @@
-"""Fault injection for tests: ``HILORE_FAULT=KIND:ARGS`` names one fault to inject.
+"""Fault injection for tests: ``HILORE_FAULT=KIND:ARGS[,KIND:ARGS...]`` names the faults to inject.
 
 The kinds, where they strike and what the job does about each are listed in
 ``train/faults.py``; this is only the switch, shared by the learner room and the job.
@@ -9,11 +9,14 @@ import os
 
 
 def injected(kind: str, *args) -> bool:
-    """Whether ``HILORE_FAULT`` asks for fault ``kind`` at ``args`` (e.g. a rank and a step;
-    ``*`` in the spec matches any value)."""
-    spec = os.environ.get("HILORE_FAULT", "").split(":")
+    """Whether ``HILORE_FAULT`` (one spec, or several joined by commas) asks for fault ``kind``
+    at ``args`` (e.g. a rank and a step; ``*`` in a spec matches any value)."""
     want = [kind, *map(str, args)]
-    return len(spec) == len(want) and all(s in (w, "*") for s, w in zip(spec, want))
+    for spec in os.environ.get("HILORE_FAULT", "").split(","):
+        parts = spec.strip().split(":")
+        if len(parts) == len(want) and all(s in (w, "*") for s, w in zip(parts, want)):
+            return True
+    return False
 
 
 def reconstructed() -> bool:

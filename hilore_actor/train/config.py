@@ -290,8 +290,6 @@ def validate(cfg) -> None:
                           f"{world} x {cfg.train.micro_batch_size}")
     if cfg.algo.advantage.estimator in ("group_norm", "rloo") and G < 2:
         errors.append(f"--algo.advantage.estimator {cfg.algo.advantage.estimator} needs --rollout.n_samples_per_prompt > 1")
-    if cfg.actor.num_nodes != 1:
-        errors.append("--actor.num_nodes > 1 is not supported yet: the learner group is formed on one node")
     if cfg.vllm.tensor_parallel_size != 1:
         errors.append("--vllm.tensor_parallel_size > 1 is not supported yet")
     if cfg.ds.zero_stage not in (0, 1, 2, 3):

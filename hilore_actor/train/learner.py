@@ -376,7 +376,9 @@ class Learner:
         return None
 
     def info(self) -> Dict:
-        return dict(self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step)
+        from .placement import node_id
+
+        return dict(self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step, node_id=node_id())
 
 
 class _NoEngine:
