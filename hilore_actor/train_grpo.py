@@ -10,8 +10,8 @@ One controller (this process) drives, per step:
       HiLoRe updates under DeepSpeed; peaks to the budget coordinator) -> weights to rollout
       workers -> metrics, checkpoint
 
-The pieces live in ``hilore_actor/train/`` (config, learner, workers, coordinator,
-checkpoint, metrics); this file is the recipe. Flags: ``--help``.
+The pieces live in ``hilore_actor/train/`` (config, job, learner, workers, placement, faults,
+checkpoint, metrics) and ``hilore_actor/learner/`` (plan, step, coordinator); this file is the recipe. Flags: ``--help``.
 """
 from __future__ import annotations
 
@@ -21,20 +21,13 @@ import signal
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
-from hilore_actor.train.config import ConfigError, flatten_ns, parse_config, plan_tokens, world_size
+from hilore_actor.train.config import ConfigError, parse_config, plan_tokens, world_size
 from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
-
-# environment the workers need to see (Ray workers do not inherit the driver's environment)
-PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
-            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-
-
-class JobError(RuntimeError):
-    """A failure the user can act on; ``main`` prints it without a traceback."""
+from hilore_actor.train.job import Job, JobError
 
 
 def load_prompts(cfg):
@@ -73,130 +66,10 @@ def shard_rows(seqs, cfg) -> List[List[Dict]]:
     return ranks
 
 
-class Job:
-    """The Ray actors of one run and the calls the recipe makes on them."""
-
-    def __init__(self, cfg, resume_dir: Optional[str], checkpoints: str):
-        import ray
-
-        from hilore_actor.learner.coordinator import BudgetCoordinator
-        from hilore_actor.train.learner import Learner
-        from hilore_actor.train.placement import check_shared, learner_placement
-        from hilore_actor.train.workers import HFRolloutWorker, ReferenceWorker, VLLMRolloutWorker
-
-        self.ray, self.cfg = ray, cfg
-        flat = flatten_ns(cfg)
-        cuda = torch.cuda.is_available()
-        env = {"runtime_env": {"env_vars": {k: os.environ[k] for k in PASS_ENV if k in os.environ}}}
-        # Ray restarts a dead coordinator, which reloads the last checkpoint's state (coordinator.py)
-        self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, max_restarts=3, **env).remote(
-            checkpoints=checkpoints, resume_from=resume_dir)
-        try:  # ranks placed (one bundle each), checkpoint storage checked, then the learners start
-            self.pg, place, addr, port = learner_placement(ray, world_size(cfg), cfg.actor.num_nodes, cuda)
-            check_shared(ray, place, checkpoints, **env)
-        except RuntimeError as e:
-            raise JobError(str(e)) from None
-        self.learners = [ray.remote(Learner).options(**place[r], **env).remote(flat, r, addr, port, self.coordinator, resume_dir)
-                         for r in range(world_size(cfg))]
-        ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
-        if cfg.vllm.num_engines > 0:
-            if not cuda:
-                raise JobError("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
-            self.rollout = [ray.remote(VLLMRolloutWorker).options(num_gpus=cfg.vllm.tensor_parallel_size, **ropts)
-                            .remote(flat, i) for i in range(cfg.vllm.num_engines)]
-        else:
-            self.rollout = [ray.remote(HFRolloutWorker).options(num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
-                            .remote(flat, i) for i in range(cfg.rollout.num_workers)]
-        self.ref = ray.remote(ReferenceWorker).options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env).remote(flat)
-        self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
-        self.weight_kind = self.get(self.rollout[0].weight_kind.remote())
-
-    def get(self, refs):
-        return self.ray.get(refs)
-
-    @property
-    def calibration_pending(self) -> bool:
-        return any(i.get("calibration") == "pending" for i in self.infos)
-
-    def calibrate(self) -> None:
-        """L's risk, once for the job, on this step's real rollout microbatches: every rank
-        runs the interventions on its share of ``--hilore.calibration_batches`` of them, the
-        samples are pooled into one calibration, and every rank re-plans with it (the
-        checkpoint keeps it; ``--hilore.calibration PATH`` saves it too)."""
-        from dataclasses import asdict
-
-        from hilore_actor.allocation.calibration import Calibration, merge, save_levels
-
-        t = time.perf_counter()
-        share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
-        parts = [p for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
-        if not parts or not any(p[a]["samples"] for p in parts for a in p):
-            raise JobError("L's calibration found no microbatch on any learner rank")
-        cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples
-        if self.cfg.hilore.calibration:
-            save_levels(cal, self.cfg.hilore.calibration)
-        self.infos = self.get([l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners])
-        n = len({s["batch"] for s in next(iter(cal.values())).samples})
-        print(f"[train] calibrated L's risk on {n} real microbatches in {time.perf_counter() - t:.0f}s; "
-              f"plan {self.infos[0].get('plan')}", flush=True)
-
-    def sync_weights(self) -> None:
-        w = self.get([l.export_weights.remote(self.weight_kind) for l in self.learners])[0]
-        ref = self.ray.put(w)
-        self.get([r.load_weights.remote(ref) for r in self.rollout])
-
-    def generate(self, prompts: List[str], step: int) -> Dict:
-        """The step's rollouts. A rollout worker that dies is restarted by Ray (up to
-        ``--rollout.max_restarts`` times); the restarted workers get the current weights and the
-        step's rollouts are redone with the same seeds, so the step runs once, as it would have."""
-        from ray.exceptions import RayActorError
-
-        for attempt in range(self.cfg.rollout.max_restarts + 1):
-            try:
-                return self._generate(prompts, step)
-            except RayActorError as e:
-                if attempt == self.cfg.rollout.max_restarts:
-                    raise
-                print(f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
-                      f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
-                      flush=True)
-                self._wait_for_rollout_workers()
-                self.sync_weights()
-        raise AssertionError("unreachable")
-
-    def _wait_for_rollout_workers(self, timeout_s: float = 600.0) -> None:
-        """Until every rollout worker answers (Ray refuses calls while one restarts)."""
-        from ray.exceptions import ActorUnavailableError
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.get([w.weight_kind.remote() for w in self.rollout])
-                return
-            except ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
-
-    def _generate(self, prompts: List[str], step: int) -> Dict:
-        k = len(self.rollout)
-        chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
-        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step)
-                         for i, (w, c) in enumerate(zip(self.rollout, chunks)) if c])
-        seqs, texts = [], []
-        for o in outs:
-            for i in range(len(o["texts"])):
-                n = o["prompt_lens"][i] + o["response_lens"][i]
-                seqs.append([o["sequences"][i, :n], o["prompt_lens"][i], o["response_lens"][i]])
-                texts.append(o["texts"][i])
-        return {"seqs": seqs, "texts": texts}
-
-
 def run(cfg) -> int:
     from tqdm import tqdm
 
-    from hilore_actor.grpo import group_advantages
-    from hilore_actor.learner.coordinator import STATE_FILE, call
+    from hilore_actor.learner.coordinator import call
     from hilore_actor.models.source import check_model_spec, load_tokenizer
     from hilore_actor.train.checkpoint import CheckpointDir
     from hilore_actor.train.metrics import MetricsLog, summary
@@ -248,32 +121,13 @@ def run(cfg) -> int:
           f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
           f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B; ready in {time.perf_counter() - t0:.0f}s", flush=True)
     log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None)
-    G = cfg.rollout.n_samples_per_prompt
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
                file=sys.stdout, dynamic_ncols=True)
     job.sync_weights()
     stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
     restarts_before = call(job.coordinator.restart_count)
     for step in bar:
-        examples = step_prompts(task, cfg, step)
-        t = time.perf_counter()
-        out = job.generate([e.prompt for e in examples], step)
-        stop.inject(step)
-        rollout_s = time.perf_counter() - t
-        rewards = torch.tensor([task.score(txt, examples[i // G]) for i, txt in enumerate(out["texts"])], dtype=torch.float32)
-        adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
-        seqs = [(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)]
-        ranks = shard_rows(seqs, cfg)
-        all_rows = [r for rows in ranks for r in rows]
-        t = time.perf_counter()
-        for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
-            r["ref_log_probs"] = ref
-        ref_s = time.perf_counter() - t
-        job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
-        per_update = []
-        for u in range(info["updates_per_step"]):
-            per_update.append(job.get([l.update.remote(step, u) for l in job.learners]))
-            job.sync_weights()
+        rewards, out, per_update, rollout_s, ref_s = train_step(job, task, cfg, step, info["updates_per_step"], stop)
         m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
         m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info.get("budget_scope", "activations")
         m["coordinator_restarts"] = call(job.coordinator.restart_count)
@@ -294,24 +148,58 @@ def run(cfg) -> int:
         tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
         if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps \
                 or stop.requested:
-            stage = ckpts.staging(step + 1)
-            job.get([l.save.remote(str(stage)) for l in job.learners])
-            (stage / STATE_FILE).write_text(json.dumps(call(job.coordinator.state)))
-            saved = ckpts.commit(stage, step + 1, {"metrics": m}, keep=cfg.ckpt.max_num)
+            saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num)
         if stop.requested and step + 1 < cfg.max_steps:
-            bar.close()
-            log.close()
-            stop.__exit__()
-            print(f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
-                  f"checkpoint {saved}; rerun the same command with --resume to continue", flush=True)
-            return 0
+            break
     stop.__exit__()
     bar.close()
     log.close()
+    if stop.requested and step + 1 < cfg.max_steps:
+        print(f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
+              f"checkpoint {saved}; rerun the same command with --resume to continue", flush=True)
+        return 0
     path = job.get([l.save_hf.remote(os.path.join(cfg.save_path, "final")) for l in job.learners])[0]
     print(f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}", flush=True)
     print_report(log.path, cfg)
     return 0
+
+
+def train_step(job, task, cfg, step: int, updates: int, stop):
+    """One GRPO step: rollouts -> rewards -> group advantages -> packed rows per rank ->
+    reference log-probs -> the learners' updates (weights to the rollout workers after each).
+    Returns (rewards, rollouts, per update every rank's metrics, rollout s, reference s)."""
+    from hilore_actor.grpo import group_advantages
+
+    G = cfg.rollout.n_samples_per_prompt
+    examples = step_prompts(task, cfg, step)
+    t = time.perf_counter()
+    out = job.generate([e.prompt for e in examples], step)
+    stop.inject(step)
+    rollout_s = time.perf_counter() - t
+    rewards = torch.tensor([task.score(txt, examples[i // G]) for i, txt in enumerate(out["texts"])], dtype=torch.float32)
+    adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
+    ranks = shard_rows([(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)], cfg)
+    all_rows = [r for rows in ranks for r in rows]
+    t = time.perf_counter()
+    for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
+        r["ref_log_probs"] = ref
+    ref_s = time.perf_counter() - t
+    job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
+    per_update = []
+    for u in range(updates):
+        per_update.append(job.get([l.update.remote(step, u) for l in job.learners]))
+        job.sync_weights()
+    return rewards, out, per_update, rollout_s, ref_s
+
+
+def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int):
+    """Every rank's state, the coordinator's, then the atomic commit (``train/checkpoint.py``)."""
+    from hilore_actor.learner.coordinator import STATE_FILE, call
+
+    stage = ckpts.staging(step)
+    job.get([l.save.remote(str(stage)) for l in job.learners])
+    (stage / STATE_FILE).write_text(json.dumps(call(job.coordinator.state)))
+    return ckpts.commit(stage, step, {"metrics": m}, keep=keep)
 
 
 def _say_recoveries(m: Dict, step: int, restarts_before: int) -> None:

@@ -1,0 +1,139 @@
+"""The Ray actors of one training run and the calls the recipe (``train_grpo.py``) makes on them:
+learner ranks (placed by ``placement.py``), rollout workers (restarted by Ray when they die),
+the reference worker and the budget coordinator (restarted too, ``learner/coordinator.py``)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from .config import flatten_ns, world_size
+
+# environment the workers need to see (Ray workers do not inherit the driver's environment)
+PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
+            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class JobError(RuntimeError):
+    """A failure the user can act on; ``main`` prints it without a traceback."""
+
+
+class Job:
+    """The Ray actors of one run and the calls the recipe makes on them."""
+
+    def __init__(self, cfg, resume_dir: Optional[str], checkpoints: str):
+        import ray
+
+        from ..learner.coordinator import BudgetCoordinator
+        from .learner import Learner
+        from .placement import check_shared, learner_placement
+        from .workers import HFRolloutWorker, ReferenceWorker, VLLMRolloutWorker
+
+        self.ray, self.cfg = ray, cfg
+        flat = flatten_ns(cfg)
+        cuda = torch.cuda.is_available()
+        env = {"runtime_env": {"env_vars": {k: os.environ[k] for k in PASS_ENV if k in os.environ}}}
+        # Ray restarts a dead coordinator, which reloads the last checkpoint's state (coordinator.py)
+        self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, max_restarts=3, **env).remote(
+            checkpoints=checkpoints, resume_from=resume_dir)
+        try:  # ranks placed (one bundle each), checkpoint storage checked, then the learners start
+            self.pg, place, addr, port = learner_placement(ray, world_size(cfg), cfg.actor.num_nodes, cuda)
+            check_shared(ray, place, checkpoints, **env)
+        except RuntimeError as e:
+            raise JobError(str(e)) from None
+        self.learners = [ray.remote(Learner).options(**place[r], **env).remote(flat, r, addr, port, self.coordinator, resume_dir)
+                         for r in range(world_size(cfg))]
+        ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
+        if cfg.vllm.num_engines > 0:
+            if not cuda:
+                raise JobError("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
+            self.rollout = [ray.remote(VLLMRolloutWorker).options(num_gpus=cfg.vllm.tensor_parallel_size, **ropts)
+                            .remote(flat, i) for i in range(cfg.vllm.num_engines)]
+        else:
+            self.rollout = [ray.remote(HFRolloutWorker).options(num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
+                            .remote(flat, i) for i in range(cfg.rollout.num_workers)]
+        self.ref = ray.remote(ReferenceWorker).options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env).remote(flat)
+        self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
+        self.weight_kind = self.get(self.rollout[0].weight_kind.remote())
+
+    def get(self, refs):
+        return self.ray.get(refs)
+
+    @property
+    def calibration_pending(self) -> bool:
+        return any(i.get("calibration") == "pending" for i in self.infos)
+
+    def calibrate(self) -> None:
+        """L's risk, once for the job, on this step's real rollout microbatches: every rank
+        runs the interventions on its share of ``--hilore.calibration_batches`` of them, the
+        samples are pooled into one calibration, and every rank re-plans with it (the
+        checkpoint keeps it; ``--hilore.calibration PATH`` saves it too)."""
+        from dataclasses import asdict
+
+        from ..allocation.calibration import Calibration, merge, save_levels
+
+        t = time.perf_counter()
+        share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
+        parts = [p for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
+        if not parts or not any(p[a]["samples"] for p in parts for a in p):
+            raise JobError("L's calibration found no microbatch on any learner rank")
+        cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples
+        if self.cfg.hilore.calibration:
+            save_levels(cal, self.cfg.hilore.calibration)
+        self.infos = self.get([l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners])
+        n = len({s["batch"] for s in next(iter(cal.values())).samples})
+        print(f"[train] calibrated L's risk on {n} real microbatches in {time.perf_counter() - t:.0f}s; "
+              f"plan {self.infos[0].get('plan')}", flush=True)
+
+    def sync_weights(self) -> None:
+        w = self.get([l.export_weights.remote(self.weight_kind) for l in self.learners])[0]
+        ref = self.ray.put(w)
+        self.get([r.load_weights.remote(ref) for r in self.rollout])
+
+    def generate(self, prompts: List[str], step: int) -> Dict:
+        """The step's rollouts. A rollout worker that dies is restarted by Ray (up to
+        ``--rollout.max_restarts`` times); the restarted workers get the current weights and the
+        step's rollouts are redone with the same seeds, so the step runs once, as it would have."""
+        from ray.exceptions import RayActorError
+
+        for attempt in range(self.cfg.rollout.max_restarts + 1):
+            try:
+                return self._generate(prompts, step)
+            except RayActorError as e:
+                if attempt == self.cfg.rollout.max_restarts:
+                    raise
+                print(f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
+                      f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
+                      flush=True)
+                self._wait_for_rollout_workers()
+                self.sync_weights()
+        raise AssertionError("unreachable")
+
+    def _wait_for_rollout_workers(self, timeout_s: float = 600.0) -> None:
+        """Until every rollout worker answers (Ray refuses calls while one restarts)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.get([w.weight_kind.remote() for w in self.rollout])
+                return
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def _generate(self, prompts: List[str], step: int) -> Dict:
+        k = len(self.rollout)
+        chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
+        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step)
+                         for i, (w, c) in enumerate(zip(self.rollout, chunks)) if c])
+        seqs, texts = [], []
+        for o in outs:
+            for i in range(len(o["texts"])):
+                n = o["prompt_lens"][i] + o["response_lens"][i]
+                seqs.append([o["sequences"][i, :n], o["prompt_lens"][i], o["response_lens"][i]])
+                texts.append(o["texts"][i])
+        return {"seqs": seqs, "texts": texts}
