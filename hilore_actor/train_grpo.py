@@ -30,6 +30,12 @@ from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
 from hilore_actor.train.job import Job, JobError
 
 
+def checkpoint_root(cfg) -> str:
+    """``--ckpt.path`` or ``<save_path>/checkpoints``, absolute: every rank, on every node,
+    reads and writes the same folder (``train/placement.py`` checks that it can)."""
+    return os.path.abspath(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
+
+
 def load_prompts(cfg):
     """The task, checked before any worker starts (a malformed dataset fails here)."""
     from hilore_actor.data import load_task
@@ -84,7 +90,7 @@ def run(cfg) -> int:
         raise JobError(f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
                        f"{cfg.data.prompt_max_len}; raise it or shorten the prompts")
     cfg.hilore.plan_tokens = plan_tokens(cfg, longest)  # the largest microbatch these prompts can make
-    ckpts = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
+    ckpts = CheckpointDir(checkpoint_root(cfg))
     start, resume_dir = 0, None
     if cfg.ckpt.load_enable:
         last, skipped = ckpts.resumable()
@@ -264,7 +270,7 @@ def main(argv=None) -> int:
     except TooManySkipped as e:
         from hilore_actor.train.checkpoint import CheckpointDir
 
-        last = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints")).latest()
+        last = CheckpointDir(checkpoint_root(cfg)).latest()
         print(f"error: {e}; the last checkpoint is {last}" if last else f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # Ray wraps worker failures
@@ -286,7 +292,7 @@ def _worker_failure(e: Exception, cfg) -> int:
 
     if not isinstance(e, (rex.RayTaskError, rex.RayActorError)):
         raise e
-    last = CheckpointDir(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints")).latest()
+    last = CheckpointDir(checkpoint_root(cfg)).latest()
     where = f"the last checkpoint is {last}; rerun with --resume to continue from it" if last else "no checkpoint was written yet"
     found = re.findall(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", str(e), flags=re.M)
     if found and (isinstance(e, rex.RayTaskError) or getattr(e, "actor_init_failed", False)):
