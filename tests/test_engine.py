@@ -323,3 +323,37 @@ def test_token_norms_are_the_unit_inputs_norms_and_skip_checkpoint_units():
     assert set(norms) == {n for n, q in plan.items() if q != "checkpoint"}
     for n, v in norms.items():
         assert torch.allclose(v, seen[n].float().norm(dim=-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_l_compresses_each_stored_tensor_once_and_never_a_storage_kept_exact(arch):
+    """Under L an attention unit's projections each save a 2-D view of one normed input (q, k,
+    v): one payload serves them all; a saved tensor that is a view of a storage the attention
+    core keeps exact (o_proj's input, where SDPA's output layout allows) stays that view, at
+    no cost. So L's bundle is smaller than H's by more than half the input's exact bytes (it
+    was not, when each view was compressed on its own)."""
+    from hilore_actor.recovery.state import Payload, storage_key
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = tiny(arch, "lora", hidden=64)
+    ids, pos = packed_microbatch(256, VOCAB, n_seqs=3, seed=seed)
+    engine = RecoveryEngine(model)
+    name = [n for n in engine.unit_names if n.endswith("0.self_attn")][0]
+    total = {}
+    for policy in ("all-h", "all-l"):
+        with engine.step(policy) as st:
+            loss = grpo_loss(model, ids, pos)
+            u = [x for x in st.units if x.name == name][0]
+            total[policy] = sum(st.bytes_by_unit()[name].values())
+            if policy == "all-l":
+                wide = [v for v in u.entries.values() if isinstance(v, Payload) and tuple(v.shape) == (256, 64)]
+                kept = {storage_key(v) for i, v in u.entries.items() if i in u.kept}
+                big_exact = [v for i, v in u.entries.items() if isinstance(v, torch.Tensor) and i not in u.kept
+                             and i not in u.external and v.is_floating_point() and v.numel() >= 256 * 64]
+            st.set_actions(policy)
+            loss.backward()
+    print(total, len(wide), len({id(v) for v in wide}))
+    assert len(wide) >= 3 and len({id(v) for v in wide}) <= 2  # q/k/v's input once (+ o_proj's, when not an alias)
+    assert all(storage_key(v) in kept for v in big_exact)  # an exact copy under L only as a view of the kept core
+    assert total["all-h"] - total["all-l"] >= 0.5 * 256 * 64 * 4

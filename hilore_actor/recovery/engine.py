@@ -250,6 +250,7 @@ class RecoveryEngine:
         elif self.attention_core_exact and self._core_depth > 0 and self._child_depth == 0:
             u.kept.add(idx)  # the attention core: exact even under L (rules.KEEP_EXACT)
             u.entries[idx] = st.canonical(t)
+            st.kept_keys.add(storage_key(u.entries[idx]))  # the storage held (a shared mask: the first copy's)
         elif u.plan == COMPRESSED:
             u.entries[idx] = st.compress(t, u)
         else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional, Set, Union
 
 import torch
 
@@ -46,8 +46,9 @@ class Step:
         self.capture: Optional[UnitState] = None
         self.targets: set = set()
         self.actions_set = False
-        self._compressed: Dict[int, tuple] = {}
+        self._compressed: Dict[tuple, tuple] = {}
         self._masks: Dict[tuple, torch.Tensor] = {}
+        self.kept_keys: Set[int] = set()  # storages L keeps exact by rule (held in entries until backward)
         self._hooks_ctx = None
 
     def _codec(self, label: str):
@@ -78,6 +79,7 @@ class Step:
         for ls in self.layers:
             ls.replay = Replay()
         self._masks.clear()
+        self.kept_keys.clear()
 
     def canonical(self, t: torch.Tensor) -> torch.Tensor:
         """One shared copy of equal attention masks. SDPA turns the boolean (packed-sequence)
@@ -98,11 +100,17 @@ class Step:
         rule keeps it exact)."""
         if exact_reason(t) is not None:
             return t
-        # Dedup a tensor saved several times by its identity (a weak reference proves it is
-        # still the same live tensor: addresses and ids are reused once a tensor is freed).
+        if storage_key(t) in self.kept_keys:  # a view of a storage kept exact (the attention core's output): free
+            return t
+        # Dedup a tensor saved several times: by its base and view geometry, so the 2-D views
+        # that each projection's matmul makes of one input (q/k/v, gate/up) share one payload.
+        # A weak reference to the base proves it is still the same live tensor (addresses and
+        # ids are reused once a tensor is freed).
         codec = unit.codec or self.engine.codec
-        hit = self._compressed.get((id(t), codec.name))
-        if hit is not None and hit[0]() is t:
+        base = t._base if t._base is not None else t
+        key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name)
+        hit = self._compressed.get(key)
+        if hit is not None and hit[0]() is base:
             return hit[1]
         t0 = self.clock() if self.profile else 0.0
         p = codec.encode(t)
@@ -110,7 +118,7 @@ class Step:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
         out = p if p.finite() else self.canonical(t)
-        self._compressed[(id(t), codec.name)] = (weakref.ref(t), out)
+        self._compressed[key] = (weakref.ref(base), out)
         if self.track_error and out is p:
             x = t.detach().float()
             unit.err_sq += float((codec.decode(p).float() - x).pow(2).sum())
