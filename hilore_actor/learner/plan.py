@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -262,8 +262,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     runner_cls = runner_cls or Runner
 
     t0 = time.perf_counter()
-    saved = bool(hcfg.calibration and Path(hcfg.calibration).is_file())
-    wants_l = backend == "hilore" and hcfg.mode != "hilore-hr"
+    saved, wants_l = _calibration_wanted(hcfg, backend)
     n_cal = _planning_count(hcfg, backend, calibrate_later) - 1
     dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
                                 group_size=group_size, seed=seed, loss_options=loss_options, device=device)
@@ -295,10 +294,14 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     return RankPlan(budget, info, hl, sp, log)
 
 
+def _calibration_wanted(hcfg, backend: str) -> Tuple[bool, bool]:
+    """(a saved calibration file exists, the mode uses L)."""
+    return bool(hcfg.calibration and Path(hcfg.calibration).is_file()), backend == "hilore" and hcfg.mode != "hilore-hr"
+
+
 def _planning_count(hcfg, backend: str, calibrate_later: bool) -> int:
     """How many synthetic microbatches planning makes: one, plus L's calibration set."""
-    saved = bool(hcfg.calibration and Path(hcfg.calibration).is_file())
-    wants_l = backend == "hilore" and hcfg.mode != "hilore-hr"
+    saved, wants_l = _calibration_wanted(hcfg, backend)
     return 1 + (hcfg.calibration_batches if wants_l and not saved and not calibrate_later else 0)
 
 

@@ -1,6 +1,7 @@
 """Faults a long run meets: what the job does about them, and how tests inject them.
 
-``HILORE_FAULT`` (passed to every Ray worker) injects one fault, ``KIND:ARGS``:
+``HILORE_FAULT`` (passed to every Ray worker) injects faults, ``KIND:ARGS`` (several joined by
+commas):
 
 - ``learner:<rank>:<step>``: that learner rank dies (a hard exit) as it starts the update of
   step index ``<step>``; the driver reports it and names the checkpoint to ``--resume`` from;
@@ -19,6 +20,9 @@
   NaN loss. DeepSpeed's ZeRO optimizer then skips the update on every rank (the all-reduced
   gradient norm is not finite); the job counts it (``skipped_updates``) and goes on, and stops
   after ``--train.max_skipped_updates`` in a row (``SkipCounter``).
+
+- ``unshared:<rank>``: that rank's node cannot see the checkpoint folder; the job stops before
+  any learner starts (``placement.check_shared``).
 
 ``*`` stands for any rank or step (``learner/faults.py`` reads the variable).
 

@@ -98,32 +98,19 @@ class Job:
         step's rollouts are redone with the same seeds, so the step runs once, as it would have."""
         from ray.exceptions import RayActorError
 
-        for attempt in range(self.cfg.rollout.max_restarts + 1):
+        from ..learner.coordinator import call
+
+        for attempt in range(self.cfg.rollout.max_restarts):
             try:
                 return self._generate(prompts, step)
             except RayActorError as e:
-                if attempt == self.cfg.rollout.max_restarts:
-                    raise
                 print(f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
                       f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
                       flush=True)
-                self._wait_for_rollout_workers()
+                for w in self.rollout:  # each answers once Ray has restarted it (call waits while it restarts)
+                    call(w.weight_kind)
                 self.sync_weights()
-        raise AssertionError("unreachable")
-
-    def _wait_for_rollout_workers(self, timeout_s: float = 600.0) -> None:
-        """Until every rollout worker answers (Ray refuses calls while one restarts)."""
-        from ray.exceptions import ActorUnavailableError
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.get([w.weight_kind.remote() for w in self.rollout])
-                return
-            except ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+        return self._generate(prompts, step)  # restarts used up: a death now ends the job (train_grpo._worker_failure)
 
     def _generate(self, prompts: List[str], step: int) -> Dict:
         k = len(self.rollout)

@@ -3,8 +3,8 @@
 - A placement group with one bundle per rank (``{"GPU": 1, "CPU": 1}`` on CUDA, ``{"CPU": 1}``
   on CPU), packed (as OpenRLHF places its actor group): a node with M free GPUs takes M ranks,
   so ``--actor.num_nodes N --actor.num_gpus_per_node M`` lands on N nodes of M GPUs (with
-  ``N = 1``, strictly on one node). Rank r runs in bundle r. The group must be placeable within ``READY_S`` seconds, else one message
-  (more ranks than the cluster has GPUs, say).
+  ``N = 1``, strictly on one node). Rank r runs in bundle r. The group must be placeable
+  within ``READY_S`` seconds, else one message (more ranks than the cluster has GPUs, say).
 - The process group meets at rank 0's node: its address and a free port there, found by a
   task placed in bundle 0 (``127.0.0.1`` while every rank is on one node).
 - Checkpoints are written by every rank into one folder, so with several nodes it must be
