@@ -193,7 +193,8 @@ def train_step(job, task, cfg, step: int, updates: int, stop):
     job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
     per_update = []
     for u in range(updates):
-        per_update.append(job.get([l.update.remote(step, u) for l in job.learners]))
+        side = job.get([l.gradient_error.remote(u) for l in job.learners]) if cfg.measure_grad_error else [{}] * len(job.learners)
+        per_update.append([dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)])
         job.sync_weights()
     return rewards, out, per_update, rollout_s, ref_s
 
@@ -237,7 +238,17 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
         "peak_over_budget_max": max(r["peak_over_budget"] for u in per_update for r in u),
         **{f"fraction_{a}": mean(f"fraction_{a}") for a in "HLPR"},
         "coordinator": record,
+        **_gradient_error(per_update),
     }
+
+
+def _gradient_error(per_update) -> Dict:
+    """``--measure_grad_error``'s side pass over the step's updates and ranks (empty without it)."""
+    errs = [r["grad_rel_error"] for upd in per_update for r in upd if "grad_rel_error" in r]
+    if not errs:
+        return {}
+    return {"grad_rel_error": statistics.fmean(errs), "grad_rel_error_max": max(errs),
+            "grad_cosine_min": min(r["grad_cosine"] for upd in per_update for r in upd if "grad_cosine" in r)}
 
 
 def print_report(path, cfg) -> None:

@@ -53,11 +53,15 @@ def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(t
     """Mode hilore: the first step runs H/R, then L's risk is calibrated once for the job on
     that step's real microbatches (both ranks' shares pooled), every rank re-plans with it,
     and a resumed run reads it from the checkpoint instead of calibrating again."""
-    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "2", "--hilore.calibration_batches", "4")
+    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "2", "--hilore.calibration_batches", "4",
+            "--measure_grad_error")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("calibrated L's risk on 4 real microbatches") == 1, r.stdout[-3000:]
     rows = metrics(tmp_path)
     assert rows[0]["fraction_L"] == 0.0  # step 1: H/R while the calibration is pending
+    assert rows[0]["grad_rel_error"] == 0.0 and rows[0]["grad_cosine_min"] == pytest.approx(1.0)  # H/R: exact
+    # step 2 under the calibrated plan: an error where L was taken, none without it
+    assert (rows[1]["grad_rel_error_max"] > 0) == (rows[1]["fraction_L"] > 0) and rows[1]["grad_rel_error_max"] < 0.1
     saved = [json.loads((tmp_path / "checkpoints" / "step_2" / f"hilore_rank{k}.json").read_text()) for k in (0, 1)]
     assert saved[0]["calibration"] == saved[1]["calibration"]  # one calibration for the job
     assert {s["batch"] for s in saved[0]["calibration"]["samples"]} == {0, 1, 2, 3}
@@ -158,6 +162,7 @@ def test_budget_below_minimum_is_a_clear_error(tmp_path):
     (["--train.batch_size", "6"], "does not divide --train.batch_size"),
     (["--actor_backend", "fast"], "choose one of hilore, gc, none"),
     (["--hilore.budget", "lots"], "cannot read budget"),
+    (["--measure_grad_error", "--actor_backend", "gc"], "it needs --actor_backend hilore"),
 ])
 def test_bad_input_fails_before_ray(tmp_path, args, message):
     r = job(tmp_path, *args, timeout=120)

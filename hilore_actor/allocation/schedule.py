@@ -21,6 +21,7 @@ actions, risk from calibration means, no refresh).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
@@ -325,6 +326,16 @@ class HiLoRe:
             return self._last
 
         return choose
+
+    @contextlib.contextmanager
+    def side_pass(self):
+        """Passes run inside the block beside training (a measurement, not an update) leave
+        the online chooser as they found it: its refresh count and last actions."""
+        saved = self._calls, self._last
+        try:
+            yield
+        finally:
+            self._calls, self._last = saved
 
     def choose(self, mb, step, loss_output) -> Dict[str, str]:
         """Online actions for a training loop that is not ours: call after the loss, before

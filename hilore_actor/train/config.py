@@ -92,6 +92,9 @@ FLAGS = [
     ("logger.tensorboard_dir", str, None, "TensorBoard folder (default <save_path>/tensorboard)"),
     ("compare_gc", "flag", False, "after every update, time gc and the backend on the same microbatches, "
      "interleaved (no optimizer step), and report the ratio"),
+    ("measure_grad_error", "flag", False, "before every update, compute its gradient under HiLoRe's plan and the exact "
+     "one (every activation stored) on the same microbatches, outside the optimizer's path, and log their relative "
+     "error and cosine (grad_rel_error, grad_cosine; extra passes each step, not in update_seconds)"),
     ("log_workers", "flag", False, "show the workers' own output (planning messages, warnings) on the driver"),
 ]
 FLAGS += HILORE_FLAGS  # the --hilore.* flags, shared with the OpenRLHF drop-in (learner/settings.py)
@@ -298,6 +301,10 @@ def validate(cfg) -> None:
         errors.append(f"--ds.param_dtype must be fp32 or bf16, got {cfg.ds.param_dtype!r}")
     if cfg.compare_gc and cfg.ds.zero_stage == 3:
         errors.append("--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2")
+    if cfg.measure_grad_error and (cfg.actor.backend != "hilore" or cfg.ds.zero_stage == 3):
+        errors.append("--measure_grad_error compares HiLoRe's gradient with the exact one outside DeepSpeed's gradient "
+                      f"path: it needs --actor_backend hilore (gc and none are exact) and ZeRO stage < 3, got "
+                      f"{cfg.actor.backend} and stage {cfg.ds.zero_stage}")
     errors += hilore_errors(cfg.hilore)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -309,6 +309,16 @@ class Learner:
             self.plan.adopt_calibration({a: Calibration(**v) for a, v in cal.items()}, runner, dev, cfg.hilore)
         return self.info()
 
+    def gradient_error(self, u: int) -> Optional[Dict[str, float]]:
+        """Before update ``u``: its gradient under the plan against the exact one on the same
+        microbatches (``learner/gradient_check.py``); None without a recovery engine."""
+        from ..learner.gradient_check import update_gradient_error
+
+        if self.rec is None:
+            return None
+        mbs = [self._microbatch(r) for r in self.rows[u * self.gas:(u + 1) * self.gas]]
+        return update_gradient_error(self.plan, self.rec, self.ds.module, self.loss_fn, mbs, self.device)
+
     def compare(self, repeats: int = 1) -> Dict[str, float]:
         """Time gc and this rank's backend on the step's microbatches, interleaved, outside the
         optimizer's gradient path (``torch.autograd.grad``; no step). Seconds per update."""

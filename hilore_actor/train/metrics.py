@@ -62,6 +62,8 @@ def _scalars(d: Dict, prefix: str = "") -> Dict[str, float]:
 def summary(m: Dict) -> str:
     parts = [f"reward {m['reward_mean']:.3f}", f"acc {m['accuracy']:.2f}", f"loss {m['loss']:+.4f}",
              f"update {m['update_seconds']:.1f}s", f"peak/B {m['peak_over_budget_max']:.3f}"]
+    if "grad_rel_error" in m:
+        parts.append(f"grad err {m['grad_rel_error']:.4f}")
     if "compare_speedup_vs_gc" in m:
         parts.append(f"x{m['compare_speedup_vs_gc']:.2f} vs gc")
     return ", ".join(parts)

@@ -1,0 +1,67 @@
+"""How far an update's gradient under HiLoRe is from the exact one (``--measure_grad_error``).
+
+L keeps some activations in low precision, so the gradient an update applies differs from
+the gradient with every activation stored. This measures by how much on the update's own
+microbatches and weights, beside training: the microbatches run twice outside the
+optimizer's gradient path (``torch.autograd.grad``, so no ZeRO hook or accumulation sees
+them), once under the rank's plan exactly as the update runs them (the plan sized to each
+microbatch's tokens and its online actions, ``step.run_microbatch``), once with everything
+stored; the two accumulated gradients give the relative error ``||g - g*|| / ||g*||`` (the
+quantity the risk budget delta bounds, Eq. 9 of docs/DESIGN.md) and the cosine.
+
+The update that follows is untouched: the random state and the online chooser's state are
+restored, no peak goes to the coordinator, and the gradients are cleared. A plan whose
+actions are exact (H/R) gives an error of exactly 0: a check in itself.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from .step import run_microbatch
+
+
+def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, device) -> Dict[str, float]:
+    """``{"grad_rel_error", "grad_cosine"}`` of the update over ``microbatches`` under ``plan``
+    (a ``RankPlan``) run on ``engine`` (the ``RecoveryEngine`` attached to ``module``)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def accumulate(loss):
+        for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def take() -> torch.Tensor:  # float64: a cosine this close to 1 needs it
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
+                          for p in params])
+        for p in params:
+            p.grad = None
+        return flat
+
+    cuda = device.type == "cuda"
+    rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state(device) if cuda else None)
+
+    def restore_rng():
+        torch.random.set_rng_state(rng[0])
+        if cuda:
+            torch.cuda.set_rng_state(rng[1], device)
+
+    try:
+        with plan.hl.side_pass():
+            for mb in microbatches:
+                with run_microbatch(plan, engine, device, mb.num_tokens) as rec:
+                    out = loss_fn(module, mb)
+                    rec.set_actions(plan, out)
+                    accumulate(out.loss)
+        ours = take()
+        restore_rng()  # the same dropout masks for the exact pass
+        for mb in microbatches:
+            accumulate(loss_fn(module, mb).loss)
+        exact = take()
+    finally:
+        for p in params:
+            p.grad = None
+        restore_rng()
+    return {"grad_rel_error": float((ours - exact).norm() / exact.norm().clamp_min(1e-30)),
+            "grad_cosine": float(torch.nn.functional.cosine_similarity(ours, exact, dim=0))}

@@ -1,0 +1,104 @@
+"""The side pass behind ``--measure_grad_error``: the error it reports is the error of the
+update's gradient under the plan (reference: the same microbatches run by hand, under the
+engine and plainly), exactly 0 for an H/R plan, and it leaves no gradient, random state or
+chooser state behind."""
+import contextlib
+from types import SimpleNamespace
+
+import torch
+
+from hilore_actor.learner.gradient_check import update_gradient_error
+from hilore_actor.models import LoraSpec, build_model, tiny_config
+from hilore_actor.recovery import RecoveryEngine
+from hilore_actor.recovery.state import DEFAULT_ACTION
+
+from conftest import grads, grpo_loss, packed_microbatch, rel_err
+
+
+class _Chooser:
+    def __init__(self):
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def side_pass(self):
+        self.entered += 1
+        yield
+
+
+class _Plan:
+    """The parts of a ``RankPlan`` the side pass uses: a fixed plan and its default actions."""
+
+    def __init__(self, plan):
+        self.sp, self.track_tokens, self.hl = SimpleNamespace(plan=plan), False, _Chooser()
+
+    def for_tokens(self, tokens):
+        return self.sp
+
+    def predicted_peak(self, sp):
+        return 0
+
+    def actions(self, step, loss_output, sp=None):
+        return {n: DEFAULT_ACTION[q] for n, q in (sp or self.sp).plan.items()}
+
+
+def _setup(seed, n_mbs=2):
+    model = build_model(tiny_config("llama", hidden_size=64, num_layers=3, vocab_size=256), lora=LoraSpec(8, 16), seed=seed)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=1e-2, generator=torch.Generator().manual_seed(seed))
+    mbs = []
+    for i in range(n_mbs):
+        ids, pos = packed_microbatch(96, 256, seed=seed + i)
+        mbs.append(SimpleNamespace(ids=ids, pos=pos, num_tokens=ids.numel(), seed=seed + i))
+    return model, mbs
+
+
+def _loss(model, mb):
+    return SimpleNamespace(loss=grpo_loss(model, mb.ids, mb.pos, seed=mb.seed))
+
+
+def _by_hand(model, engine, plan, mbs):
+    """The update's gradient under ``plan`` and the exact one, each accumulated over ``mbs``."""
+    for mb in mbs:
+        with engine.step(plan.sp.plan) as st:
+            out = _loss(model, mb)
+            st.set_actions(plan.actions(st, out))
+            out.loss.backward()
+    ours = grads(model)
+    model.zero_grad(set_to_none=True)
+    for mb in mbs:
+        _loss(model, mb).loss.backward()
+    exact = grads(model)
+    model.zero_grad(set_to_none=True)
+    return ours, exact
+
+
+def test_reports_the_error_of_the_update_under_the_plan(fresh_seed):
+    print("seed", fresh_seed)
+    model, mbs = _setup(fresh_seed)
+    engine = RecoveryEngine(model, codec="int8")
+    names = engine.unit_names
+    plan = _Plan({n: ("compressed", "exact", "checkpoint")[i % 3] for i, n in enumerate(names)})
+    ours, exact = _by_hand(model, engine, plan, mbs)
+    want = rel_err(ours, exact)
+    assert want > 0  # int8 L changes the gradient
+
+    torch.manual_seed(fresh_seed)
+    before = torch.random.get_rng_state()
+    got = update_gradient_error(plan, engine, model, _loss, mbs, torch.device("cpu"))
+    assert abs(got["grad_rel_error"] - want) <= 1e-5 * want + 1e-7, (got, want)
+    flat = lambda g: torch.cat([g[n].double().flatten() for n in exact])  # noqa: E731
+    cos = float(torch.nn.functional.cosine_similarity(flat(ours), flat(exact), dim=0))
+    assert abs(got["grad_cosine"] - cos) < 1e-9 and got["grad_cosine"] < 1.0
+    assert torch.equal(torch.random.get_rng_state(), before)  # the update that follows draws the same numbers
+    assert all(p.grad is None for p in model.parameters())  # nothing for the optimizer to pick up
+    assert plan.hl.entered == 1  # the online chooser's state is kept
+
+
+def test_an_exact_plan_reports_zero(fresh_seed):
+    print("seed", fresh_seed)
+    model, mbs = _setup(fresh_seed)
+    engine = RecoveryEngine(model)
+    plan = _Plan({n: ("exact", "checkpoint")[i % 2] for i, n in enumerate(engine.unit_names)})
+    got = update_gradient_error(plan, engine, model, _loss, mbs, torch.device("cpu"))
+    assert got["grad_rel_error"] == 0.0
