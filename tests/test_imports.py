@@ -35,7 +35,7 @@ def test_package_imports_with_only_torch():
 # The floors of the package, lowest first: a module imports only from lower floors (or its own
 # package). The integrations share the learner room and never import one another.
 FLOORS = [{"runtime", "models", "recovery"}, {"grpo", "data"}, {"rollout", "workloads"}, {"allocation"},
-          {"learner", "diagnostics"}, {"train", "train_grpo", "openrlhf", "bench", "verl"}]
+          {"learner", "diagnostics"}, {"train", "train_grpo", "openrlhf", "bench", "verl", "fidelity"}]
 SAME_APP = {"train_grpo": "train"}  # the job's entry point is part of the training job
 
 

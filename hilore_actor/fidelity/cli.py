@@ -1,0 +1,149 @@
+"""The study's command line: runs in order, each resumed where it stopped, then evaluation
+and the report. Re-running the same command continues an unfinished study."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+from .runs import INSTRUCTION, JOB, METHODS, TASK, TASK_OPTIONS, Run, StudyError, train, write_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hilore_actor.fidelity", description=(
+        "Paired GRPO runs on a real model (gc and hilore per seed, hilore-hr once), held-out accuracy of every final "
+        "policy, the KL between paired policies, and the report. Resumable: re-run the same command to continue."))
+    p.add_argument("--out", default="benchmarks/results/fidelity", help="results: metrics, evaluations, report")
+    p.add_argument("--runs", default="runs/fidelity", help="the runs' working folders (checkpoints, weights, logs)")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    p.add_argument("--methods", default="gc,hilore", help=f"methods run for every seed ({', '.join(METHODS)})")
+    p.add_argument("--exact-check", default="hilore-hr", help="method run for the first seed only, which must "
+                   "reproduce gc's metrics exactly ('' to skip)")
+    p.add_argument("--heldout", type=int, default=300, help="held-out problems per evaluation (greedy)")
+    p.add_argument("--model", default="smollm2", help="policy model (--pretrain of the job); tiny:qwen2 for tests")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one of the job's shared flags (YAML value), e.g. --set hilore.budget=1.25")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from what is finished; train nothing")
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many runs were trained or continued")
+    return p
+
+
+def _runs(args, root: Path) -> List[Run]:
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods + ([args.exact_check] if args.exact_check else []) if m not in METHODS]
+    if bad or not seeds or "gc" not in methods:
+        raise StudyError(f"--methods must include gc and name methods among {', '.join(METHODS)}; got {args.methods!r}"
+                         + (f" and --exact-check {args.exact_check!r}" if args.exact_check else ""))
+    runs = []
+    for i, s in enumerate(seeds):  # hilore first: its plan (how much L) shows early
+        runs += [Run(m, s, root) for m in sorted(methods, key=lambda m: m != "hilore")]
+        if i == 0 and args.exact_check:
+            runs.append(Run(args.exact_check, s, root))
+    return runs
+
+
+def _overrides(pairs: List[str]):
+    import yaml
+
+    out = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or key not in JOB and not key.startswith(("hilore.", "actor.", "rollout.", "train.", "algo.", "data.")):
+            raise StudyError(f"--set {kv!r}: expected KEY=VALUE with a job flag as KEY (e.g. hilore.budget=1.25)")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    out, root = Path(args.out), Path(args.runs)
+    try:
+        runs = _runs(args, root)
+        overrides = _overrides(args.set)
+        config = write_config(out / "study.yaml", overrides)
+        (out / "command.txt").write_text("python -m hilore_actor.fidelity " + " ".join(sys.argv[1:] if argv is None
+                                                                                      else argv) + "\n")
+        if not args.report_only:
+            _train_and_evaluate(args, runs, config, overrides, out)
+    except StudyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1 if "exited with" in str(e) else 2
+    except KeyboardInterrupt as e:
+        print(f"[fidelity] stopped ({e}); re-run the same command to continue", flush=True)
+        _report(args, runs, out)
+        return 130
+    _report(args, runs, out)
+    return 0
+
+
+def _train_and_evaluate(args, runs: List[Run], config: Path, overrides, out: Path) -> None:
+    trained = 0
+    for k, run in enumerate(runs):
+        state = run.state(args.steps)
+        if state != "done":
+            if args.max_runs is not None and trained >= args.max_runs:
+                print(f"[fidelity] --max-runs {args.max_runs} reached; re-run the command to continue", flush=True)
+                return
+            t = time.perf_counter()
+            print(f"[fidelity] run {k + 1}/{len(runs)}: {run.name} ({state}; {args.steps} steps) -> {run.dir}", flush=True)
+            train(run, run.command(config, args.steps, out / "calibration.json", args.model, []))
+            trained += 1
+            print(f"[fidelity] {run.name} trained in {time.perf_counter() - t:.0f}s", flush=True)
+        out.joinpath("runs").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run.dir / "metrics.jsonl", out / "runs" / f"{run.name}.metrics.jsonl")
+        _evaluate(args, run, overrides, out)
+        _pair_kls(args, runs, out)  # each pair as soon as both of its runs are evaluated
+
+
+def _evaluate(args, run: Run, overrides, out: Path) -> None:
+    from .evaluate import greedy_accuracy, heldout_examples, load_final_policy, save
+
+    path = out / "eval" / f"{run.name}.json"
+    if path.is_file() and json.loads(path.read_text()).get("steps") == args.steps:
+        return
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = dict(JOB, **overrides)
+    seeds = sorted({int(s) for s in args.seeds.split(",") if s.strip()})
+    examples, pool = heldout_examples(args.heldout, seeds, 1024, cfg.get("data.prompt_dataset", TASK),
+                                      json.loads(cfg.get("data.task_options", json.dumps(TASK_OPTIONS))),
+                                      cfg.get("data.instruction", INSTRUCTION))
+    print(f"[fidelity] evaluating {run.name} on {len(examples)} held-out problems (greedy)", flush=True)
+    model, tok = load_final_policy(args.model, run.seed, run.final)
+    res = greedy_accuracy(model, tok, pool, examples, int(cfg["rollout.max_new_tokens"]))
+    save(path, dict(res, run=run.name, method=run.method, seed=run.seed, steps=args.steps))
+
+
+def _pair_kls(args, runs: List[Run], out: Path) -> None:
+    """KL(gc || other) on gc's held-out responses, for every other run of the same seed."""
+    from .evaluate import load_final_policy, response_kl, save
+
+    by = {(r.method, r.seed): r for r in runs}
+    for r in runs:
+        gc = by.get(("gc", r.seed))
+        path = out / "kl" / f"gc-{r.name}.json"
+        ev_path = out / "eval" / f"{gc.name}.json" if gc else None
+        if r.method == "gc" or gc is None or not ev_path.is_file() or \
+                (path.is_file() and json.loads(path.read_text()).get("steps") == args.steps):
+            continue
+        ev = json.loads(ev_path.read_text())
+        p, tok = load_final_policy(args.model, r.seed, gc.final)
+        q, _ = load_final_policy(args.model, r.seed, r.final)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        kl = response_kl(p, q, ev["sequences"], ev["prompt_lens"], pad)
+        print(f"[fidelity] KL(gc || {r.method}) seed {r.seed}: {kl['kl_mean_per_token']:.3e} per response token", flush=True)
+        save(path, dict(kl, p=gc.name, q=r.name, steps=args.steps))
+
+
+def _report(args, runs: List[Run], out: Path) -> None:
+    from .report import write_report
+
+    write_report(out, runs, args.steps)

@@ -1,0 +1,152 @@
+"""The study's report from whatever is finished: ``fidelity.json`` (every number the claims
+use, recomputable from the committed metrics and evaluations), ``fidelity.md`` and
+``fidelity.png`` (paired reward curves; held-out accuracy differences per seed).
+
+Statistics follow the paper's: per method the mean and sample SD across seeds; per seed the
+paired difference hilore - gc (same seed: same prompts, same first rollouts), then the mean
+and sample SD of those differences.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional
+
+# metrics a run that trains exactly like gc reproduces bit for bit
+EXACT_KEYS = ("loss", "policy_loss", "kl", "grad_norm", "reward_mean", "accuracy", "response_length")
+
+
+def _load(path: Path):
+    if not path.is_file():
+        return None
+    if path.suffix == ".jsonl":
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return json.loads(path.read_text())
+
+
+def _mean_sd(xs: List[float]) -> Dict:
+    return {"n": len(xs), "mean": statistics.fmean(xs) if xs else None,
+            "sd": statistics.stdev(xs) if len(xs) > 1 else None, "values": xs}
+
+
+def exact_match(a: List[Dict], b: List[Dict]) -> Dict:
+    """Whether run ``b`` reproduces run ``a`` step by step on ``EXACT_KEYS``."""
+    first = next(((r["step"], k) for r, s in zip(a, b) for k in EXACT_KEYS if r.get(k) != s.get(k)), None)
+    return {"steps_compared": min(len(a), len(b)), "identical": first is None and len(a) == len(b),
+            "first_difference": None if first is None else {"step": first[0], "metric": first[1]}}
+
+
+def summarize(out: Path, runs, steps: int) -> Dict:
+    metrics = {r.name: _load(out / "runs" / f"{r.name}.metrics.jsonl") for r in runs}
+    evals = {r.name: _load(out / "eval" / f"{r.name}.json") for r in runs}
+    done = [r.name for r in runs if metrics[r.name] and len(metrics[r.name]) >= steps and evals[r.name]]
+    acc = {r.name: evals[r.name]["accuracy"] for r in runs if r.name in done}
+    methods = sorted({r.method for r in runs})
+    seeds = sorted({r.seed for r in runs})
+    rep: Dict = {"steps": steps, "complete": len(done) == len(runs), "finished_runs": done,
+                 "missing_runs": [r.name for r in runs if r.name not in done]}
+    rep["heldout_accuracy"] = {m: _mean_sd([acc[f"{m}-seed{s}"] for s in seeds if f"{m}-seed{s}" in acc]) for m in methods}
+    last10 = lambda rows: statistics.fmean(x["reward_mean"] for x in rows[-10:])  # noqa: E731
+    rep["reward_last10"] = {m: _mean_sd([last10(metrics[f"{m}-seed{s}"]) for s in seeds if f"{m}-seed{s}" in done])
+                            for m in methods}
+    paired = [s for s in seeds if f"gc-seed{s}" in acc and f"hilore-seed{s}" in acc]
+    rep["paired_accuracy_difference_pp"] = _mean_sd([100 * (acc[f"hilore-seed{s}"] - acc[f"gc-seed{s}"]) for s in paired])
+    rep["paired_accuracy_difference_pp"]["seeds"] = paired
+    rep["paired_reward_last10_difference"] = _mean_sd([last10(metrics[f"hilore-seed{s}"]) - last10(metrics[f"gc-seed{s}"])
+                                                        for s in paired])
+    errs = [(r.seed, x) for r in runs if r.method == "hilore" and metrics[r.name] for x in metrics[r.name]]
+    with_err = [x for _, x in errs if "grad_rel_error" in x]
+    with_l = [x for x in with_err if x.get("fraction_L", 0) > 0]
+    rep["gradient_error"] = {
+        "steps_measured": len(with_err), "mean": statistics.fmean(x["grad_rel_error"] for x in with_err) if with_err else None,
+        "max": max((x["grad_rel_error_max"] for x in with_err), default=None),
+        "mean_over_steps_with_L": statistics.fmean(x["grad_rel_error"] for x in with_l) if with_l else None,
+        "cosine_min": min((x["grad_cosine_min"] for x in with_err), default=None),
+        "fraction_L_mean": statistics.fmean(x["fraction_L"] for _, x in errs) if errs else None,
+        "per_seed": {s: [x.get("grad_rel_error") for t, x in errs if t == s] for s in seeds},
+    }
+    rep["kl_gc_to"] = {}
+    for r in runs:
+        kl = _load(out / "kl" / f"gc-{r.name}.json")
+        if kl:
+            rep["kl_gc_to"][r.name] = kl["kl_mean_per_token"]
+    rep["exact_check"] = {}
+    for r in runs:
+        if r.method == "hilore-hr" and metrics[r.name] and metrics.get(f"gc-seed{r.seed}"):
+            rep["exact_check"][r.name] = exact_match(metrics[f"gc-seed{r.seed}"], metrics[r.name])
+    d, g = rep["paired_accuracy_difference_pp"], rep["gradient_error"]
+    rep["aims"] = {
+        "accuracy_difference_within_0.5pp_or_1sd": None if d["mean"] is None else
+        abs(d["mean"]) <= 0.5 or (d["sd"] is not None and abs(d["mean"]) <= d["sd"]),
+        "mean_gradient_error_le_0.015": None if g["mean"] is None else g["mean"] <= 0.015,
+    }
+    return rep
+
+
+def write_report(out: Path, runs, steps: int) -> Dict:
+    rep = summarize(out, runs, steps)
+    (out / "fidelity.json").write_text(json.dumps(rep, indent=1))
+    (out / "fidelity.md").write_text(markdown(rep, out))
+    _plot(out, runs, rep)
+    status = "complete" if rep["complete"] else f"partial: missing {', '.join(rep['missing_runs'])}"
+    print(f"[fidelity] report ({status}): {out / 'fidelity.md'}", flush=True)
+    return rep
+
+
+def _fmt(x: Optional[float], spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(rep: Dict, out: Path) -> str:
+    cmd = (out / "command.txt").read_text().strip() if (out / "command.txt").is_file() else "python -m hilore_actor.fidelity"
+    lines = [f"# Training fidelity: HiLoRe against gradient checkpointing ({rep['steps']} GRPO steps per run)", "",
+             f"`{cmd}` (flags shared by every run: `study.yaml`). "
+             + ("All runs finished." if rep["complete"] else f"**Partial**: missing {', '.join(rep['missing_runs'])}."), "",
+             "| method | seeds | held-out accuracy, mean (SD) | reward, last 10 steps, mean (SD) |", "|---|---|---|---|"]
+    for m, a in rep["heldout_accuracy"].items():
+        r = rep["reward_last10"][m]
+        lines.append(f"| {m} | {a['n']} | {_fmt(a['mean'], '.3f')} ({_fmt(a['sd'], '.3f')}) | "
+                     f"{_fmt(r['mean'], '.3f')} ({_fmt(r['sd'], '.3f')}) |")
+    d, g = rep["paired_accuracy_difference_pp"], rep["gradient_error"]
+    lines += ["", f"Paired held-out accuracy difference hilore - gc over seeds {d['seeds']}: "
+              f"{_fmt(d['mean'], '+.2f')} pp (SD {_fmt(d['sd'], '.2f')} pp; per seed {[round(v, 2) for v in d['values']]}).",
+              f"Per-step relative gradient error of hilore's updates ({g['steps_measured']} steps): mean {_fmt(g['mean'])}, "
+              f"max {_fmt(g['max'])}, mean over steps that used L {_fmt(g['mean_over_steps_with_L'])}; lowest cosine "
+              f"{_fmt(g['cosine_min'], '.6f')}; share of units L, mean {_fmt(g['fraction_L_mean'], '.3f')}.",
+              "KL(gc || run) per response token on gc's held-out responses: "
+              + (", ".join(f"{k} {v:.2e}" for k, v in rep["kl_gc_to"].items()) or "-") + "."]
+    for name, c in rep["exact_check"].items():
+        lines.append(f"Exactness: {name} reproduces gc's metrics ({', '.join(EXACT_KEYS)}) at every one of "
+                     f"{c['steps_compared']} steps: **{'yes' if c['identical'] else 'no'}**"
+                     + ("" if c["identical"] else f" (first difference: {c['first_difference']})") + ".")
+    lines += ["", "Aims: " + ", ".join(f"{k}: {v}" for k, v in rep["aims"].items()), ""]
+    return "\n".join(lines)
+
+
+def _plot(out: Path, runs, rep: Dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    seeds = sorted({r.seed for r in runs})
+    styles = {"gc": "-", "hilore": "--", "hilore-hr": ":"}
+    for r in runs:
+        rows = _load(out / "runs" / f"{r.name}.metrics.jsonl") or []
+        if rows:
+            a.plot([x["step"] for x in rows], [x["reward_mean"] for x in rows], styles.get(r.method, "-"),
+                   color=f"C{seeds.index(r.seed)}", label=r.name)
+    a.set(xlabel="step", ylabel="mean reward", title="paired reward curves (same seed, same colour)")
+    a.legend(fontsize=7)
+    d = rep["paired_accuracy_difference_pp"]
+    b.bar([str(s) for s in d["seeds"]], d["values"], color=[f"C{seeds.index(s)}" for s in d["seeds"]])
+    if d["mean"] is not None:
+        b.axhline(d["mean"], color="k", lw=1, label=f"mean {d['mean']:+.2f} pp")
+        b.legend()
+    b.axhline(0, color="grey", lw=0.5)
+    b.set(xlabel="seed", ylabel="hilore - gc (pp)", title="held-out accuracy, paired difference")
+    fig.tight_layout()
+    fig.savefig(out / "fidelity.png", dpi=110)
+    plt.close(fig)
