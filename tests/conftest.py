@@ -46,7 +46,7 @@ def fresh_seed():
 def bench_setup(arch: str, num_layers: int, n_mbs: int):
     """A tiny LoRA model with LoRA B away from zero, ``n_mbs`` replayed 256-token microbatches,
     and one benchmark runner per head (fresh seed, printed)."""
-    from hilore_actor.bench.inputs import init_lora_b
+    from hilore_actor.models import init_lora_b
     from hilore_actor.bench.methods import head_runners
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine

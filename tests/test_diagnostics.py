@@ -41,3 +41,14 @@ def test_command_writes_report(tmp_path, capsys):
 def test_command_bad_model_path(tmp_path, capsys):
     assert main(["--model-config", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_command_on_smollm2_real_rollouts(tmp_path, capsys):
+    out = tmp_path / "diag.json"
+    rc = main(["--model", "smollm2", "--tokens", "96", "--calib", "1", "--heldout", "1", "--group-size", "2",
+               "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "smollm2" and report["inputs"]["task"] == "rg:basic_arithmetic"
+    assert report["n_samples"] == 61  # SmolLM2's 30 layers x (attention, MLP) + the head unit, one held-out microbatch

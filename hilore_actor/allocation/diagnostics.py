@@ -71,10 +71,11 @@ def coefficient_structure(batches) -> Dict[str, float]:
     return {"zero_pg_coefficient_fraction": zero / max(total, 1), "top10_omega_mass": float(m[:k].sum() / m.sum().clamp(min=1e-30))}
 
 
-def predictor_quality(runner, calib_batches, heldout_batches, calibration: Calibration = None) -> Dict:
-    """Calibrate (unless given), then score the three predictors on held-out interventions."""
-    cal = calibration or calibrate(runner, calib_batches)
-    held = calibrate(runner, heldout_batches)  # same interventions: measured e, y and E per (unit, batch)
+def predictor_quality(runner, calib_batches, heldout_batches, calibration: Calibration = None, progress=None) -> Dict:
+    """Calibrate (unless given), then score the three predictors on held-out interventions;
+    ``progress(done, total)`` is called after every pass of each set."""
+    cal = calibration or calibrate(runner, calib_batches, progress=progress)
+    held = calibrate(runner, heldout_batches, progress=progress)  # same interventions: measured e, y and E per (unit, batch)
     preds: Dict[str, List[float]] = {"advantage_only": [], "complete_exposure": [], "psi": []}
     truth: List[float] = []
     for s in held.samples:

@@ -12,7 +12,7 @@ Per codec it reports, on the model's own activations:
 3. the relative error of one update's summed gradient (2 microbatches) against no-gc when
    every unit is L, only attention units are L, or only MLP units are L (the rest R, which is
    exact), over ``--sets`` disjoint sets of microbatches: real rows from
-   ``real_batches`` for ``smollm2`` (real weights, real text), replayed random rows otherwise;
+   ``rollout.real_batches`` for ``smollm2`` (real weights, real text), replayed random rows otherwise;
 4. for ``--kind-codecs``: the gradient error when only one kind is compressed (first set),
    which is what the engine's rules about kinds L must keep exact rest on.
 

@@ -1,7 +1,7 @@
 """The benchmark's model and microbatches: measured updates, development and calibration batches.
 
 Random-weight workloads replay synthetic GRPO microbatches (``hilore_actor.workloads``); the
-real-model workload builds them from real text (``real_batches``). Either way LoRA B starts
+real-model workload builds them from real text (``rollout.real_batches``). Either way LoRA B starts
 away from zero (``Workload.lora_b_std``), so ``lora_A`` has gradients and their error counts.
 """
 from __future__ import annotations
@@ -29,16 +29,8 @@ class BenchInputs:
         return sum(mb.num_tokens for mb in self.updates[0])
 
 
-def init_lora_b(model, std: float, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-
 def build_model(wl: Workload, args, device):
-    from ..models import LoraSpec, build_model as build, load_model, tiny_config
+    from ..models import LoraSpec, build_model as build, init_lora_b, load_model, tiny_config
 
     lora = LoraSpec(wl.lora_rank, wl.lora_alpha)
     tokenizer = None
@@ -65,7 +57,7 @@ def build_inputs(wl: Workload, args, device, n_calib: int, log=print) -> BenchIn
     calib_tokens = args.calib_tokens or wl.calib_tokens
     prov = {"lora_b_init": f"N(0, {wl.lora_b_std}) seeded {args.seed}"}
     if wl.source == "smollm2":
-        from .real_batches import real_microbatches
+        from ..rollout.real_batches import real_microbatches
 
         sizes = [wl.tokens] * (n_upd + 2) + [calib_tokens] * n_calib
         mbs, real = real_microbatches(model, tokenizer, sizes, wl.group_size, args.seed, loss_opts,

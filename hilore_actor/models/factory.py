@@ -134,3 +134,13 @@ def apply_lora(model, lora: LoraSpec):
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )
     return peft.get_peft_model(model, cfg)
+
+
+def init_lora_b(model, std: float, seed: int) -> None:
+    """LoRA B away from zero, N(0, std) seeded, as after some training: with peft's B = 0 every
+    ``lora_A`` gradient is zero, so an error measured there would only see ``lora_B``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

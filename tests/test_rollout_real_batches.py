@@ -1,7 +1,7 @@
 """Packing real rollouts into fixed-size rows: masks cover exactly the response tokens that fit."""
 import torch
 
-from hilore_actor.bench.real_batches import pack_rows
+from hilore_actor.rollout.real_batches import pack_rows
 
 
 def test_rows_have_exact_size_and_response_masks():
@@ -33,7 +33,7 @@ def test_rows_have_exact_size_and_response_masks():
 
 def test_provenance_ignores_rows_built_after_the_described_ones(monkeypatch):
     """Two runs building different numbers of calibration rows describe the same measured rows."""
-    from hilore_actor.bench import real_batches
+    from hilore_actor.rollout import real_batches
     from hilore_actor.models import LoraSpec, build_model, tiny_config
 
     seed = torch.seed() % 2**31

@@ -1,4 +1,5 @@
-"""Learner microbatches from real text, for the real-model workload (``cpu-real``).
+"""Learner microbatches from real text: the benchmark's real-model workload (``cpu-real``) and
+the risk diagnostics on SmolLM2 (``python -m hilore_actor.diagnostics --model smollm2``).
 
 Random token ids on a real model give activations that real text never produces, so the
 error of L measured on them means little. Here the inputs are what a GRPO learner sees:
@@ -57,7 +58,7 @@ def rollout_pool(model, tokenizer, n_tokens: int, group_size: int, seed: int, ma
         rewards = [task.score(t, ex) for t in ro.texts]
         groups.append({"prompt_len": ro.prompt_lens[0], "sequences": seqs, "rewards": rewards})
         have += sum(len(s) for s in seqs)
-        log(f"[bench] cpu-real rollouts: group {i + 1}, {have}/{n_tokens} tokens, rewards {rewards}")
+        log(f"[rollouts] real rollouts: group {i + 1}, {have}/{n_tokens} tokens, rewards {rewards}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(groups))
