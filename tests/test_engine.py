@@ -357,3 +357,50 @@ def test_l_compresses_each_stored_tensor_once_and_never_a_storage_kept_exact(arc
     assert len(wide) >= 3 and len({id(v) for v in wide}) <= 2  # q/k/v's input once (+ o_proj's, when not an alias)
     assert all(storage_key(v) in kept for v in big_exact)  # an exact copy under L only as a view of the kept core
     assert total["all-h"] - total["all-l"] >= 0.5 * 256 * 64 * 4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_token_l_spans_h_to_whole_unit_l(arch):
+    """Token L on the MLP units (``L@f``: the share f of token rows with the largest exposure
+    weight kept exact, the rest compressed): every row exact gives bitwise H's gradients,
+    none bitwise whole-unit L's; in between, the gradient error and the bytes lie between
+    theirs; rows scored 0 before forward (no advantage) are never kept."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = tiny(arch, "lora")
+    ids, pos = packed_microbatch(96, VOCAB, seed=seed)
+    ref, _ = run(model, ids, pos)
+    engine = RecoveryEngine(model, codec="int8")
+    mlps = [n for n in engine.unit_names if n.endswith("mlp")]
+    whole, _ = run(model, ids, pos, engine, {n: "L" for n in mlps})
+    for share, want in ((1.0, ref), (0.0, whole)):
+        g, step = run(model, ids, pos, engine, {n: f"L@{share}" for n in mlps})
+        assert all(torch.equal(g[n], want[n]) for n in ref), share
+    assert step.actions() == {n: ("L" if n in mlps else "H") for n in engine.unit_names}
+    held = {}
+    for share in (0.0, 0.5, 1.0):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)
+        with engine.step({n: f"compressed@{share}" for n in mlps}) as st:
+            loss = grpo_loss(model, ids, pos)
+            held[share] = sum(st.bytes_by_unit(shared=False)[n]["compressed"] for n in mlps)
+            assert all(int(st.kept_rows()[n].sum()) == round(share * ids.numel()) for n in mlps)
+            loss.backward()
+        if share == 0.5:
+            half = rel_err(grads(model), ref)
+    assert held[0.0] < held[0.5] < held[1.0]
+    assert 0 < half < rel_err(whole, ref)
+    scores = torch.zeros(1, ids.shape[1] - 1)
+    scores[0, :10] = 1.0  # only ten rows carry a coefficient
+    with engine.step({n: "compressed@0.5" for n in mlps}, token_scores=scores) as st:
+        loss = grpo_loss(model, ids, pos)
+        assert all(st.kept_rows()[n].nonzero().flatten().tolist() == list(range(10)) for n in mlps)
+        loss.backward()
+    with pytest.raises(ValueError, match="token-wise units"):
+        engine.step({engine.unit_names[0]: "L@0.5"})
+    with pytest.raises(ValueError, match="share in"):
+        engine.step({mlps[0]: "L@1.5"})
+    with engine.step({mlps[0]: "compressed@0.5"}) as st:
+        grpo_loss(model, ids, pos)
+        with pytest.raises(ValueError, match="not available"):
+            st.set_actions({mlps[0]: "L"})  # the rows were chosen in forward: no other split after it

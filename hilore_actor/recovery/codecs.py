@@ -44,6 +44,49 @@ class Payload:
         return bool(torch.isfinite(self.scale if self.scale.numel() else self.data).all())
 
 
+@dataclass
+class RowSplit:
+    """Token-granular L of one saved tensor: the rows ``keep`` marks (high-exposure tokens)
+    exact, the others compressed; rows are the tensor's leading dimensions (tokens)."""
+
+    keep: torch.Tensor  # bool [rows]
+    exact: torch.Tensor  # [kept rows, cols]
+    rest: Optional[Payload]  # the other rows, compressed (None: every row kept)
+    codec: "Codec"
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.keep.numel() + self.exact.numel() * self.exact.element_size() + (self.rest.nbytes if self.rest else 0)
+
+    def finite(self) -> bool:
+        return self.rest is None or self.rest.finite()
+
+    @classmethod
+    def encode(cls, codec: "Codec", x: torch.Tensor, keep: torch.Tensor) -> "RowSplit":
+        rows = x.detach().reshape(-1, x.shape[-1])
+        rest = rows[~keep]
+        return cls(keep, rows[keep].clone(), codec.encode(rest) if rest.shape[0] else None, codec, tuple(x.shape), x.dtype)
+
+    def decode(self) -> torch.Tensor:
+        out = torch.empty((self.keep.numel(), self.shape[-1]), dtype=self.dtype, device=self.exact.device)
+        out[self.keep] = self.exact
+        if self.rest is not None:
+            out[~self.keep] = self.codec.decode(self.rest).reshape(-1, self.shape[-1]).to(self.dtype)
+        return out.reshape(self.shape)
+
+
+def token_rows(x: torch.Tensor, rows: int) -> bool:
+    """Whether ``x`` is laid out as ``rows`` token rows (its leading dimensions) of features."""
+    return x.dim() >= 2 and x.shape[:-1].numel() == rows
+
+
+def decode(codec: "Codec", p) -> torch.Tensor:
+    """A payload back to a tensor: a ``RowSplit`` decodes itself, a ``Payload`` by ``codec``."""
+    return p.decode() if isinstance(p, RowSplit) else codec.decode(p)
+
+
 class Codec:
     name = "base"
 

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from .codecs import DEFAULT_CODECS, Payload, get_codec
+from .codecs import DEFAULT_CODECS, Payload, RowSplit, decode, get_codec
 from .rules import partial_policy
 from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, R, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
                     map_structure, storage_key)
@@ -140,6 +140,7 @@ class RecoveryEngine:
         track_error: bool = True,
         track_tokens: bool = False,
         profile: bool = False,
+        token_scores: Optional[torch.Tensor] = None,
     ) -> "Step":
         """One microbatch. ``plan``: a policy name (``all-h``, ``all-l``, ``all-r``), a
         ``{unit: exact|compressed|checkpoint}`` map, or an ``{unit: H|L|R}`` action map (then
@@ -147,11 +148,14 @@ class RecoveryEngine:
         (``"compressed:bf16"``, ``"L:int8-g64"``; plain: the engine's ``codec``), so units
         can keep copies of different precision in one step. ``actions`` (optional) are applied before
         backward unless ``set_actions`` is called. ``track_error`` measures each L unit's
-        reconstruction error (one extra decode per compressed tensor)."""
+        reconstruction error (one extra decode per compressed tensor). A compressed plan may
+        keep a share of a token-wise unit's rows exact (``"compressed@0.25"``, action
+        ``"L@0.25"``): the rows of largest input norm x ``token_scores`` (``Step.keep_rows``)."""
         from .policies import resolve_plan
 
         plans, default_actions = resolve_plan(plan, self.unit_names)
-        return Step(self, plans, actions if actions is not None else default_actions, track_error, track_tokens, profile)
+        return Step(self, plans, actions if actions is not None else default_actions, track_error, track_tokens, profile,
+                    token_scores)
 
     # ---- forward hooks -------------------------------------------------------------------
     def _active(self) -> Optional["Step"]:
@@ -181,10 +185,12 @@ class RecoveryEngine:
         if k == 0:
             st.current = u
             u.outputs.clear()
+            x = next(iter_tensors((args, kwargs)), None)
             if st.track_tokens and u.plan not in (CHECKPOINT, PARTIAL):  # exposure only matters where L may be chosen
-                x = next(iter_tensors((args, kwargs)), None)
                 if x is not None and x.dim() >= 2:
                     u.token_norms = x.detach().float().norm(dim=-1)
+            if u.row_share is not None and x is not None and x.dim() >= 2:
+                st.keep_rows(u, x)  # token L: this unit's exact rows, before it saves anything
             if st.layer_joint_plan[li]:
                 return
             u.replay = Replay([], _rng_state((args, kwargs)), _autocast_state())
@@ -272,10 +278,10 @@ class RecoveryEngine:
         if idx not in u.entries:
             raise RuntimeError(f"hilore: saved tensor {idx} of {u.name} was already used; one backward per engine step")
         v = u.entries.pop(idx)
-        if not isinstance(v, Payload):
+        if not isinstance(v, (Payload, RowSplit)):
             return v
         t0 = st.clock() if st.profile else 0.0
-        out = (u.codec or self.codec).decode(v)
+        out = decode(u.codec or self.codec, v)
         if st.profile:
             u.codec_seconds += st.clock() - t0
         return out

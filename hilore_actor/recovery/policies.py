@@ -47,7 +47,15 @@ def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Di
 
 def _check_codecs(labels) -> None:
     from .codecs import CODECS
+    from .state import row_share
 
+    for label in labels:
+        try:
+            share = row_share(label)
+        except ValueError:
+            raise ValueError(f"{label!r}: a row share after '@' is a number in [0, 1]") from None
+        if share is not None and (split_label(label)[0] not in (L, COMPRESSED) or not 0.0 <= share <= 1.0):
+            raise ValueError(f"{label!r}: only L and compressed keep a share in [0, 1] of token rows exact")
     named = [(b, c) for b, c in map(split_label, labels) if c is not None]
     misplaced = sorted({f"{b}:{c}" for b, c in named if b not in (L, COMPRESSED)})
     if misplaced:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .codecs import Payload
+from .codecs import Payload, RowSplit
 from .units import LayerSpec, UnitSpec
 
 # The one table of actions and representations. An action (H: store exactly, L: keep a
@@ -30,24 +30,40 @@ RECOMPUTED = (P, R)  # actions whose saved tensors backward rebuilds by replayin
 # in bf16 whatever the engine's default codec is ("L" / "compressed": the default). Several L
 # levels per unit are then just more labels (allocation's knapsack picks among them).
 SEP = ":"
+# Token-granular L (token-wise units only, ``UnitSpec.token_wise``): ``"L@0.25"`` /
+# ``"compressed@0.25"`` keep the 25% of the unit's token rows with the largest exposure exact
+# and compress the others; the rows are chosen in forward, as the unit runs (``Step.keep_rows``).
+ROWS = "@"
 
 
 def split_label(label: str) -> Tuple[str, Optional[str]]:
-    """``"L:bf16"`` -> ``("L", "bf16")``; ``"compressed"`` -> ``("compressed", None)``."""
-    base, _, codec = label.partition(SEP)
+    """``"L:bf16"`` -> ``("L", "bf16")``; ``"compressed"`` -> ``("compressed", None)``;
+    a row share is not part of either: ``"L:bf16@0.25"`` -> ``("L", "bf16")``."""
+    base, _, codec = label.partition(ROWS)[0].partition(SEP)
     return base, (codec or None)
 
 
+def row_share(label: str) -> Optional[float]:
+    """The share of token rows kept exact: ``"L@0.25"`` -> 0.25; None for whole-unit labels."""
+    _, sep, share = label.partition(ROWS)
+    return float(share) if sep else None
+
+
+def _suffix(label: str) -> str:
+    """What follows the base name: ``":bf16@0.25"``."""
+    body, sep, share = label.partition(ROWS)
+    _, csep, codec = body.partition(SEP)
+    return (SEP + codec if csep and codec else "") + (ROWS + share if sep else "")
+
+
 def plan_for_label(label: str) -> str:
-    """The plan that admits an action label: ``"L:bf16"`` -> ``"compressed:bf16"``."""
-    base, codec = split_label(label)
-    return PLAN_FOR_ACTION[base] + (SEP + codec if codec else "")
+    """The plan that admits an action label: ``"L:bf16@0.25"`` -> ``"compressed:bf16@0.25"``."""
+    return PLAN_FOR_ACTION[split_label(label)[0]] + _suffix(label)
 
 
 def action_for_plan(plan: str) -> str:
     """The action a plan label was made for: ``"compressed:bf16"`` -> ``"L:bf16"``."""
-    base, codec = split_label(plan)
-    return DEFAULT_ACTION[base] + (SEP + codec if codec else "")
+    return DEFAULT_ACTION[split_label(plan)[0]] + _suffix(plan)
 
 
 def codec_levels(spec: str) -> Tuple[str, Tuple[str, ...]]:
@@ -60,10 +76,15 @@ def codec_levels(spec: str) -> Tuple[str, Tuple[str, ...]]:
 
 
 def allows(plan: str, action: str) -> bool:
-    """Whether a unit planned ``plan`` can take ``action`` (a compressed copy keeps its codec)."""
+    """Whether a unit planned ``plan`` can take ``action``: a compressed copy keeps its codec
+    and its exact rows; rows are chosen in forward, so an exact bundle cannot become token L."""
     p, pc = split_label(plan)
     a, ac = split_label(action)
-    return a in ALLOWED[p] and not (p == COMPRESSED and a == L and pc != ac)
+    if a not in ALLOWED[p]:
+        return False
+    if a == L and p == COMPRESSED:
+        return pc == ac and row_share(plan) == row_share(action)
+    return not (a == L and row_share(action) is not None)
 
 
 class Link:
@@ -120,6 +141,8 @@ class UnitState:
     replay_seconds: float = 0.0  # profiling: time spent re-running this unit in backward
     codec_seconds: float = 0.0  # profiling: L encode + decode time
     codec: Any = None  # the Codec of this unit's L copy (None: the engine's default)
+    row_share: Optional[float] = None  # token L: the share of rows kept exact (plan "compressed@f")
+    keep_rows: Optional[torch.Tensor] = None  # token L: bool [rows], chosen in forward
     sac: Any = None  # partial: (caching, cached) op-output modes of its forward and its replay
     timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
@@ -157,7 +180,7 @@ def unit_bytes(layers: List[LayerState], shared: bool = True) -> Dict[str, Dict[
                 seen = set()
             b = {"exact": 0, "compressed": 0, "partial": 0, "checkpoint": 0}
             for idx, v in u.entries.items():
-                if isinstance(v, Payload):
+                if isinstance(v, (Payload, RowSplit)):
                     add(b, "compressed", id(v), v.nbytes)
                 elif isinstance(v, torch.Tensor):
                     add(b, "checkpoint" if idx in u.external else "exact", storage_key(v), storage_bytes(v))

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Dict, Optional, Set, Union
 
 import torch
 
-from .codecs import get_codec
+from .codecs import RowSplit, decode, get_codec, token_rows
 from .rules import exact_reason
-from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows, split_label,
-                    storage_key, unit_bytes)
+from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows, row_share,
+                    split_label, storage_key, unit_bytes)
 
 if TYPE_CHECKING:
     from .engine import RecoveryEngine
@@ -26,8 +26,12 @@ class Step:
     ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
 
     def __init__(self, engine: "RecoveryEngine", plans: Dict[str, str], actions, track_error: bool = True,
-                 track_tokens: bool = False, profile: bool = False):
+                 track_tokens: bool = False, profile: bool = False, token_scores: Optional[torch.Tensor] = None):
+        """``token_scores``: a pre-forward weight per token (``[B, T]`` or shorter; e.g. |advantage|
+        on response tokens) that token L multiplies with each row's norm to choose its exact rows;
+        None: the norms alone."""
         self.engine = engine
+        self.token_scores = token_scores
         self.track_error = track_error
         self.track_tokens = track_tokens  # per-token input norms per unit (exposure weights, Eq. 7)
         self.profile = profile  # per-unit recompute and encode/decode seconds (utility, Eq. 9)
@@ -35,10 +39,14 @@ class Step:
         self.plans = plans  # labels: a compressed plan may name its codec ("compressed:bf16")
         self._pending_actions = actions
         self.layers = [
-            LayerState(spec, [UnitState(u, plan=split_label(plans[u.name])[0], codec=self._codec(plans[u.name]))
-                              for u in spec.units]) for spec in engine.layer_specs
+            LayerState(spec, [UnitState(u, plan=split_label(plans[u.name])[0], codec=self._codec(plans[u.name]),
+                                        row_share=row_share(plans[u.name])) for u in spec.units])
+            for spec in engine.layer_specs
         ]
         self.units = [u for ls in self.layers for u in ls.units]
+        bad = [u.name for u in self.units if u.row_share is not None and not u.spec.token_wise]
+        if bad:
+            raise ValueError(f"token L (a row share, '@') is for token-wise units (MLP) only, not {bad[:3]}")
         self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
         self.layer_joint_plan = [all(u.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
         self.mode = "forward"
@@ -50,6 +58,24 @@ class Step:
         self._masks: Dict[tuple, torch.Tensor] = {}
         self.kept_keys: Set[int] = set()  # storages L keeps exact by rule (held in entries until backward)
         self._hooks_ctx = None
+
+    def keep_rows(self, unit: UnitState, x: torch.Tensor) -> None:
+        """Token L: mark the unit's exact rows from its input ``x`` (``[.., rows, hidden]``) as
+        the unit starts: the ``row_share`` of rows with the largest ``norm x score`` (Eq. 7's
+        terms with the pre-forward score for |omega|); rows scored 0 stay compressed."""
+        weight = x.detach().float().norm(dim=-1).reshape(-1)
+        if self.token_scores is not None:
+            s = self.token_scores.detach().float().to(weight.device).reshape(x.shape[:-2] + (-1,))
+            s = torch.nn.functional.pad(s, (0, x.shape[-2] - s.shape[-1]))  # the last position predicts nothing
+            weight = weight * s.reshape(-1)
+        k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))
+        keep = torch.zeros(weight.numel(), dtype=torch.bool, device=weight.device)
+        keep[torch.topk(weight, k).indices] = True
+        unit.keep_rows = keep
+
+    def kept_rows(self) -> Dict[str, torch.Tensor]:
+        """Token L: each such unit's exact rows (bool per token row), for the rest's exposure."""
+        return {u.name: u.keep_rows for u in self.units if u.keep_rows is not None}
 
     def _codec(self, label: str):
         """The codec a plan or action label names, else the engine's default."""
@@ -73,6 +99,7 @@ class Step:
         self.engine._step = None
         for u in self.units:  # release whatever backward did not consume
             u.entries.clear()
+            u.keep_rows = None
             u.recomputed.clear()
             u.replay = Replay()
             u.sac = None
@@ -107,13 +134,14 @@ class Step:
         # A weak reference to the base proves it is still the same live tensor (addresses and
         # ids are reused once a tensor is freed).
         codec = unit.codec or self.engine.codec
+        keep = unit.keep_rows if unit.keep_rows is not None and token_rows(t, unit.keep_rows.numel()) else None
         base = t._base if t._base is not None else t
-        key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name)
+        key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name, id(keep))
         hit = self._compressed.get(key)
         if hit is not None and hit[0]() is base:
             return hit[1]
         t0 = self.clock() if self.profile else 0.0
-        p = codec.encode(t)
+        p = codec.encode(t) if keep is None else RowSplit.encode(codec, t, keep)
         if self.profile:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
@@ -121,7 +149,7 @@ class Step:
         self._compressed[key] = (weakref.ref(base), out)
         if self.track_error and out is p:
             x = t.detach().float()
-            unit.err_sq += float((codec.decode(p).float() - x).pow(2).sum())
+            unit.err_sq += float((decode(codec, p).float() - x).pow(2).sum())
             unit.norm_sq += float(x.pow(2).sum())
         return out
 

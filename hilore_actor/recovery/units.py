@@ -36,6 +36,12 @@ class UnitSpec:
     layer: int
     modules: List[nn.Module]
 
+    @property
+    def token_wise(self) -> bool:
+        """Each token's output depends on that token alone (norm + MLP): its saved tensors are
+        token rows, so token L may keep some rows exact (``state.ROWS``)."""
+        return self.kind == "mlp"
+
 
 @dataclass
 class LayerSpec:
