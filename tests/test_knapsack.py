@@ -87,3 +87,46 @@ def test_fill_stays_feasible_and_between_grid_and_exact_optimum(trial):
 def test_item_without_free_option_is_refused():
     with pytest.raises(ValueError, match="free option"):
         solve([[Option("H", 1.0, 5.0)]], 10.0, 0.0)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_dp_matches_brute_force_with_partial_and_token_l_options(trial):
+    """The options HiLoRe builds per unit with P and token L offered (``HiLoRe._options``: R,
+    H, P, two L levels, and per MLP unit each L level at two row shares, whose bytes and risk
+    come from ``profiling.option_cost`` and ``HiLoRe.risks``): the knapsack's choice equals
+    brute force on the same grid; a unit planned ``compressed@f`` is offered only R and L@f."""
+    from hilore_actor.allocation import HiLoRe, Runner
+    from hilore_actor.allocation.calibration import Calibration
+    from hilore_actor.allocation.profiling import UnitCosts
+    from hilore_actor.models import build_model, tiny_config
+
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    rng = random.Random(seed)
+    model = build_model(tiny_config("llama", hidden_size=32, num_layers=2, vocab_size=64), seed=seed)
+    runner = Runner(model)
+    names = runner.engine.unit_names
+    cal = {a: Calibration(codec=c, kappa={"g": rng.uniform(0.5, 2)}, e_bar={n: rng.uniform(0, 0.02) for n in names},
+                          exposure_mean={n: rng.uniform(0.5, 2) for n in names}, groups={n: "g" for n in names}, samples=[])
+           for a, c in (("L", "int8-g64"), ("L:bf16", "bf16"))}
+    h = HiLoRe(runner, 10**9, cal, partial=True, token_rows=(0.1, 0.25), log=lambda *_: None)
+    costs = UnitCosts("1x256", 1.0, 0)
+    for n in names:
+        hb = rng.uniform(10, 60)
+        costs.dm[n] = {"H": hb, "P": rng.uniform(0.2, 0.8) * hb, "L": rng.uniform(0.2, 0.4) * hb, "L:bf16": 0.5 * hb}
+        t = rng.uniform(0, 1)
+        costs.dtau[n] = {"H": t, "P": rng.uniform(0.3, 0.9) * t, "L": rng.uniform(0.8, 1) * t, "L:bf16": rng.uniform(0.9, 1) * t}
+    exposure = {n: rng.uniform(0, 3) for n in names}
+    rest = {n: rng.uniform(0, 1) * exposure[n] for n in names if n.endswith("mlp")}
+    risks = h.risks(exposure, rest)
+    items = [h._options(costs, n, None, risks[n]) for n in names]
+    mlp = names[1]
+    assert [o.action for o in items[1]] == ["R", "H", "P", "L", "L:bf16", "L@0.1", "L@0.25", "L:bf16@0.1", "L:bf16@0.25"]
+    tl = next(o for o in items[1] if o.action == "L@0.25")
+    assert tl.memory == pytest.approx(0.25 * costs.dm[mlp]["H"] + 0.75 * costs.dm[mlp]["L"])
+    assert tl.risk == pytest.approx(cal["L"].risk(mlp, rest[mlp])) and tl.value == costs.dtau[mlp]["L"]
+    assert [o.action for o in h._options(costs, mlp, "compressed@0.25", risks[mlp])] == ["R", "L@0.25"]
+    mem_budget, risk_budget = rng.uniform(20, 150), rng.uniform(0.001, 0.05)
+    picks = solve(items, mem_budget, risk_budget, 16, 8, fill=False)
+    (value, _, _), _ = brute_force(items, mem_budget, risk_budget, 16, 8)
+    assert sum(items[i][j].value for i, j in enumerate(picks)) == pytest.approx(value, rel=1e-6, abs=1e-6)

@@ -88,3 +88,14 @@ def test_two_l_levels_replay_within_budget_and_tolerance(setup):
     err, chosen = replay(h, runner, mbs[6:16], budget, "all-r")
     print(f"actions over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
+
+
+def test_token_l_replay_within_budget_and_tolerance(setup):
+    """P and token L offered (MLP units may keep 10% or 25% of their rows exact): the plan is
+    profiled, fitted and validated as before; the replay stays within B and the tolerance."""
+    runner, cal, mbs, budget = setup
+    h = HiLoRe(runner, budget, cal, mode="hilore", loo=False, partial=True, token_rows=(0.1, 0.25), log=lambda *_: None)
+    sp = h.prepare(mbs[4:6])
+    err, chosen = replay(h, runner, mbs[6:16], budget, "all-r")
+    print(f"plan {sp.plan}; actions over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
+    assert err <= 0.015

@@ -37,3 +37,15 @@ def exposures(omega: torch.Tensor, token_norms: Dict[str, torch.Tensor], mask: t
 def advantage_only_exposure(advantages: torch.Tensor, mask: torch.Tensor) -> float:
     """The weaker proxy the diagnostics compare against: ``sum_t |A_t|`` over valid tokens."""
     return float((advantages.to(torch.float64).abs() * mask.to(torch.float64)).sum())
+
+
+def rest_exposures(omega: torch.Tensor, token_norms: Dict[str, torch.Tensor], mask: torch.Tensor,
+                   kept_rows: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """Token L: ``E_u`` over the rows a unit compressed, i.e. Eq. 7 without the rows it kept
+    exact (``Step.kept_rows``; weights normalised over all valid positions, as for ``E_u``)."""
+    out = {}
+    for name, keep in kept_rows.items():
+        w = token_weights(token_norms[name], mask) * omega.to(torch.float64).abs()
+        rest = ~keep.reshape(token_norms[name].shape)[..., : mask.shape[-1]].to(w.device)
+        out[name] = float((w * rest).sum())
+    return out

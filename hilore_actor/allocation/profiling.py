@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..grpo.microbatch import Microbatch
-from ..recovery.state import plan_for_label
+from ..recovery.state import ROWS, plan_for_label, row_share
 
 
 def shape_class(mb: Microbatch, bucket: int = 256) -> str:
@@ -97,6 +97,18 @@ def _kinds(levels: Sequence[str], partial: bool) -> Sequence[str]:
 def _dm(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
     extra = values["mixed"].get(unit, 0.0)
     return {a: int(values[a][unit] + extra) for a in ("H", *levels)}
+
+
+def option_cost(costs: UnitCosts, unit: str, label: str) -> Tuple[float, float]:
+    """(seconds saved, bytes) of ``unit`` taking ``label``. Token L (``"L@f"``) is not profiled
+    apart: its kept rows cost what H's rows do and its other rows what that L level's do, so
+    ``f x H + (1 - f) x L`` bytes (a unit's saved tensors are token rows); like L it avoids
+    the unit's replay (its codec time shrinks with the compressed rows: ignored, a few percent)."""
+    share = row_share(label)
+    if share is None:
+        return costs.dtau[unit][label], costs.dm[unit][label]
+    level = label.partition(ROWS)[0]
+    return costs.dtau[unit][level], share * costs.dm[unit]["H"] + (1 - share) * costs.dm[unit][level]
 
 
 def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:

@@ -117,7 +117,8 @@ class Runner:
                     if method == "gc":
                         apply_baseline(self.model, "no-gc")
             else:
-                with self.engine.step(method, track_error=track_error, track_tokens=track_tokens, profile=profile) as step:
+                with self.engine.step(method, track_error=track_error, track_tokens=track_tokens, profile=profile,
+                                      token_scores=token_scores(mb)) as step:
                     out = loss_fn(self.model, mb)
                     if callable(actions):
                         c = time.perf_counter()
@@ -148,6 +149,12 @@ class Runner:
                                   else torch.zeros(p.shape, device=self.device) for p in self.params])
         return res
 
+
+
+def token_scores(mb: Microbatch) -> torch.Tensor:
+    """What token L weighs each row's norm by before forward (``Step.keep_rows``): |advantage|
+    on response tokens, the part of |omega| (Eq. 4) known before the loss; 0 elsewhere."""
+    return mb.advantages.abs() * mb.action_mask
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 from ..recovery.policies import stores_nothing
-from ..recovery.state import CHECKPOINT, COMPRESSED, EXACT, PARTIAL, action_for_plan, allows, plan_for_label, split_label
+from ..recovery.state import (CHECKPOINT, COMPRESSED, EXACT, PARTIAL, ROWS, action_for_plan, allows, plan_for_label,
+                              row_share, split_label)
 from .calibration import Calibration
-from .exposure import exposures
+from .exposure import exposures, rest_exposures
 from .knapsack import Option, solve
-from .profiling import UnitCosts, costs_at, profile_units, shape_class
+from .profiling import UnitCosts, costs_at, option_cost, profile_units, shape_class
 
 MODES = ("hilore", "hilore-hr", "hilore-static")
 
@@ -74,6 +75,7 @@ class HiLoRe:
         within_budget: bool = True,
         first_fit: float = 0.9,
         partial: bool = False,
+        token_rows: Sequence[float] = (),
         log=print,
     ):
         """``calibration``: L's calibrated risk, or ``{L level: calibration}`` for several L
@@ -83,7 +85,9 @@ class HiLoRe:
         would not fit on prefixes, ``profiling.probe_bytes``; the exact reference is all-R);
         ``first_fit``: the share of the memory room the first candidate plan may use (the
         real peak per predicted byte is not known before one plan has run). ``partial``:
-        offer P (keep a unit's matmul and attention outputs, replay the rest) beside H, L, R."""
+        offer P (keep a unit's matmul and attention outputs, replay the rest) beside H, L, R.
+        ``token_rows``: shares of token rows token L may keep exact (``"L@0.1"``, MLP units only;
+        risk: Eq. 11 at the exposure of the compressed rows, ``exposure.rest_exposures``)."""
         if mode not in MODES:
             raise ValueError(f"unknown HiLoRe mode {mode!r}; choose one of {MODES}")
         if mode != "hilore-hr" and calibration is None:
@@ -98,6 +102,8 @@ class HiLoRe:
         self.levels = tuple(sorted(self.calibrations, key=lambda a: (a != "L", a))) if self.delta > 0 else ()
         self.partial = bool(partial)
         self.kinds = ("H", *(("P",) if self.partial else ()), *self.levels)  # the non-R options per unit
+        self.shares = tuple(float(f) for f in token_rows) if self.levels else ()
+        self.token_wise = {u.name for layer in self.engine.layer_specs for u in layer.units if u.token_wise}
         self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
         # static has no online trimming, so its plan may not take more risk than delta
         self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
@@ -113,9 +119,12 @@ class HiLoRe:
     def _options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
         """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
         opts = [Option("R", 0.0, 0.0, 0.0)]
-        for a in self.kinds:
-            if (plan is None or allows(plan, a)) and a in sp_costs.dm[unit]:
-                opts.append(Option(a, sp_costs.dtau[unit][a], sp_costs.dm[unit][a], risks.get(a, 0.0)))
+        labels = [a for a in self.kinds if a in sp_costs.dm[unit]]
+        if unit in self.token_wise:
+            labels += [f"{a}{ROWS}{f}" for a in self.levels if a in sp_costs.dm[unit] for f in self.shares]
+        for a in labels:
+            if plan is None or allows(plan, a):
+                opts.append(Option(a, *option_cost(sp_costs, unit, a), risks.get(a, 0.0)))
         return opts
 
     def allocate(self, costs: UnitCosts, risks: Dict[str, Dict[str, float]], memory_budget: float, risk_budget: float,
@@ -126,12 +135,24 @@ class HiLoRe:
         picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
         return {n: items[i][picks[i]].action for i, n in enumerate(names)}
 
-    def risks(self, exposure: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, float]]:
+    def risks(self, exposure: Optional[Dict[str, float]] = None,
+              rest: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, float]]:
         """Eq. 11 per unit and L level: at the microbatch's exposures, else at the
-        calibration-mean exposure (``hilore-static``, and plans made before forward)."""
+        calibration-mean exposure (``hilore-static``, and plans made before forward). Token L
+        (``L@f``): at the exposure of the rows it compressed (``rest``, online), else at
+        (1 - f) x the mean (before forward: the kept rows carry at least their share)."""
         names = exposure if exposure is not None else self.engine.unit_names
-        return {n: {a: (cal.risk(n, exposure[n]) if exposure is not None else cal.static_risk(n))
-                    for a, cal in self.calibrations.items() if a in self.levels} for n in names}
+        out = {}
+        for n in names:
+            r = {a: (cal.risk(n, exposure[n]) if exposure is not None else cal.static_risk(n))
+                 for a, cal in self.calibrations.items() if a in self.levels}
+            if n in self.token_wise:
+                for a in list(r):
+                    for f in self.shares:
+                        r[f"{a}{ROWS}{f}"] = (self.calibrations[a].risk(n, rest[n]) if rest and n in rest
+                                              else r[a] * (1.0 - f))
+            out[n] = r
+        return out
 
     def static_risks(self) -> Dict[str, Dict[str, float]]:
         return self.risks()
@@ -153,8 +174,10 @@ class HiLoRe:
         for scale in self.scales:
             sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
             n = {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED, PARTIAL)}
+            rows = sum(row_share(v) is not None for v in sp.plan.values())
             saved = self.saved_seconds(costs, actions)
-            self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed; "
+            self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed "
+                     f"({rows} by token rows); "
                      f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B")
             if peak <= self.budget and (best is None or saved > best[0]):
                 best = (saved, sp, scale)
@@ -168,7 +191,7 @@ class HiLoRe:
     @staticmethod
     def saved_seconds(costs: UnitCosts, actions: Dict[str, str]) -> float:
         """Profiled recompute time that ``actions`` avoid (Eq. 9's utilities, summed)."""
-        return float(sum(costs.dtau[n][a] for n, a in actions.items() if a != "R"))
+        return float(sum(option_cost(costs, n, a)[0] for n, a in actions.items() if a != "R"))
 
     def sized(self, sp: ShapePlan, tokens: int, peak_target: Optional[float] = None) -> ShapePlan:
         """``sp`` re-solved for a microbatch of ``tokens`` tokens (at most as many as it was
@@ -228,7 +251,7 @@ class HiLoRe:
     @staticmethod
     def planned_bytes(sp: ShapePlan) -> int:
         """The bytes ``sp``'s plan stores above its all-R peak, by its profiled costs."""
-        return int(sum(sp.costs.dm[n][action_for_plan(q)] for n, q in sp.plan.items() if q != CHECKPOINT))
+        return int(sum(option_cost(sp.costs, n, action_for_plan(q))[1] for n, q in sp.plan.items() if q != CHECKPOINT))
 
     @staticmethod
     def costs_total(costs: UnitCosts) -> float:
@@ -287,7 +310,7 @@ class HiLoRe:
         byte are checked: those are where a measured utility of zero is likely."""
         stored = [n for n, q in sp.plan.items() if q != CHECKPOINT]
         label = {n: action_for_plan(sp.plan[n]) for n in stored}
-        stored.sort(key=lambda n: sp.costs.dtau[n][label[n]] / max(sp.costs.dm[n][label[n]], 1))
+        stored.sort(key=lambda n: option_cost(sp.costs, n, label[n])[0] / max(option_cost(sp.costs, n, label[n])[1], 1))
         for n in stored[: self.loo_units]:
             without = dict(sp.plan, **{n: CHECKPOINT})
             diffs = []
@@ -321,8 +344,10 @@ class HiLoRe:
             self._calls += 1
             if self._last is not None and (self._calls - 1) % self.refresh_every:
                 return {n: a if allows(sp.plan[n], a) else "R" for n, a in self._last.items()}
-            E = exposures(out.omega, step.token_norms(), out.mask)
-            self._last = self.allocate(sp.costs, self.risks(E), sp.memory_budget, sp.risk_budget, plan=sp.plan)
+            norms = step.token_norms()
+            E = exposures(out.omega, norms, out.mask)
+            rest = rest_exposures(out.omega, norms, out.mask, step.kept_rows()) if self.shares else None
+            self._last = self.allocate(sp.costs, self.risks(E, rest), sp.memory_budget, sp.risk_budget, plan=sp.plan)
             return self._last
 
         return choose

@@ -22,6 +22,12 @@ import torch
 from .step import run_microbatch
 
 
+def _scores(mb):
+    from ..allocation.runner import token_scores
+
+    return token_scores(mb) if hasattr(mb, "advantages") else None
+
+
 def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, device) -> Dict[str, float]:
     """``{"grad_rel_error", "grad_cosine"}`` of the update over ``microbatches`` under ``plan``
     (a ``RankPlan``) run on ``engine`` (the ``RecoveryEngine`` attached to ``module``)."""
@@ -50,7 +56,7 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
     try:
         with plan.hl.side_pass():
             for mb in microbatches:
-                with run_microbatch(plan, engine, device, mb.num_tokens) as rec:
+                with run_microbatch(plan, engine, device, mb.num_tokens, token_scores=_scores(mb)) as rec:
                     out = loss_fn(module, mb)
                     rec.set_actions(plan, out)
                     accumulate(out.loss)

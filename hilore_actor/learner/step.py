@@ -61,12 +61,15 @@ class MicrobatchRecord:
 
 
 @contextlib.contextmanager
-def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: bool = False) -> Iterator[MicrobatchRecord]:
+def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: bool = False,
+                   token_scores=None) -> Iterator[MicrobatchRecord]:
     """Run the block as one microbatch of ``tokens`` tokens under ``plan`` (a ``RankPlan``;
     its plan sized to those tokens) on ``engine`` (a ``RecoveryEngine`` or None); the record
     is complete when the block exits. ``resident``: what the rank holds as the microbatch
     begins, in B's scope (``scope.resident_now`` for the device scope, 0 otherwise).
-    ``all_r``: recompute every unit whatever the plan (a rerun after running out of memory)."""
+    ``all_r``: recompute every unit whatever the plan (a rerun after running out of memory).
+    ``token_scores``: the microbatch's pre-forward token weights for token L
+    (``allocation.runner.token_scores``; None: the rows' norms alone choose its exact rows)."""
     rec = MicrobatchRecord(tokens=int(tokens), resident=int(resident))
     meter = rec.meter = MemoryMeter(device)
     with meter:
@@ -80,7 +83,8 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: 
                     yield rec
                 rec.actions = {n: "R" for n in rec.sp.plan}
             else:
-                with engine.step(rec.sp.plan, track_tokens=plan.track_tokens, track_error=False) as st:
+                with engine.step(rec.sp.plan, track_tokens=plan.track_tokens, track_error=False,
+                                 token_scores=token_scores) as st:
                     rec.step = st
                     yield rec
                     rec.actions = st.actions()

@@ -219,12 +219,14 @@ class Learner:
         the same random state (LoRA dropout draws the same masks). Out of memory in the
         backward, or under ZeRO-3 (whose forward gathers parameters with the other ranks), is
         not recoverable: the error names it."""
+        from ..allocation.runner import token_scores
         from ..learner.step import out_of_memory, run_microbatch
 
         rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
         stage = "forward"
         try:
-            with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident()) as rec:
+            with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident(),
+                                token_scores=token_scores(mb)) as rec:
                 out = self.loss_fn(self.ds, mb)
                 if injected("oom", self.rank, step) and index == 0 and not self._oom_injected:
                     self._oom_injected = True
