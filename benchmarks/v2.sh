@@ -7,6 +7,8 @@
 #   cpu-ref-allr      gc, hilore-hr, hilore head for head at 1.10 (activation scope): all-R plans against gc
 #   cpu-small-p       issue 14's first look: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
 #   cpu-small-2codec  issue 12: hilore with two L levels (int8-g64 and bf16) within B and the tolerance
+# Issue 14's comparison is inside these runs: hilore (P and token L offered) beside hilore-coarse
+# (whole-unit H/L/R, what hilore meant before) in every run of every method (ALL).
 # A run too long for one session goes in pieces: RUN:1 .. RUN:4 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
 # exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
@@ -19,8 +21,8 @@ PY=${PYTHON:-.venv/bin/python}
 OUTDIR=${OUTDIR:-benchmarks/results}
 export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184}
 export PYTHONUNBUFFERED=1
-ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore
-PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,all-l,hilore-hr,hilore-static,hilore gc,compile-budget)
+ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore-coarse,hilore
+PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,all-l,hilore-hr,hilore-static,hilore-coarse,hilore gc,compile-budget)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
   run=${spec%%:*} only=

@@ -91,7 +91,7 @@ def test_item_without_free_option_is_refused():
 
 @pytest.mark.parametrize("trial", range(12))
 def test_dp_matches_brute_force_with_partial_and_token_l_options(trial):
-    """The options HiLoRe builds per unit with P and token L offered (``HiLoRe._options``: R,
+    """The options HiLoRe builds per unit with P and token L offered (``HiLoRe.options``: R,
     H, P, two L levels, and per MLP unit each L level at two row shares, whose bytes and risk
     come from ``profiling.option_cost`` and ``HiLoRe.risks``): the knapsack's choice equals
     brute force on the same grid; a unit planned ``compressed@f`` is offered only R and L@f."""
@@ -119,13 +119,13 @@ def test_dp_matches_brute_force_with_partial_and_token_l_options(trial):
     exposure = {n: rng.uniform(0, 3) for n in names}
     rest = {n: rng.uniform(0, 1) * exposure[n] for n in names if n.endswith("mlp")}
     risks = h.risks(exposure, rest)
-    items = [h._options(costs, n, None, risks[n]) for n in names]
+    items = [h.options(costs, n, None, risks[n]) for n in names]
     mlp = names[1]
     assert [o.action for o in items[1]] == ["R", "H", "P", "L", "L:bf16", "L@0.1", "L@0.25", "L:bf16@0.1", "L:bf16@0.25"]
     tl = next(o for o in items[1] if o.action == "L@0.25")
     assert tl.memory == pytest.approx(0.25 * costs.dm[mlp]["H"] + 0.75 * costs.dm[mlp]["L"])
     assert tl.risk == pytest.approx(cal["L"].risk(mlp, rest[mlp])) and tl.value == costs.dtau[mlp]["L"]
-    assert [o.action for o in h._options(costs, mlp, "compressed@0.25", risks[mlp])] == ["R", "L@0.25"]
+    assert [o.action for o in h.options(costs, mlp, "compressed@0.25", risks[mlp])] == ["R", "L@0.25"]
     mem_budget, risk_budget = rng.uniform(20, 150), rng.uniform(0.001, 0.05)
     picks = solve(items, mem_budget, risk_budget, 16, 8, fill=False)
     (value, _, _), _ = brute_force(items, mem_budget, risk_budget, 16, 8)

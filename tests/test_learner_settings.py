@@ -1,7 +1,7 @@
 """The --hilore.* settings: one table, typed parsing, and errors that name the flag."""
 import pytest
 
-from hilore_actor.learner.settings import DEFAULTS, boolean, hilore_errors, hilore_settings, parse_hilore
+from hilore_actor.learner.settings import DEFAULTS, boolean, hilore_errors, hilore_settings, parse_hilore, token_rows
 
 
 def test_defaults_and_typed_values():
@@ -9,6 +9,7 @@ def test_defaults_and_typed_values():
     assert s.loo is True and s.mode == DEFAULTS["mode"] and not hilore_errors(s)
     got = parse_hilore({"loo": "false", "delta": "0.02", "codec": "bf16", "budget": "6GiB"})
     assert got == {"loo": False, "delta": 0.02, "codec": "bf16", "budget": "6GiB"}
+    assert token_rows(hilore_settings(token_rows="0.1, 0.25")) == (0.1, 0.25) and token_rows(s) == ()
     assert [boolean(v) for v in ("1", "True", "on", "no", "OFF", "0")] == [True, True, True, False, False, False]
 
 
@@ -16,7 +17,9 @@ def test_defaults_and_typed_values():
                                         ({"delta": "x"}, "--hilore.delta 'x': expected float"),
                                         ({"nope": "1"}, "unknown flag --hilore.nope"),
                                         ({"codec": "int4"}, "--hilore.codec 'int4'"),
-                                        ({"mode": "fast"}, "--hilore.mode 'fast'")])
+                                        ({"mode": "fast"}, "--hilore.mode 'fast'"),
+                                        ({"token_rows": "0.1,1.5"}, "--hilore.token_rows '0.1,1.5'"),
+                                        ({"token_rows": "a"}, "--hilore.token_rows 'a'")])
 def test_bad_values_name_the_flag(raw, match):
     with pytest.raises(ValueError, match=match):
         parse_hilore(raw)

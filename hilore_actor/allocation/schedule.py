@@ -116,7 +116,7 @@ class HiLoRe:
         self._last: Optional[Dict[str, str]] = None
 
     # ---- allocation -----------------------------------------------------------------------
-    def _options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
+    def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
         """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
         opts = [Option("R", 0.0, 0.0, 0.0)]
         labels = [a for a in self.kinds if a in sp_costs.dm[unit]]
@@ -131,7 +131,7 @@ class HiLoRe:
                  plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11)."""
         names = self.engine.unit_names
-        items = [self._options(costs, n, plan.get(n) if plan else None, risks.get(n, {})) for n in names]
+        items = [self.options(costs, n, plan.get(n) if plan else None, risks.get(n, {})) for n in names]
         picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
         return {n: items[i][picks[i]].action for i, n in enumerate(names)}
 

@@ -20,7 +20,14 @@ from .peers import (PeerUnavailable, compiled_runner, decoder_layers, enable_sac
                     tune_sac_layers)
 from .scope import UpdatePeaks, make_optimizer, update_peaks
 
-OURS = ("hilore-hr", "hilore-static", "hilore", "hilore-hr-p", "hilore-p")  # -p: P offered too (issue 14)
+# HiLoRe rows: (mode, P offered, token-L row shares). ``hilore`` offers every finer option
+# (issue 14: P, and token L keeping 10% or 25% of an MLP unit's rows exact); ``hilore-coarse``
+# is H/L/R per whole unit, what ``hilore`` meant before them; ``-p``: P offered, no token L.
+TOKEN_ROWS = (0.1, 0.25)
+VARIANTS = {"hilore-hr": ("hilore-hr", False, ()), "hilore-static": ("hilore-static", False, ()),
+            "hilore-coarse": ("hilore", False, ()), "hilore": ("hilore", True, TOKEN_ROWS),
+            "hilore-hr-p": ("hilore-hr", True, ()), "hilore-p": ("hilore", True, ())}
+OURS = tuple(VARIANTS)
 PEERS = ("sac", "sac-budget", "compile-budget", "compile-fp8")
 BUDGETED = OURS + ("sac-budget", "compile-budget")
 HEADS = ("chunked", "full")
@@ -108,13 +115,16 @@ class Method:
         """One update's microbatches (gradients accumulate): seconds, CPU seconds, overhead, actions."""
         secs = cpu = over = 0.0
         acts: Counter = Counter()
+        taken: Dict[str, Counter] = {}  # unit -> action labels (L with its codec and row share)
         for i, mb in enumerate(mbs):
             r = self.run(mb, seed=i, accumulate=i > 0)
             secs += r.seconds
             cpu += r.cpu_seconds
             over += r.choose_seconds
             acts.update(r.actions.values())
-        return {"seconds": secs, "cpu_seconds": cpu, "overhead": over, "actions": acts}
+            for n, a in (r.labels or r.actions).items():
+                taken.setdefault(n, Counter())[a] += 1
+        return {"seconds": secs, "cpu_seconds": cpu, "overhead": over, "actions": acts, "taken": taken}
 
     def peaks(self, mbs: List) -> UpdatePeaks:
         """Both scopes' peaks of one update, with a real AdamW step (``scope.update_peaks``)."""
@@ -140,9 +150,9 @@ def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) ->
         return _sac_budget(name, budget_ratio, head, runner, ctx)
     if base in OURS:
         cache = ctx.costs_cache.setdefault(id(runner), {})  # unit costs differ with the head
-        mode, partial = (base[:-2], True) if base.endswith("-p") else (base, False)
+        mode, partial, rows = VARIANTS[base]
         h = HiLoRe(runner, ctx.budget.room(budget_ratio), ctx.calibration, mode=mode, costs_cache=cache, loo=ctx.loo,
-                   partial=partial, log=ctx.log)
+                   partial=partial, token_rows=rows, log=ctx.log)
         m = Method(name, budget_ratio, head, runner, lambda mb, **kw: h.run(mb, **kw))
         m.hilore = h
         return m

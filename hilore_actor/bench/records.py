@@ -57,20 +57,24 @@ def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget,
     else:
         rec["fits_budget"] = all(x <= budget.bytes(m.budget_ratio) for x in mb_peaks)
     if m.hilore is not None:
-        rec.update(plan_evidence(m.hilore))
+        rec.update(plan_evidence(m.hilore, t.taken))
     return rec
 
 
-def plan_evidence(h) -> Dict:
+def plan_evidence(h, taken: Optional[Dict] = None) -> Dict:
     """The plan and, per unit, what the knapsack saw: utility (seconds saved, Eq. 9), bytes and
     calibration risk of H and L; with the room above the all-R peak, so a reader can see why a
-    unit was left R."""
+    unit was left R. ``options``: every option the unit had before forward (P and token L
+    included); ``taken``: the action labels it ran with over the timed updates."""
     sp = next(iter(h.plans.values()))
     risks = h.static_risks()
     units = {n: {"plan": sp.plan[n], "dtau_H": sp.costs.dtau[n]["H"], "dtau_L": sp.costs.dtau[n].get("L"),
                  "bytes_H": sp.costs.dm[n]["H"], "bytes_L": sp.costs.dm[n].get("L"), "risk_L": risks.get(n, {}).get("L"),
                  "levels": {a: {"dtau": sp.costs.dtau[n][a], "bytes": sp.costs.dm[n][a], "risk": risks.get(n, {}).get(a)}
-                            for a in h.levels}} for n in sp.plan}
+                            for a in h.levels},
+                 "options": {o.action: {"seconds_saved": o.value, "bytes": o.memory, "risk": o.risk}
+                             for o in h.options(sp.costs, n, None, risks.get(n, {}))},
+                 "taken": dict((taken or {}).get(n, {}))} for n in sp.plan}
     return {"plan": sp.plan, "validation": sp.report, "units": units, "room_bytes": h.budget,
             "all_r_peak_bytes": sp.costs.base_peak, "all_r_seconds": sp.costs.base_seconds,
             "memory_budget_bytes": sp.memory_budget, "risk_budget": sp.risk_budget}

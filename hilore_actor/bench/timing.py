@@ -15,6 +15,7 @@ class Timings:
     overhead: List[float] = field(default_factory=list)
     actions: Counter = field(default_factory=Counter)
     gc_seconds: List[float] = field(default_factory=list)  # gc's times paired with these, repeat by repeat
+    taken: Dict[str, Counter] = field(default_factory=dict)  # unit -> action labels over the timed updates
 
 
 def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, Timings]) -> None:
@@ -29,6 +30,8 @@ def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, T
             t.cpu_seconds.append(u["cpu_seconds"])
             t.overhead.append(u["overhead"])
             t.actions.update(u["actions"])
+            for n, c in u.get("taken", {}).items():
+                t.taken.setdefault(n, Counter()).update(c)
         log(f"[bench] {label}: repeat {rep + 1}/{repeats} done")
 
 

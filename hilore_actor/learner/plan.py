@@ -210,11 +210,12 @@ def _engine(model, hcfg):
 def _scheduler(runner, budget: int, calibration, hcfg, log, costs_cache=None):
     """HiLoRe in the wanted mode, or H/R only (``hilore-hr``) while L's calibration is pending."""
     from ..allocation import HiLoRe
+    from .settings import token_rows
 
     mode = hcfg.mode if calibration is not None else "hilore-hr"
     return HiLoRe(runner, budget, calibration, mode=mode, delta=hcfg.delta, tolerance=hcfg.tolerance,
                   refresh_every=hcfg.refresh_every, profile_repeats=hcfg.profile_repeats, loo=hcfg.loo,
-                  costs_cache=costs_cache, partial=hcfg.partial, log=log)
+                  costs_cache=costs_cache, partial=hcfg.partial, token_rows=token_rows(hcfg), log=log)
 
 
 def planning_microbatches(model, n: int, *, tokens: int, seqs_per_microbatch: int, group_size: int, seed: int,

@@ -8,7 +8,7 @@ only, so the two integrations cannot drift apart.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from ..recovery.codecs import DEFAULT_CODECS
 
@@ -49,6 +49,9 @@ HILORE_FLAGS = [
     ("hilore.partial", boolean, False, "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
      "and attention kernels and replay the rest from them in backward (exact gradients; torch's selective "
      "checkpointing, chosen per unit by the knapsack); off until benchmarked"),
+    ("hilore.token_rows", str, "", "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
+     "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others compressed, each share "
+     "one more option per L level for the knapsack (empty: off until benchmarked; modes with L)"),
     ("hilore.chunked_head", boolean, True, "compute the action log-probs (and entropy) from the last hidden state a "
      "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
@@ -84,6 +87,10 @@ def hilore_errors(hcfg) -> List[str]:
     bad = [c for c in names if c not in CODECS]
     if bad or len(set(names)) != len(names):
         errors.append(f"--hilore.codec {hcfg.codec!r}: a comma list of distinct codecs from {', '.join(sorted(CODECS))}")
+    try:
+        token_rows(hcfg)
+    except ValueError as e:
+        errors.append(str(e))
     if not 0.0 <= float(hcfg.fill) <= 1.0:
         errors.append(f"--hilore.fill {hcfg.fill}: a share of B within [0, 1] (0: no sizing by measured peaks)")
     if hcfg.budget_scope not in SCOPES:
@@ -94,6 +101,18 @@ def hilore_errors(hcfg) -> List[str]:
         except BudgetError as e:
             errors.append(f"--hilore.budget: {e}")
     return errors
+
+
+def token_rows(hcfg) -> Tuple[float, ...]:
+    """``--hilore.token_rows`` as shares in (0, 1); ``ValueError`` names the bad value."""
+    raw = str(hcfg.token_rows or "").strip()
+    try:
+        shares = tuple(float(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        shares = (-1.0,)
+    if any(not 0.0 < f < 1.0 for f in shares):
+        raise ValueError(f"--hilore.token_rows {raw!r}: a comma list of shares strictly between 0 and 1, e.g. 0.1,0.25")
+    return shares
 
 
 def parse_hilore(raw: Dict[str, str]) -> Dict:

@@ -67,7 +67,7 @@ class RowSplit:
     def encode(cls, codec: "Codec", x: torch.Tensor, keep: torch.Tensor) -> "RowSplit":
         rows = x.detach().reshape(-1, x.shape[-1])
         rest = rows[~keep]
-        return cls(keep, rows[keep].clone(), codec.encode(rest) if rest.shape[0] else None, codec, tuple(x.shape), x.dtype)
+        return cls(keep, rows[keep], codec.encode(rest) if rest.shape[0] else None, codec, tuple(x.shape), x.dtype)
 
     def decode(self) -> torch.Tensor:
         out = torch.empty((self.keep.numel(), self.shape[-1]), dtype=self.dtype, device=self.exact.device)
