@@ -1,4 +1,6 @@
 """Shared helpers: fresh random packed microbatches and a GRPO loss over them."""
+import contextlib
+
 import pytest
 import torch
 
@@ -70,3 +72,43 @@ def uninterrupted(tmp_path_factory):
     r = job(out, "--max_steps", "3")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r
+
+
+class _Chooser:
+    """Stands in for ``RankPlan.hl``: counts the side passes it was asked to keep state across."""
+
+    def __init__(self):
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def side_pass(self):
+        self.entered += 1
+        yield
+
+
+class FixedPlan:
+    """The parts of a ``RankPlan`` the learner room's sequences use: a fixed plan, its default
+    actions, and a record of the tighten and observe calls."""
+
+    def __init__(self, plan, budget=10**12):
+        from types import SimpleNamespace
+
+        self.sp, self.budget, self.track_tokens = SimpleNamespace(plan=plan), budget, False
+        self.tightened, self.observed, self.hl = [], [], _Chooser()
+
+    def for_tokens(self, tokens):
+        return self.sp
+
+    def predicted_peak(self, sp):
+        return 0
+
+    def actions(self, step, loss_output, sp=None):
+        from hilore_actor.recovery.state import DEFAULT_ACTION
+
+        return {n: DEFAULT_ACTION[q] for n, q in (sp or self.sp).plan.items()}
+
+    def tighten(self, by_bytes, who="", tokens=None):
+        self.tightened.append((by_bytes, tokens))
+
+    def observe(self, predicted_bytes, peak_bytes):
+        self.observed.append((predicted_bytes, peak_bytes))

@@ -2,7 +2,6 @@
 update's gradient under the plan (reference: the same microbatches run by hand, under the
 engine and plainly), exactly 0 for an H/R plan, and it leaves no gradient, random state or
 chooser state behind."""
-import contextlib
 from types import SimpleNamespace
 
 import torch
@@ -10,35 +9,8 @@ import torch
 from hilore_actor.learner.gradient_check import update_gradient_error
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine
-from hilore_actor.recovery.state import DEFAULT_ACTION
 
-from conftest import grads, grpo_loss, packed_microbatch, rel_err
-
-
-class _Chooser:
-    def __init__(self):
-        self.entered = 0
-
-    @contextlib.contextmanager
-    def side_pass(self):
-        self.entered += 1
-        yield
-
-
-class _Plan:
-    """The parts of a ``RankPlan`` the side pass uses: a fixed plan and its default actions."""
-
-    def __init__(self, plan):
-        self.sp, self.track_tokens, self.hl = SimpleNamespace(plan=plan), False, _Chooser()
-
-    def for_tokens(self, tokens):
-        return self.sp
-
-    def predicted_peak(self, sp):
-        return 0
-
-    def actions(self, step, loss_output, sp=None):
-        return {n: DEFAULT_ACTION[q] for n, q in (sp or self.sp).plan.items()}
+from conftest import FixedPlan, grads, grpo_loss, packed_microbatch, rel_err
 
 
 def _setup(seed, n_mbs=2):
@@ -78,7 +50,7 @@ def test_reports_the_error_of_the_update_under_the_plan(fresh_seed):
     model, mbs = _setup(fresh_seed)
     engine = RecoveryEngine(model, codec="int8")
     names = engine.unit_names
-    plan = _Plan({n: ("compressed", "exact", "checkpoint")[i % 3] for i, n in enumerate(names)})
+    plan = FixedPlan({n: ("compressed", "exact", "checkpoint")[i % 3] for i, n in enumerate(names)})
     ours, exact = _by_hand(model, engine, plan, mbs)
     want = rel_err(ours, exact)
     assert want > 0  # int8 L changes the gradient
@@ -99,6 +71,6 @@ def test_an_exact_plan_reports_zero(fresh_seed):
     print("seed", fresh_seed)
     model, mbs = _setup(fresh_seed)
     engine = RecoveryEngine(model)
-    plan = _Plan({n: ("exact", "checkpoint")[i % 2] for i, n in enumerate(engine.unit_names)})
+    plan = FixedPlan({n: ("exact", "checkpoint")[i % 2] for i, n in enumerate(engine.unit_names)})
     got = update_gradient_error(plan, engine, model, _loss, mbs, torch.device("cpu"))
     assert got["grad_rel_error"] == 0.0

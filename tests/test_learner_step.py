@@ -1,6 +1,5 @@
 """The learner room's microbatch sequence: gradients as without it, the actions the plan set,
 the peak the meter measures, and the coordinator's tighten reaching the plan."""
-from types import SimpleNamespace
 
 import torch
 
@@ -8,34 +7,9 @@ from hilore_actor.learner.coordinator import BudgetCoordinator
 from hilore_actor.learner.step import MicrobatchRecord, report, run_microbatch
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine
-from hilore_actor.recovery.state import DEFAULT_ACTION
 from hilore_actor.runtime import MemoryMeter
 
-from conftest import grads, grpo_loss, packed_microbatch
-
-
-class _Plan:
-    """The parts of a ``RankPlan`` the sequence uses: a fixed plan, its default actions, and a
-    record of the tighten calls."""
-
-    def __init__(self, plan, budget):
-        self.sp, self.budget, self.track_tokens = SimpleNamespace(plan=plan), budget, False
-        self.tightened, self.observed = [], []
-
-    def for_tokens(self, tokens):
-        return self.sp
-
-    def predicted_peak(self, sp):
-        return 0
-
-    def actions(self, step, loss_output, sp=None):
-        return {n: DEFAULT_ACTION[q] for n, q in (sp or self.sp).plan.items()}
-
-    def tighten(self, by_bytes, who="", tokens=None):
-        self.tightened.append((by_bytes, tokens))
-
-    def observe(self, predicted_bytes, peak_bytes):
-        self.observed.append((predicted_bytes, peak_bytes))
+from conftest import FixedPlan as _Plan, grads, grpo_loss, packed_microbatch
 
 
 def _setup(seed):
