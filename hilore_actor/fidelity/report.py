@@ -139,7 +139,8 @@ def _plot(out: Path, runs, rep: Dict) -> None:
             a.plot([x["step"] for x in rows], [x["reward_mean"] for x in rows], styles.get(r.method, "-"),
                    color=f"C{seeds.index(r.seed)}", label=r.name)
     a.set(xlabel="step", ylabel="mean reward", title="paired reward curves (same seed, same colour)")
-    a.legend(fontsize=7)
+    if a.get_lines():
+        a.legend(fontsize=7)
     d = rep["paired_accuracy_difference_pp"]
     b.bar([str(s) for s in d["seeds"]], d["values"], color=[f"C{seeds.index(s)}" for s in d["seeds"]])
     if d["mean"] is not None:
