@@ -96,3 +96,25 @@ def test_a_row_narrower_than_a_group_is_one_unpadded_group(name):
     p = codec.encode(x)
     assert p.nbytes == 100 * 4 * p.data.element_size() + 100 * 4  # values + one float32 scale per row
     assert torch.allclose(codec.decode(p), x, rtol=0.1, atol=0.05 * float(x.abs().max()))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int8-g64", "bf16"])
+def test_row_split_keeps_its_rows_exact_and_compresses_the_rest(codec):
+    """``RowSplit`` (token L): the kept rows come back bitwise, the others as the codec alone
+    gives them; its bytes are the kept rows' plus the codec's payload of the others."""
+    from hilore_actor.recovery.codecs import RowSplit, get_codec
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 9, 80, generator=g)
+    order = torch.randperm(18, generator=g)
+    kept, rest = order[:5], order[5:]
+    c = get_codec(codec)
+    p = RowSplit.encode(c, x, kept, rest)
+    y = p.decode().reshape(18, 80)
+    rows = x.reshape(18, 80)
+    assert torch.equal(y[kept], rows[kept])
+    assert torch.equal(y[rest], c.decode(c.encode(rows[rest])).reshape(13, 80))
+    assert p.nbytes == 5 * 80 * 4 + c.encode(rows[rest]).nbytes
+    assert torch.equal(RowSplit.encode(c, x, order, order[:0]).decode(), x)  # every row kept: exact

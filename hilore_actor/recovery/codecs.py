@@ -46,10 +46,13 @@ class Payload:
 
 @dataclass
 class RowSplit:
-    """Token-granular L of one saved tensor: the rows ``keep`` marks (high-exposure tokens)
-    exact, the others compressed; rows are the tensor's leading dimensions (tokens)."""
+    """Token-granular L of one saved tensor: the rows ``kept`` lists (high-exposure tokens)
+    exact, the ``rest`` compressed; rows are the tensor's leading dimensions (tokens). Index
+    tensors, not a boolean mask, so neither side needs a device sync (boolean indexing does);
+    they are the unit's, shared by its tensors (``Step.keep_rows``)."""
 
-    keep: torch.Tensor  # bool [rows]
+    kept: torch.Tensor  # int64 [kept rows]
+    rest_rows: torch.Tensor  # int64 [other rows]
     exact: torch.Tensor  # [kept rows, cols]
     rest: Optional[Payload]  # the other rows, compressed (None: every row kept)
     codec: "Codec"
@@ -58,22 +61,23 @@ class RowSplit:
 
     @property
     def nbytes(self) -> int:
-        return self.keep.numel() + self.exact.numel() * self.exact.element_size() + (self.rest.nbytes if self.rest else 0)
+        return self.exact.numel() * self.exact.element_size() + (self.rest.nbytes if self.rest else 0)
 
     def finite(self) -> bool:
         return self.rest is None or self.rest.finite()
 
     @classmethod
-    def encode(cls, codec: "Codec", x: torch.Tensor, keep: torch.Tensor) -> "RowSplit":
+    def encode(cls, codec: "Codec", x: torch.Tensor, kept: torch.Tensor, rest_rows: torch.Tensor) -> "RowSplit":
         rows = x.detach().reshape(-1, x.shape[-1])
-        rest = rows[~keep]
-        return cls(keep, rows[keep], codec.encode(rest) if rest.shape[0] else None, codec, tuple(x.shape), x.dtype)
+        rest = codec.encode(rows.index_select(0, rest_rows)) if rest_rows.numel() else None
+        return cls(kept, rest_rows, rows.index_select(0, kept), rest, codec, tuple(x.shape), x.dtype)
 
     def decode(self) -> torch.Tensor:
-        out = torch.empty((self.keep.numel(), self.shape[-1]), dtype=self.dtype, device=self.exact.device)
-        out[self.keep] = self.exact
+        n = self.kept.numel() + self.rest_rows.numel()
+        out = torch.empty((n, self.shape[-1]), dtype=self.dtype, device=self.exact.device)
+        out.index_copy_(0, self.kept, self.exact)
         if self.rest is not None:
-            out[~self.keep] = self.codec.decode(self.rest).reshape(-1, self.shape[-1]).to(self.dtype)
+            out.index_copy_(0, self.rest_rows, self.codec.decode(self.rest).reshape(-1, self.shape[-1]).to(self.dtype))
         return out.reshape(self.shape)
 
 

@@ -143,6 +143,7 @@ class UnitState:
     codec: Any = None  # the Codec of this unit's L copy (None: the engine's default)
     row_share: Optional[float] = None  # token L: the share of rows kept exact (plan "compressed@f")
     keep_rows: Optional[torch.Tensor] = None  # token L: bool [rows], chosen in forward
+    row_index: Any = None  # token L: (kept rows, other rows) as index tensors
     sac: Any = None  # partial: (caching, cached) op-output modes of its forward and its replay
     timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording

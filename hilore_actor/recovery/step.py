@@ -68,9 +68,11 @@ class Step:
             s = self.token_scores.detach().float().to(weight.device).reshape(x.shape[:-2] + (-1,))
             s = torch.nn.functional.pad(s, (0, x.shape[-2] - s.shape[-1]))  # the last position predicts nothing
             weight = weight * s.reshape(-1)
-        k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))
+        k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))  # the one device sync
+        order = torch.argsort(weight, descending=True, stable=True)
+        unit.row_index = (order[:k], order[k:])
         keep = torch.zeros(weight.numel(), dtype=torch.bool, device=weight.device)
-        keep[torch.topk(weight, k).indices] = True
+        keep[unit.row_index[0]] = True
         unit.keep_rows = keep
 
     def kept_rows(self) -> Dict[str, torch.Tensor]:
@@ -99,7 +101,7 @@ class Step:
         self.engine._step = None
         for u in self.units:  # release whatever backward did not consume
             u.entries.clear()
-            u.keep_rows = None
+            u.keep_rows = u.row_index = None
             u.recomputed.clear()
             u.replay = Replay()
             u.sac = None
@@ -134,14 +136,14 @@ class Step:
         # A weak reference to the base proves it is still the same live tensor (addresses and
         # ids are reused once a tensor is freed).
         codec = unit.codec or self.engine.codec
-        keep = unit.keep_rows if unit.keep_rows is not None and token_rows(t, unit.keep_rows.numel()) else None
+        keep = unit.row_index if unit.keep_rows is not None and token_rows(t, unit.keep_rows.numel()) else None
         base = t._base if t._base is not None else t
         key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name, id(keep))
         hit = self._compressed.get(key)
         if hit is not None and hit[0]() is base:
             return hit[1]
         t0 = self.clock() if self.profile else 0.0
-        p = codec.encode(t) if keep is None else RowSplit.encode(codec, t, keep)
+        p = codec.encode(t) if keep is None else RowSplit.encode(codec, t, *keep)
         if self.profile:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
