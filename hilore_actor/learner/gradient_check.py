@@ -5,9 +5,12 @@ the gradient with every activation stored. This measures by how much on the upda
 microbatches and weights, beside training: the microbatches run twice outside the
 optimizer's gradient path (``torch.autograd.grad``, so no ZeRO hook or accumulation sees
 them), once under the rank's plan exactly as the update runs them (the plan sized to each
-microbatch's tokens and its online actions, ``step.run_microbatch``), once with everything
-stored; the two accumulated gradients give the relative error ``||g - g*|| / ||g*||`` (the
-quantity the risk budget delta bounds, Eq. 9 of docs/DESIGN.md) and the cosine.
+microbatch's tokens and its online actions, ``step.run_microbatch``), once exactly (every
+layer recomputed: bitwise the gradients of storing everything, and within B, which storing
+everything is not on a device the plan fills); the two accumulated gradients give the
+relative error ``||g - g*|| / ||g*||`` (the quantity the risk budget delta bounds) and the
+cosine. Memory beyond the update's: two gradient copies of the trainable parameters (small
+with LoRA; a full fine-tune's size otherwise).
 
 The update that follows is untouched: the random state and the online chooser's state are
 restored, no peak goes to the coordinator, and the gradients are cleared. A plan whose
@@ -19,6 +22,7 @@ from typing import Dict, List
 
 import torch
 
+from ..recovery.policies import layer_checkpointing
 from .step import run_microbatch
 
 
@@ -38,12 +42,11 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
 
-    def take() -> torch.Tensor:  # float64: a cosine this close to 1 needs it
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
-                          for p in params])
+    def take() -> List[torch.Tensor]:  # the gradients, per parameter, cleared from .grad
+        out = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         for p in params:
             p.grad = None
-        return flat
+        return out
 
     cuda = device.type == "cuda"
     rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state(device) if cuda else None)
@@ -62,14 +65,23 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
                     accumulate(out.loss)
         ours = take()
         restore_rng()  # the same dropout masks for the exact pass
-        for mb in microbatches:
-            accumulate(loss_fn(module, mb).loss)
+        with layer_checkpointing(module):  # exact (bitwise no-gc) and within B, unlike storing everything
+            for mb in microbatches:
+                accumulate(loss_fn(module, mb).loss)
         exact = take()
     finally:
         for p in params:
             p.grad = None
         restore_rng()
-    if torch.equal(ours, exact):  # also when both are zero (no advantage in any group): no error
+    # per parameter, float64 sums (a cosine this close to 1 needs them): no flat copy of the
+    # gradients, which for a full fine-tune would be as large as the model
+    diff = dot = na = nb = 0.0
+    for a, b in zip(ours, exact):
+        a, b = a.double(), b.double()
+        diff += float((a - b).pow(2).sum())
+        dot += float((a * b).sum())
+        na += float(a.pow(2).sum())
+        nb += float(b.pow(2).sum())
+    if diff == 0.0:  # also when both are zero (no advantage in any group): no error
         return {"grad_rel_error": 0.0, "grad_cosine": 1.0}
-    return {"grad_rel_error": float((ours - exact).norm() / exact.norm().clamp_min(1e-30)),
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(ours, exact, dim=0))}
+    return {"grad_rel_error": diff ** 0.5 / max(nb ** 0.5, 1e-30), "grad_cosine": dot / max((na * nb) ** 0.5, 1e-300)}

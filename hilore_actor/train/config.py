@@ -93,8 +93,8 @@ FLAGS = [
     ("compare_gc", "flag", False, "after every update, time gc and the backend on the same microbatches, "
      "interleaved (no optimizer step), and report the ratio"),
     ("measure_grad_error", "flag", False, "before every update, compute its gradient under HiLoRe's plan and the exact "
-     "one (every activation stored) on the same microbatches, outside the optimizer's path, and log their relative "
-     "error and cosine (grad_rel_error, grad_cosine; extra passes each step, not in update_seconds)"),
+     "one (every layer recomputed) on the same microbatches, outside the optimizer's path, and log their relative "
+     "error and cosine (grad_rel_error, grad_cosine_min; extra passes each step, not in update_seconds)"),
     ("log_workers", "flag", False, "show the workers' own output (planning messages, warnings) on the driver"),
 ]
 FLAGS += HILORE_FLAGS  # the --hilore.* flags, shared with the OpenRLHF drop-in (learner/settings.py)
