@@ -9,7 +9,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 from .runs import INSTRUCTION, JOB, METHODS, TASK, TASK_OPTIONS, Run, StudyError, train, write_config
 
@@ -99,48 +99,61 @@ def _train_and_evaluate(args, runs: List[Run], config: Path, overrides, out: Pat
         out.joinpath("runs").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(run.dir / "metrics.jsonl", out / "runs" / f"{run.name}.metrics.jsonl")
         _evaluate(args, run, overrides, out)
-        _pair_kls(args, runs, out)  # each pair as soon as both of its runs are evaluated
+        _pair_kls(args, runs, overrides, out)  # each pair as soon as both of its runs are evaluated
+
+
+def _fresh(path: Path, key: Dict) -> bool:
+    """A saved evaluation (or KL) that was made with ``key`` (steps, held-out set): reusable."""
+    return path.is_file() and all(json.loads(path.read_text()).get(k) == v for k, v in key.items())
+
+
+def _eval_key(args, cfg: Dict) -> Dict:
+    """What a held-out evaluation depends on: the run's steps and which problems are held out
+    (the study's training seeds and pool size exclude theirs; ``--heldout`` of them)."""
+    return {"steps": args.steps, "heldout": args.heldout, "train_seeds": sorted(int(s) for s in args.seeds.split(",") if s.strip()),
+            "train_pool": int(cfg.get("data.max_samples", 1024))}
 
 
 def _evaluate(args, run: Run, overrides, out: Path) -> None:
     from .evaluate import greedy_accuracy, heldout_examples, load_final_policy, save
 
+    cfg = dict(JOB, **overrides)
+    key = _eval_key(args, cfg)
     path = out / "eval" / f"{run.name}.json"
-    if path.is_file() and json.loads(path.read_text()).get("steps") == args.steps:
+    if _fresh(path, key):
         return
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = dict(JOB, **overrides)
-    seeds = sorted({int(s) for s in args.seeds.split(",") if s.strip()})
-    examples, pool = heldout_examples(args.heldout, seeds, 1024, cfg.get("data.prompt_dataset", TASK),
+    examples, pool = heldout_examples(args.heldout, key["train_seeds"], key["train_pool"], cfg.get("data.prompt_dataset", TASK),
                                       json.loads(cfg.get("data.task_options", json.dumps(TASK_OPTIONS))),
                                       cfg.get("data.instruction", INSTRUCTION))
     print(f"[fidelity] evaluating {run.name} on {len(examples)} held-out problems (greedy)", flush=True)
     model, tok = load_final_policy(args.model, run.seed, run.final)
     res = greedy_accuracy(model, tok, pool, examples, int(cfg["rollout.max_new_tokens"]))
-    save(path, dict(res, run=run.name, method=run.method, seed=run.seed, steps=args.steps))
+    save(path, dict(res, run=run.name, method=run.method, seed=run.seed, **key))
 
 
-def _pair_kls(args, runs: List[Run], out: Path) -> None:
-    """KL(gc || other) on gc's held-out responses, for every other run of the same seed."""
+def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:
+    """KL(gc || other) on gc's held-out responses, for every other run of the same seed whose
+    evaluation and gc's are both current."""
     from .evaluate import load_final_policy, response_kl, save
 
+    key = _eval_key(args, dict(JOB, **overrides))
     by = {(r.method, r.seed): r for r in runs}
     for r in runs:
         gc = by.get(("gc", r.seed))
         path = out / "kl" / f"gc-{r.name}.json"
-        ev_path = out / "eval" / f"{gc.name}.json" if gc else None
-        if r.method == "gc" or gc is None or not ev_path.is_file() or \
-                (path.is_file() and json.loads(path.read_text()).get("steps") == args.steps):
+        if r.method == "gc" or gc is None or _fresh(path, key) or not all(
+                _fresh(out / "eval" / f"{x.name}.json", key) for x in (gc, r)):
             continue
-        ev = json.loads(ev_path.read_text())
+        ev = json.loads((out / "eval" / f"{gc.name}.json").read_text())
         p, tok = load_final_policy(args.model, r.seed, gc.final)
         q, _ = load_final_policy(args.model, r.seed, r.final)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         kl = response_kl(p, q, ev["sequences"], ev["prompt_lens"], pad)
         print(f"[fidelity] KL(gc || {r.method}) seed {r.seed}: {kl['kl_mean_per_token']:.3e} per response token", flush=True)
-        save(path, dict(kl, p=gc.name, q=r.name, steps=args.steps))
+        save(path, dict(kl, p=gc.name, q=r.name, **key))
 
 
 def _report(args, runs: List[Run], out: Path) -> None:
