@@ -57,7 +57,11 @@ def test_reports_the_error_of_the_update_under_the_plan(fresh_seed):
 
     torch.manual_seed(fresh_seed)
     before = torch.random.get_rng_state()
+    first = next(p for p in model.parameters() if p.requires_grad)
+    first.grad = held = torch.full_like(first, 7.0)  # not the update's: neither counted nor lost
     got = update_gradient_error(plan, engine, model, _loss, mbs, torch.device("cpu"))
+    assert first.grad is held
+    first.grad = None
     assert abs(got["grad_rel_error"] - want) <= 1e-5 * want + 1e-7, (got, want)
     flat = lambda g: torch.cat([g[n].double().flatten() for n in exact])  # noqa: E731
     cos = float(torch.nn.functional.cosine_similarity(flat(ours), flat(exact), dim=0))

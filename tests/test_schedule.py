@@ -99,3 +99,14 @@ def test_token_l_replay_within_budget_and_tolerance(setup):
     err, chosen = replay(h, runner, mbs[6:16], budget, "all-r")
     print(f"plan {sp.plan}; actions over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
+
+
+def test_side_pass_leaves_the_online_chooser_as_it_was():
+    """``HiLoRe.side_pass`` (``--measure_grad_error``'s passes beside training): the chooser's
+    refresh count and last actions come back, so the update that follows decides as it would have."""
+    model = build_model(tiny_config("llama", hidden_size=32, num_layers=2, vocab_size=64), seed=torch.seed() % 2**31)
+    h = HiLoRe(Runner(model), 10**9, None, mode="hilore-hr", log=lambda *_: None)
+    h._calls, h._last = 3, {"model.layers.0.mlp": "H"}
+    with h.side_pass():
+        h._calls, h._last = 9, None
+    assert (h._calls, h._last) == (3, {"model.layers.0.mlp": "H"})

@@ -346,7 +346,11 @@ class HiLoRe:
                 return {n: a if allows(sp.plan[n], a) else "R" for n, a in self._last.items()}
             norms = step.token_norms()
             E = exposures(out.omega, norms, out.mask)
-            rest = rest_exposures(out.omega, norms, out.mask, step.kept_rows()) if self.shares else None
+            # an integration's step stand-in (OpenRLHF, verl) may carry norms only: then token L's
+            # risk is (1 - f) x the unit's (risks)
+            kept = getattr(step, "kept_rows", dict)() if self.shares else {}
+            rest = rest_exposures(out.omega, norms, out.mask, {n: k for n, k in kept.items() if n in norms
+                                                               and k.numel() == norms[n].numel()}) if kept else None
             self._last = self.allocate(sp.costs, self.risks(E, rest), sp.memory_budget, sp.risk_budget, plan=sp.plan)
             return self._last
 

@@ -18,7 +18,7 @@ actions are exact (H/R) gives an error of exactly 0: a check in itself.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -56,6 +56,9 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
         if cuda:
             torch.cuda.set_rng_state(rng[1], device)
 
+    held = [p.grad for p in params]  # whatever .grad holds now is not the update's: put back after
+    for p in params:
+        p.grad = None
     try:
         with plan.hl.side_pass():
             for mb in microbatches:
@@ -70,18 +73,23 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
                 accumulate(loss_fn(module, mb).loss)
         exact = take()
     finally:
-        for p in params:
-            p.grad = None
+        for p, g in zip(params, held):
+            p.grad = g
         restore_rng()
-    # per parameter, float64 sums (a cosine this close to 1 needs them): no flat copy of the
-    # gradients, which for a full fine-tune would be as large as the model
-    diff = dot = na = nb = 0.0
-    for a, b in zip(ours, exact):
-        a, b = a.double(), b.double()
-        diff += float((a - b).pow(2).sum())
-        dot += float((a * b).sum())
-        na += float(a.pow(2).sum())
-        nb += float(b.pow(2).sum())
+    diff, dot, na, nb = _sums(ours, exact)
     if diff == 0.0:  # also when both are zero (no advantage in any group): no error
         return {"grad_rel_error": 0.0, "grad_cosine": 1.0}
     return {"grad_rel_error": diff ** 0.5 / max(nb ** 0.5, 1e-30), "grad_cosine": dot / max((na * nb) ** 0.5, 1e-300)}
+
+
+def _sums(ours: List[torch.Tensor], exact: List[torch.Tensor], chunk: int = 1 << 22) -> Tuple[float, ...]:
+    """``||a - b||^2``, ``<a, b>``, ``||a||^2``, ``||b||^2`` over all parameters in float64 (a
+    cosine this close to 1 needs it), in chunks of ``chunk`` elements, so no copy larger than
+    a chunk is made, and summed on the device: one sync at the end."""
+    acc = torch.zeros(4, dtype=torch.float64, device=ours[0].device if ours else "cpu")
+    for a, b in zip(ours, exact):
+        a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+        for i in range(0, a.numel(), chunk):
+            x, y = a[i:i + chunk].double(), b[i:i + chunk].double()
+            acc += torch.stack([(x - y).pow(2).sum(), (x * y).sum(), x.pow(2).sum(), y.pow(2).sum()])
+    return tuple(acc.tolist())

@@ -188,7 +188,7 @@ class RecoveryEngine:
             x = next(iter_tensors((args, kwargs)), None)
             if st.track_tokens and u.plan not in (CHECKPOINT, PARTIAL):  # exposure only matters where L may be chosen
                 if x is not None and x.dim() >= 2:
-                    u.token_norms = x.detach().float().norm(dim=-1)
+                    u.token_norms = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
             if u.row_share is not None and x is not None and x.dim() >= 2:
                 st.keep_rows(u, x)  # token L: this unit's exact rows, before it saves anything
             if st.layer_joint_plan[li]:

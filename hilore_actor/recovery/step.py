@@ -63,9 +63,14 @@ class Step:
         """Token L: mark the unit's exact rows from its input ``x`` (``[.., rows, hidden]``) as
         the unit starts: the ``row_share`` of rows with the largest ``norm x score`` (Eq. 7's
         terms with the pre-forward score for |omega|); rows scored 0 stay compressed."""
-        weight = x.detach().float().norm(dim=-1).reshape(-1)
+        norms = unit.token_norms if unit.token_norms is not None else \
+            torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
+        weight = norms.reshape(-1)
         if self.token_scores is not None:
-            s = self.token_scores.detach().float().to(weight.device).reshape(x.shape[:-2] + (-1,))
+            s = self.token_scores.detach().float().to(weight.device)
+            if x.dim() < 3 or s.shape[:-1] != x.shape[:-2] or s.shape[-1] > x.shape[-2]:
+                raise ValueError(f"{unit.name}: token_scores of shape {tuple(s.shape)} do not line up with the unit's "
+                                 f"input rows {tuple(x.shape[:-1])} (expected [..., <= {x.shape[-2]}])")
             s = torch.nn.functional.pad(s, (0, x.shape[-2] - s.shape[-1]))  # the last position predicts nothing
             weight = weight * s.reshape(-1)
         k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))  # the one device sync

@@ -31,10 +31,13 @@ TASK_OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2
 INSTRUCTION = " Think step by step, then put only the final answer inside <answer></answer>."
 
 
-def _cache_file(seed: int, max_new_tokens: int) -> Path:
+def _cache_file(seed: int, max_new_tokens: int, group_size: int) -> Path:
+    """One file per (seed, length limit, group size); the benchmark's groups of 8 keep the
+    name they were cached under."""
     from ..models.smollm2 import cache_root
 
-    return cache_root() / "bench" / f"cpu-real-rollouts-seed{seed}-new{max_new_tokens}.json"
+    g = "" if group_size == 8 else f"-g{group_size}"
+    return cache_root() / "bench" / f"cpu-real-rollouts-seed{seed}-new{max_new_tokens}{g}.json"
 
 
 def rollout_pool(model, tokenizer, n_tokens: int, group_size: int, seed: int, max_new_tokens: int = 160,
@@ -44,8 +47,10 @@ def rollout_pool(model, tokenizer, n_tokens: int, group_size: int, seed: int, ma
     from ..data.tasks import load_task
     from ..rollout.hf_generate import generate_groups
 
-    path = _cache_file(seed, max_new_tokens)
+    path = _cache_file(seed, max_new_tokens, group_size)
     groups = json.loads(path.read_text()) if path.is_file() else []
+    if any(len(g["sequences"]) != group_size for g in groups):
+        raise ValueError(f"{path} holds groups of another size than {group_size}; delete it to regenerate")
     have = sum(len(s) for g in groups for s in g["sequences"])
     if have >= n_tokens:
         return groups
