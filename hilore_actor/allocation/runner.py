@@ -151,10 +151,12 @@ class Runner:
 
 
 
-def token_scores(mb: Microbatch) -> torch.Tensor:
+def token_scores(mb) -> Optional[torch.Tensor]:
     """What token L weighs each row's norm by before forward (``Step.keep_rows``): |advantage|
-    on response tokens, the part of |omega| (Eq. 4) known before the loss; 0 elsewhere."""
-    return mb.advantages.abs() * mb.action_mask
+    on response tokens, the part of |omega| (Eq. 4) known before the loss; 0 elsewhere. None
+    for a microbatch that is not a ``Microbatch`` (an integration's own): the norms alone."""
+    adv, mask = getattr(mb, "advantages", None), getattr(mb, "action_mask", None)
+    return adv.abs() * mask if isinstance(adv, torch.Tensor) and isinstance(mask, torch.Tensor) else None
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

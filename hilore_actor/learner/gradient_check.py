@@ -22,14 +22,11 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from ..allocation.runner import token_scores
 from ..recovery.policies import layer_checkpointing
 from .step import run_microbatch
 
 
-def _scores(mb):
-    from ..allocation.runner import token_scores
-
-    return token_scores(mb) if hasattr(mb, "advantages") else None
 
 
 def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, device) -> Dict[str, float]:
@@ -62,7 +59,7 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
     try:
         with plan.hl.side_pass():
             for mb in microbatches:
-                with run_microbatch(plan, engine, device, mb.num_tokens, token_scores=_scores(mb)) as rec:
+                with run_microbatch(plan, engine, device, mb.num_tokens, token_scores=token_scores(mb)) as rec:
                     out = loss_fn(module, mb)
                     rec.set_actions(plan, out)
                     accumulate(out.loss)
