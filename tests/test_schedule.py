@@ -99,6 +99,10 @@ def test_token_l_replay_within_budget_and_tolerance(setup):
     err, chosen = replay(h, runner, mbs[6:16], budget, "all-r")
     print(f"plan {sp.plan}; actions over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
+    from hilore_actor.bench.records import plan_evidence  # the benchmark's unit table shows every option
+
+    units = plan_evidence(h, {})["units"]
+    assert all("P" in u["options"] and ("L@0.1" in u["options"]) == n.endswith("mlp") for n, u in units.items())
 
 
 def test_side_pass_leaves_the_online_chooser_as_it_was():
