@@ -78,3 +78,20 @@ def test_toy_vowels_reward_against_a_direct_count():
         letters = [c for c in text.lower() if c in "abcdefghijklmnopqrstuvwxyz"]
         want = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
         assert task.score(text, task.examples[0]) == want
+
+
+def test_restating_the_question_earns_no_reward():
+    """math-verify evaluates the expression it parses: a response that restates the question
+    ("To calculate -43 - 45, ...") must not verify as the answer -88 (GRPO learned to farm it);
+    a stated number still does, with or without words around it."""
+    from hilore_actor.data.rewards import math_verify_reward
+
+    assert math_verify_reward("To calculate -43 - 45, we need to perform the subtraction operation.", "-88") == 0.0
+    assert math_verify_reward("To calculate -69 + 90, we need to add.", "21") == 0.0
+    assert math_verify_reward("The answer is -88.", "-88") == 1.0 and math_verify_reward("<answer>21</answer>", "21") == 1.0
+    opts = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]}
+    task = load_task("rg:basic_arithmetic", size=20, seed=5, options=opts, instruction=" Answer with the number only.")
+    for ex in task.examples:
+        question = ex.prompt.split("Calculate ")[1].split(". Answer")[0]
+        assert task.score(f"To calculate {question}, we need to perform the operation.", ex) == 0.0, ex.prompt
+        assert task.score(f"The result is {ex.answer}.", ex) == 1.0

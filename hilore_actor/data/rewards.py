@@ -19,8 +19,14 @@ def extract_answer(response: str) -> Optional[str]:
     return lines[-1] if lines else None
 
 
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
 def math_verify_reward(response: str, answer: str) -> float:
-    """1.0 when math-verify judges the response's extracted answer equal to ``answer``."""
+    """1.0 when math-verify judges the response's extracted answer equal to ``answer``. A
+    numeric gold answer needs a number: math-verify evaluates what it parses, so restating
+    the question ("To calculate -43 - 45, ...") would otherwise verify as -88, a reward a
+    policy learns to farm within tens of GRPO steps."""
     import math_verify
 
     extracted = extract_answer(response)
@@ -30,4 +36,6 @@ def math_verify_reward(response: str, answer: str) -> float:
     pred = math_verify.parse(extracted)
     if not gold or not pred:
         return float(extracted.strip() == answer.strip())
+    if _NUMBER.fullmatch(answer.strip()) and not _NUMBER.fullmatch(str(pred[-1]).strip().rstrip(".").replace(",", "")):
+        return 0.0
     return float(math_verify.verify(gold, pred))
