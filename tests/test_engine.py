@@ -332,7 +332,8 @@ def test_l_compresses_each_stored_tensor_once_and_never_a_storage_kept_exact(arc
     core keeps exact (o_proj's input, where SDPA's output layout allows) stays that view, at
     no cost. So L's bundle is smaller than H's by more than half the input's exact bytes (it
     was not, when each view was compressed on its own)."""
-    from hilore_actor.recovery.state import Payload, storage_key
+    from hilore_actor.recovery.codecs import Payload
+    from hilore_actor.recovery.state import storage_key
 
     seed = torch.seed() % 2**31
     print("seed", seed)

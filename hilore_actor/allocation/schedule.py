@@ -310,7 +310,11 @@ class HiLoRe:
         byte are checked: those are where a measured utility of zero is likely."""
         stored = [n for n, q in sp.plan.items() if q != CHECKPOINT]
         label = {n: action_for_plan(sp.plan[n]) for n in stored}
-        stored.sort(key=lambda n: option_cost(sp.costs, n, label[n])[0] / max(option_cost(sp.costs, n, label[n])[1], 1))
+        def per_byte(n: str) -> float:
+            dt, dm = option_cost(sp.costs, n, label[n])
+            return dt / max(dm, 1)
+
+        stored.sort(key=per_byte)
         for n in stored[: self.loo_units]:
             without = dict(sp.plan, **{n: CHECKPOINT})
             diffs = []

@@ -81,7 +81,10 @@ class RowSplit:
         return out.reshape(self.shape)
 
 
-def token_rows(x: torch.Tensor, rows: int) -> bool:
+PAYLOADS = (Payload, RowSplit)  # what an L entry may hold instead of a tensor
+
+
+def has_rows(x: torch.Tensor, rows: int) -> bool:
     """Whether ``x`` is laid out as ``rows`` token rows (its leading dimensions) of features."""
     return x.dim() >= 2 and x.shape[:-1].numel() == rows
 

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from .codecs import DEFAULT_CODECS, Payload, RowSplit, decode, get_codec
+from .codecs import DEFAULT_CODECS, PAYLOADS, decode, get_codec
 from .rules import partial_policy
 from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, R, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
                     map_structure, storage_key)
@@ -278,7 +278,7 @@ class RecoveryEngine:
         if idx not in u.entries:
             raise RuntimeError(f"hilore: saved tensor {idx} of {u.name} was already used; one backward per engine step")
         v = u.entries.pop(idx)
-        if not isinstance(v, (Payload, RowSplit)):
+        if not isinstance(v, PAYLOADS):
             return v
         t0 = st.clock() if st.profile else 0.0
         out = decode(u.codec or self.codec, v)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .codecs import Payload, RowSplit
+from .codecs import PAYLOADS
 from .units import LayerSpec, UnitSpec
 
 # The one table of actions and representations. An action (H: store exactly, L: keep a
@@ -126,7 +126,7 @@ class UnitState:
     plan: str = EXACT
     action: Optional[str] = None
     label: Optional[str] = None  # the action as chosen, with L's codec when one was named ("L:bf16")
-    entries: Dict[int, Any] = field(default_factory=dict)  # idx -> Tensor | Payload | None
+    entries: Dict[int, Any] = field(default_factory=dict)  # idx -> Tensor | Payload | RowSplit | None
     external: Set[int] = field(default_factory=set)  # idx of checkpoint-input tensors (kept exact)
     ext_keys: Set[int] = field(default_factory=set)  # storages of the unit's checkpoint inputs
     kept: Set[int] = field(default_factory=set)  # idx that L keeps exact by rule (rules.py: attention core)
@@ -142,8 +142,7 @@ class UnitState:
     codec_seconds: float = 0.0  # profiling: L encode + decode time
     codec: Any = None  # the Codec of this unit's L copy (None: the engine's default)
     row_share: Optional[float] = None  # token L: the share of rows kept exact (plan "compressed@f")
-    keep_rows: Optional[torch.Tensor] = None  # token L: bool [rows], chosen in forward
-    row_index: Any = None  # token L: (kept rows, other rows) as index tensors
+    row_index: Any = None  # token L: (kept rows, other rows) as index tensors, chosen in forward
     sac: Any = None  # partial: (caching, cached) op-output modes of its forward and its replay
     timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
@@ -181,7 +180,7 @@ def unit_bytes(layers: List[LayerState], shared: bool = True) -> Dict[str, Dict[
                 seen = set()
             b = {"exact": 0, "compressed": 0, "partial": 0, "checkpoint": 0}
             for idx, v in u.entries.items():
-                if isinstance(v, (Payload, RowSplit)):
+                if isinstance(v, PAYLOADS):
                     add(b, "compressed", id(v), v.nbytes)
                 elif isinstance(v, torch.Tensor):
                     add(b, "checkpoint" if idx in u.external else "exact", storage_key(v), storage_bytes(v))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Set, Union
 
 import torch
 
-from .codecs import RowSplit, decode, get_codec, token_rows
+from .codecs import RowSplit, decode, get_codec, has_rows
 from .rules import exact_reason
 from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows, row_share,
                     split_label, storage_key, unit_bytes)
@@ -76,13 +76,16 @@ class Step:
         k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))  # the one device sync
         order = torch.argsort(weight, descending=True, stable=True)
         unit.row_index = (order[:k], order[k:])
-        keep = torch.zeros(weight.numel(), dtype=torch.bool, device=weight.device)
-        keep[unit.row_index[0]] = True
-        unit.keep_rows = keep
 
     def kept_rows(self) -> Dict[str, torch.Tensor]:
         """Token L: each such unit's exact rows (bool per token row), for the rest's exposure."""
-        return {u.name: u.keep_rows for u in self.units if u.keep_rows is not None}
+        out = {}
+        for u in self.units:
+            if u.row_index is not None:
+                kept, rest = u.row_index
+                out[u.name] = torch.zeros(kept.numel() + rest.numel(), dtype=torch.bool, device=kept.device)
+                out[u.name][kept] = True
+        return out
 
     def _codec(self, label: str):
         """The codec a plan or action label names, else the engine's default."""
@@ -106,7 +109,7 @@ class Step:
         self.engine._step = None
         for u in self.units:  # release whatever backward did not consume
             u.entries.clear()
-            u.keep_rows = u.row_index = None
+            u.row_index = None
             u.recomputed.clear()
             u.replay = Replay()
             u.sac = None
@@ -141,7 +144,7 @@ class Step:
         # A weak reference to the base proves it is still the same live tensor (addresses and
         # ids are reused once a tensor is freed).
         codec = unit.codec or self.engine.codec
-        keep = unit.row_index if unit.keep_rows is not None and token_rows(t, unit.keep_rows.numel()) else None
+        keep = unit.row_index if unit.row_index is not None and has_rows(t, sum(i.numel() for i in unit.row_index)) else None
         base = t._base if t._base is not None else t
         key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name, id(keep))
         hit = self._compressed.get(key)
