@@ -33,6 +33,32 @@ def test_run_state_and_command(tmp_path):
     assert "--measure_grad_error" not in gc and "--hilore.calibration" not in gc
 
 
+def test_a_run_recorded_in_the_results_needs_no_weights(tmp_path):
+    """A fresh machine loses the runs' folder: runs whose metrics, evaluation and every KL they
+    are part of are in the results are skipped; one whose KL is missing must train again."""
+    from hilore_actor.fidelity.cli import _eval_key, _recorded, _runs, build_parser
+
+    out = tmp_path / "out"
+    args = build_parser().parse_args(["--seeds", "0,1", "--steps", "2", "--runs", str(tmp_path / "runs")])
+    runs = _runs(args, tmp_path / "runs")
+    key = _eval_key(args, {})
+    by = {r.name: r for r in runs}
+    for name in ("hilore-seed0", "gc-seed0", "hilore-hr-seed0"):
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+        (out / "runs" / f"{name}.metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+        (out / "eval").mkdir(exist_ok=True)
+        (out / "eval" / f"{name}.json").write_text(json.dumps(dict(key, accuracy=0.5)))
+    (out / "kl").mkdir()
+    (out / "kl" / "gc-hilore-seed0.json").write_text(json.dumps(key))
+    assert _recorded(args, by["hilore-seed0"], runs, key, out)
+    assert not _recorded(args, by["gc-seed0"], runs, key, out)  # KL(gc || hilore-hr) still needs gc's weights
+    (out / "kl" / "gc-hilore-hr-seed0.json").write_text(json.dumps(key))
+    assert _recorded(args, by["gc-seed0"], runs, key, out) and _recorded(args, by["hilore-hr-seed0"], runs, key, out)
+    (out / "kl" / "gc-hilore-seed0.json").write_text(json.dumps(dict(key, steps=3)))  # made for another study
+    assert not _recorded(args, by["hilore-seed0"], runs, key, out)
+    assert not _recorded(args, by["gc-seed1"], runs, key, out)
+
+
 def test_heldout_problems_are_none_of_the_training_ones():
     opts = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}  # a small space
     from hilore_actor.data import load_task

@@ -83,9 +83,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def _recorded(args, run: Run, runs: List[Run], key: Dict, out: Path) -> bool:
+    """Whether ``out`` already holds everything the report needs from ``run``: its metrics for
+    every step, a current evaluation and every KL it is part of. Such a run needs no weights
+    on disk, so a study survives the loss of its runs' folder between pieces (a fresh
+    machine); a run that is not recorded and whose weights are gone trains again (same seed,
+    same data: the same run)."""
+    rows = out / "runs" / f"{run.name}.metrics.jsonl"
+    if not rows.is_file() or len([ln for ln in rows.read_text().splitlines() if ln.strip()]) < args.steps:
+        return False
+    partners = [r for r in runs if r.seed == run.seed and r.method != "gc"] if run.method == "gc" else [
+        r for r in runs if r.seed == run.seed and r.method == "gc"]
+    pairs = [out / "kl" / f"gc-{(r if run.method == 'gc' else run).name}.json" for r in partners]
+    return _fresh(out / "eval" / f"{run.name}.json", key) and all(_fresh(p, key) for p in pairs)
+
+
 def _train_and_evaluate(args, runs: List[Run], config: Path, overrides, out: Path) -> None:
     trained = 0
+    key = _eval_key(args, dict(JOB, **overrides))
     for k, run in enumerate(runs):
+        if _recorded(args, run, runs, key, out):
+            print(f"[fidelity] run {k + 1}/{len(runs)}: {run.name} recorded in {out}; skipped", flush=True)
+            continue
         state = run.state(args.steps)
         if state != "done":
             if args.max_runs is not None and trained >= args.max_runs:
@@ -145,7 +164,7 @@ def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:
         gc = by.get(("gc", r.seed))
         path = out / "kl" / f"gc-{r.name}.json"
         if r.method == "gc" or gc is None or _fresh(path, key) or not all(
-                _fresh(out / "eval" / f"{x.name}.json", key) for x in (gc, r)):
+                _fresh(out / "eval" / f"{x.name}.json", key) and x.final.is_dir() for x in (gc, r)):
             continue
         ev = json.loads((out / "eval" / f"{gc.name}.json").read_text())
         p, tok = load_final_policy(args.model, r.seed, gc.final)
