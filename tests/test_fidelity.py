@@ -59,6 +59,15 @@ def test_a_run_recorded_in_the_results_needs_no_weights(tmp_path):
     assert not _recorded(args, by["gc-seed1"], runs, key, out)
 
 
+def test_every_piece_of_a_study_writes_the_same_command():
+    from hilore_actor.fidelity.cli import _study_command
+
+    want = "python -m hilore_actor.fidelity --seeds 0,1\n"
+    assert _study_command(["--seeds", "0,1"]) == want
+    assert _study_command(["--max-runs", "3", "--seeds", "0,1", "--report-only"]) == want
+    assert _study_command(["--max-runs=2", "--seeds", "0,1"]) == want
+
+
 def test_heldout_problems_are_none_of_the_training_ones():
     opts = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}  # a small space
     from hilore_actor.data import load_task

@@ -34,6 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _study_command(argv: List[str]) -> str:
+    """The command that makes the study, without the flags that only say how much of it to do
+    now (``--max-runs N``, ``--report-only``): every piece writes the same command."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a == "--report-only" or a.startswith("--max-runs"):
+            skip = a == "--max-runs"
+            continue
+        kept.append(a)
+    return " ".join(["python -m hilore_actor.fidelity", *kept]) + "\n"
+
+
 def _runs(args, root: Path) -> List[Run]:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -68,8 +80,7 @@ def main(argv=None) -> int:
         runs = _runs(args, root)
         overrides = _overrides(args.set)
         config = write_config(out / "study.yaml", overrides)
-        (out / "command.txt").write_text("python -m hilore_actor.fidelity " + " ".join(sys.argv[1:] if argv is None
-                                                                                      else argv) + "\n")
+        (out / "command.txt").write_text(_study_command(sys.argv[1:] if argv is None else argv))
         if not args.report_only:
             _train_and_evaluate(args, runs, config, overrides, out)
     except StudyError as e:
