@@ -125,7 +125,9 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
         (tmp_path / "runs" / f"{r.name}.metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
         (tmp_path / "eval").mkdir(exist_ok=True)
         (tmp_path / "eval" / f"{r.name}.json").write_text(json.dumps({"accuracy": acc[r.name]}))
+    (tmp_path / "eval" / "base.json").write_text(json.dumps({"accuracy": 0.125}))
     rep = summarize(tmp_path, runs, steps)
+    assert rep["base_heldout_accuracy"] == 0.125
     diffs = [100 * (acc[f"hilore-seed{s}"] - acc[f"gc-seed{s}"]) for s in (0, 1, 2)]
     d = rep["paired_accuracy_difference_pp"]
     assert rep["complete"] and d["values"] == pytest.approx(diffs)
@@ -152,4 +154,5 @@ def test_a_tiny_study_resumes_and_hilore_hr_reproduces_gc(tmp_path):
     assert rep["complete"] and rep["exact_check"]["hilore-hr-seed0"]["identical"]
     assert rep["kl_gc_to"]["hilore-hr-seed0"] == 0.0
     assert rep["gradient_error"]["steps_measured"] == 2
+    assert rep["base_heldout_accuracy"] is not None  # the base model, evaluated once on the same problems
     assert (tmp_path / "out" / "fidelity.png").is_file()

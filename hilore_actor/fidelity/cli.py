@@ -9,7 +9,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .runs import INSTRUCTION, JOB, METHODS, TASK, TASK_OPTIONS, Run, StudyError, train, write_config
 
@@ -47,7 +47,7 @@ def _study_command(argv: List[str]) -> str:
 
 
 def _runs(args, root: Path) -> List[Run]:
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    seeds = _seeds(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods + ([args.exact_check] if args.exact_check else []) if m not in METHODS]
     if bad or not seeds or "gc" not in methods:
@@ -112,6 +112,7 @@ def _recorded(args, run: Run, runs: List[Run], key: Dict, out: Path) -> bool:
 def _train_and_evaluate(args, runs: List[Run], config: Path, overrides, out: Path) -> None:
     trained = 0
     key = _eval_key(args, dict(JOB, **overrides))
+    _evaluate(args, None, overrides, out)  # the base model: the accuracy every run starts from
     for k, run in enumerate(runs):
         if _recorded(args, run, runs, key, out):
             print(f"[fidelity] run {k + 1}/{len(runs)}: {run.name} recorded in {out}; skipped", flush=True)
@@ -137,19 +138,26 @@ def _fresh(path: Path, key: Dict) -> bool:
     return path.is_file() and all(json.loads(path.read_text()).get(k) == v for k, v in key.items())
 
 
+def _seeds(args) -> List[int]:
+    return [int(s) for s in args.seeds.split(",") if s.strip()]
+
+
 def _eval_key(args, cfg: Dict) -> Dict:
     """What a held-out evaluation depends on: the run's steps and which problems are held out
     (the study's training seeds and pool size exclude theirs; ``--heldout`` of them)."""
-    return {"steps": args.steps, "heldout": args.heldout, "train_seeds": sorted(int(s) for s in args.seeds.split(",") if s.strip()),
+    return {"steps": args.steps, "heldout": args.heldout, "train_seeds": sorted(_seeds(args)),
             "train_pool": int(cfg.get("data.max_samples", 1024))}
 
 
-def _evaluate(args, run: Run, overrides, out: Path) -> None:
+def _evaluate(args, run: Optional[Run], overrides, out: Path) -> None:
+    """Held-out greedy accuracy of ``run``'s final policy, or of the base model (step 0: where
+    every run starts) when ``run`` is None."""
     from .evaluate import greedy_accuracy, heldout_examples, load_final_policy, save
 
     cfg = dict(JOB, **overrides)
     key = _eval_key(args, cfg)
-    path = out / "eval" / f"{run.name}.json"
+    name = run.name if run else "base"
+    path = out / "eval" / f"{name}.json"
     if _fresh(path, key):
         return
     import torch
@@ -158,10 +166,11 @@ def _evaluate(args, run: Run, overrides, out: Path) -> None:
     examples, pool = heldout_examples(args.heldout, key["train_seeds"], key["train_pool"], cfg.get("data.prompt_dataset", TASK),
                                       json.loads(cfg.get("data.task_options", json.dumps(TASK_OPTIONS))),
                                       cfg.get("data.instruction", INSTRUCTION))
-    print(f"[fidelity] evaluating {run.name} on {len(examples)} held-out problems (greedy)", flush=True)
-    model, tok = load_final_policy(args.model, run.seed, run.final)
+    print(f"[fidelity] evaluating {name} on {len(examples)} held-out problems (greedy)", flush=True)
+    seed = run.seed if run else _seeds(args)[0]
+    model, tok = load_final_policy(args.model, seed, run.final if run else None)
     res = greedy_accuracy(model, tok, pool, examples, int(cfg["rollout.max_new_tokens"]))
-    save(path, dict(res, run=run.name, method=run.method, seed=run.seed, **key))
+    save(path, dict(res, run=name, method=run.method if run else "base", seed=seed, **key))
 
 
 def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:

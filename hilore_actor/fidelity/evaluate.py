@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,14 +42,16 @@ def heldout_examples(n: int, train_seeds: Sequence[int], train_size: int, task_s
     raise ValueError(f"the task has fewer than {n} held-out problems outside the {len(seen)} training ones")
 
 
-def load_final_policy(model_spec: str, seed: int, final_dir: Path):
-    """The base model the run loaded (same spec and seed) with its final adapter merged."""
+def load_final_policy(model_spec: str, seed: int, final_dir: Optional[Path]):
+    """The base model the run loaded (same spec and seed) with its final adapter merged; the
+    base model alone when ``final_dir`` is None."""
     import peft
 
     from ..models.source import load_policy
 
-    base, tok = load_policy(model_spec, dtype=torch.float32, lora=None, seed=seed)
-    model = peft.PeftModel.from_pretrained(base, str(final_dir)).merge_and_unload()
+    model, tok = load_policy(model_spec, dtype=torch.float32, lora=None, seed=seed)
+    if final_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, str(final_dir)).merge_and_unload()
     return model.eval(), tok
 
 

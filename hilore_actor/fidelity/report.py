@@ -47,6 +47,8 @@ def summarize(out: Path, runs, steps: int) -> Dict:
     rep: Dict = {"steps": steps, "complete": len(done) == len(runs), "finished_runs": done,
                  "missing_runs": [r.name for r in runs if r.name not in done]}
     rep["heldout_accuracy"] = {m: _mean_sd([acc[f"{m}-seed{s}"] for s in seeds if f"{m}-seed{s}" in acc]) for m in methods}
+    base = _load(out / "eval" / "base.json")
+    rep["base_heldout_accuracy"] = base["accuracy"] if base else None  # step 0, where every run starts
     last10 = lambda rows: statistics.fmean(x["reward_mean"] for x in rows[-10:])  # noqa: E731
     rep["reward_last10"] = {m: _mean_sd([last10(metrics[f"{m}-seed{s}"]) for s in seeds if f"{m}-seed{s}" in done])
                             for m in methods}
@@ -108,6 +110,8 @@ def markdown(rep: Dict, out: Path) -> str:
         r = rep["reward_last10"][m]
         lines.append(f"| {m} | {a['n']} | {_fmt(a['mean'], '.3f')} ({_fmt(a['sd'], '.3f')}) | "
                      f"{_fmt(r['mean'], '.3f')} ({_fmt(r['sd'], '.3f')}) |")
+    if rep.get("base_heldout_accuracy") is not None:
+        lines.append(f"| base model (step 0) | - | {rep['base_heldout_accuracy']:.3f} | - |")
     d, g = rep["paired_accuracy_difference_pp"], rep["gradient_error"]
     lines += ["", f"Paired held-out accuracy difference hilore - gc over seeds {d['seeds']}: "
               f"{_fmt(d['mean'], '+.2f')} pp (SD {_fmt(d['sd'], '.2f')} pp; per seed {[round(v, 2) for v in d['values']]}).",
