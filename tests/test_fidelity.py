@@ -125,9 +125,9 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
         (tmp_path / "runs" / f"{r.name}.metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
         (tmp_path / "eval").mkdir(exist_ok=True)
         (tmp_path / "eval" / f"{r.name}.json").write_text(json.dumps({"accuracy": acc[r.name]}))
-    (tmp_path / "eval" / "base.json").write_text(json.dumps({"accuracy": 0.125}))
+    (tmp_path / "eval" / "base.json").write_text(json.dumps({"accuracy": 0.3, "scores": [1.0, 0.02, 0.0, 1.0]}))
     rep = summarize(tmp_path, runs, steps)
-    assert rep["base_heldout_accuracy"] == 0.125
+    assert rep["base_heldout_accuracy"] == 0.5  # exact answers only: partial credit is not accuracy
     diffs = [100 * (acc[f"hilore-seed{s}"] - acc[f"gc-seed{s}"]) for s in (0, 1, 2)]
     d = rep["paired_accuracy_difference_pp"]
     assert rep["complete"] and d["values"] == pytest.approx(diffs)

@@ -56,7 +56,8 @@ def load_final_policy(model_spec: str, seed: int, final_dir: Optional[Path]):
 
 
 def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int = 64, log=print) -> Dict:
-    """Greedy responses to ``examples``, scored by the task's verifier (``pool.score``)."""
+    """Greedy responses to ``examples``, scored by the task's verifier (``pool.score``); accuracy
+    is the share scored 1 (the verifier gives wrong numbers small partial credit)."""
     from ..rollout.hf_generate import generate_groups
 
     scores, texts, seqs, prompt_lens = [], [], [], []
@@ -69,8 +70,10 @@ def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int 
             n = r.prompt_lens[j] + r.response_lens[j]
             seqs.append(r.sequences[j, :n].tolist())
             prompt_lens.append(r.prompt_lens[j])
-        log(f"[fidelity]   {len(scores)}/{len(examples)} held-out problems, accuracy so far {sum(scores) / len(scores):.3f}")
-    return {"accuracy": sum(scores) / len(scores), "n": len(scores), "scores": scores, "texts": texts,
+        log(f"[fidelity]   {len(scores)}/{len(examples)} held-out problems, accuracy so far "
+            f"{sum(s >= 1.0 for s in scores) / len(scores):.3f}")
+    return {"accuracy": sum(s >= 1.0 for s in scores) / len(scores), "mean_score": sum(scores) / len(scores),
+            "n": len(scores), "scores": scores, "texts": texts,
             "sequences": seqs, "prompt_lens": prompt_lens}
 
 

@@ -30,6 +30,14 @@ def _mean_sd(xs: List[float]) -> Dict:
             "sd": statistics.stdev(xs) if len(xs) > 1 else None, "values": xs}
 
 
+def accuracy(ev: Dict) -> float:
+    """The share of held-out problems answered exactly (verifier score 1). The task's verifier
+    also gives small partial credit to wrong numbers (reasoning-gym), which the mean score
+    would count; evaluations without per-problem scores give their stored figure."""
+    scores = ev.get("scores")
+    return sum(s >= 1.0 for s in scores) / len(scores) if scores else ev["accuracy"]
+
+
 def exact_match(a: List[Dict], b: List[Dict]) -> Dict:
     """Whether run ``b`` reproduces run ``a`` step by step on ``EXACT_KEYS``."""
     first = next(((r["step"], k) for r, s in zip(a, b) for k in EXACT_KEYS if r.get(k) != s.get(k)), None)
@@ -41,14 +49,14 @@ def summarize(out: Path, runs, steps: int) -> Dict:
     metrics = {r.name: _load(out / "runs" / f"{r.name}.metrics.jsonl") for r in runs}
     evals = {r.name: _load(out / "eval" / f"{r.name}.json") for r in runs}
     done = [r.name for r in runs if metrics[r.name] and len(metrics[r.name]) >= steps and evals[r.name]]
-    acc = {r.name: evals[r.name]["accuracy"] for r in runs if r.name in done}
+    acc = {r.name: accuracy(evals[r.name]) for r in runs if r.name in done}
     methods = sorted({r.method for r in runs})
     seeds = sorted({r.seed for r in runs})
     rep: Dict = {"steps": steps, "complete": len(done) == len(runs), "finished_runs": done,
                  "missing_runs": [r.name for r in runs if r.name not in done]}
     rep["heldout_accuracy"] = {m: _mean_sd([acc[f"{m}-seed{s}"] for s in seeds if f"{m}-seed{s}" in acc]) for m in methods}
     base = _load(out / "eval" / "base.json")
-    rep["base_heldout_accuracy"] = base["accuracy"] if base else None  # step 0, where every run starts
+    rep["base_heldout_accuracy"] = accuracy(base) if base else None  # step 0, where every run starts
     last10 = lambda rows: statistics.fmean(x["reward_mean"] for x in rows[-10:])  # noqa: E731
     rep["reward_last10"] = {m: _mean_sd([last10(metrics[f"{m}-seed{s}"]) for s in seeds if f"{m}-seed{s}" in done])
                             for m in methods}
