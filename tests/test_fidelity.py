@@ -53,7 +53,10 @@ def test_a_run_recorded_in_the_results_needs_no_weights(tmp_path):
     assert _recorded(args, by["hilore-seed0"], runs, key, out)
     assert not _recorded(args, by["gc-seed0"], runs, key, out)  # KL(gc || hilore-hr) still needs gc's weights
     (out / "kl" / "gc-hilore-hr-seed0.json").write_text(json.dumps(key))
-    assert _recorded(args, by["gc-seed0"], runs, key, out) and _recorded(args, by["hilore-hr-seed0"], runs, key, out)
+    assert _recorded(args, by["hilore-hr-seed0"], runs, key, out)
+    assert not _recorded(args, by["gc-seed0"], runs, key, out)  # KL(gc || base), the yardstick, is missing
+    (out / "kl" / "gc-base-seed0.json").write_text(json.dumps(key))
+    assert _recorded(args, by["gc-seed0"], runs, key, out)
     (out / "kl" / "gc-hilore-seed0.json").write_text(json.dumps(dict(key, steps=3)))  # made for another study
     assert not _recorded(args, by["hilore-seed0"], runs, key, out)
     assert not _recorded(args, by["gc-seed1"], runs, key, out)
@@ -155,4 +158,5 @@ def test_a_tiny_study_resumes_and_hilore_hr_reproduces_gc(tmp_path):
     assert rep["kl_gc_to"]["hilore-hr-seed0"] == 0.0
     assert rep["gradient_error"]["steps_measured"] == 2
     assert rep["base_heldout_accuracy"] is not None  # the base model, evaluated once on the same problems
+    assert rep["kl_gc_to"]["base-seed0"] > 0  # training moved gc away from the base model
     assert (tmp_path / "out" / "fidelity.png").is_file()

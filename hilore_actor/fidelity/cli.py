@@ -9,7 +9,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .runs import INSTRUCTION, JOB, METHODS, TASK, TASK_OPTIONS, Run, StudyError, train, write_config
 
@@ -103,9 +103,7 @@ def _recorded(args, run: Run, runs: List[Run], key: Dict, out: Path) -> bool:
     rows = out / "runs" / f"{run.name}.metrics.jsonl"
     if not rows.is_file() or len([ln for ln in rows.read_text().splitlines() if ln.strip()]) < args.steps:
         return False
-    partners = [r for r in runs if r.seed == run.seed and r.method != "gc"] if run.method == "gc" else [
-        r for r in runs if r.seed == run.seed and r.method == "gc"]
-    pairs = [out / "kl" / f"gc-{(r if run.method == 'gc' else run).name}.json" for r in partners]
+    pairs = [path for gc, r, path in _kl_pairs(runs, out) if run in (gc, r)]
     return _fresh(out / "eval" / f"{run.name}.json", key) and all(_fresh(p, key) for p in pairs)
 
 
@@ -173,26 +171,35 @@ def _evaluate(args, run: Optional[Run], overrides, out: Path) -> None:
     save(path, dict(res, run=name, method=run.method if run else "base", seed=seed, **key))
 
 
+def _kl_pairs(runs: List[Run], out: Path) -> List[Tuple[Run, Optional[Run], Path]]:
+    """Every KL the report holds, as (gc run, other run or None for the base model, file):
+    KL(gc || other run of the same seed), and KL(gc || base model), the yardstick: how far
+    training moved gc's policy."""
+    pairs = []
+    for gc in (r for r in runs if r.method == "gc"):
+        pairs.append((gc, None, out / "kl" / f"gc-base-seed{gc.seed}.json"))
+        pairs += [(gc, r, out / "kl" / f"gc-{r.name}.json") for r in runs if r.seed == gc.seed and r.method != "gc"]
+    return pairs
+
+
 def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:
-    """KL(gc || other) on gc's held-out responses, for every other run of the same seed whose
-    evaluation and gc's are both current."""
+    """KL(gc || q) on gc's held-out responses for every pair whose runs' evaluations are
+    current and whose weights are here."""
     from .evaluate import load_final_policy, response_kl, save
 
     key = _eval_key(args, dict(JOB, **overrides))
-    by = {(r.method, r.seed): r for r in runs}
-    for r in runs:
-        gc = by.get(("gc", r.seed))
-        path = out / "kl" / f"gc-{r.name}.json"
-        if r.method == "gc" or gc is None or _fresh(path, key) or not all(
-                _fresh(out / "eval" / f"{x.name}.json", key) and x.final.is_dir() for x in (gc, r)):
+    for gc, r, path in _kl_pairs(runs, out):
+        if _fresh(path, key) or not all(_fresh(out / "eval" / f"{x.name}.json", key) and x.final.is_dir()
+                                        for x in (gc, r) if x is not None):
             continue
         ev = json.loads((out / "eval" / f"{gc.name}.json").read_text())
-        p, tok = load_final_policy(args.model, r.seed, gc.final)
-        q, _ = load_final_policy(args.model, r.seed, r.final)
+        p, tok = load_final_policy(args.model, gc.seed, gc.final)
+        q, _ = load_final_policy(args.model, gc.seed, r.final if r else None)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         kl = response_kl(p, q, ev["sequences"], ev["prompt_lens"], pad)
-        print(f"[fidelity] KL(gc || {r.method}) seed {r.seed}: {kl['kl_mean_per_token']:.3e} per response token", flush=True)
-        save(path, dict(kl, p=gc.name, q=r.name, **key))
+        q_name = r.name if r else "base"
+        print(f"[fidelity] KL(gc || {q_name}) seed {gc.seed}: {kl['kl_mean_per_token']:.3e} per response token", flush=True)
+        save(path, dict(kl, p=gc.name, q=q_name, **key))
 
 
 def _report(args, runs: List[Run], out: Path) -> None:

@@ -77,10 +77,10 @@ def summarize(out: Path, runs, steps: int) -> Dict:
         "per_seed": {s: [x.get("grad_rel_error") for t, x in errs if t == s] for s in seeds},
     }
     rep["kl_gc_to"] = {}
-    for r in runs:
-        kl = _load(out / "kl" / f"gc-{r.name}.json")
+    for name in [r.name for r in runs] + [f"base-seed{s}" for s in seeds]:  # base: how far training moved gc
+        kl = _load(out / "kl" / f"gc-{name}.json")
         if kl:
-            rep["kl_gc_to"][r.name] = kl["kl_mean_per_token"]
+            rep["kl_gc_to"][name] = kl["kl_mean_per_token"]
     rep["exact_check"] = {}
     for r in runs:
         if r.method == "hilore-hr" and metrics[r.name] and metrics.get(f"gc-seed{r.seed}"):
@@ -126,7 +126,8 @@ def markdown(rep: Dict, out: Path) -> str:
               f"Per-step relative gradient error of hilore's updates ({g['steps_measured']} steps): mean {_fmt(g['mean'])}, "
               f"max {_fmt(g['max'])}, mean over steps that used L {_fmt(g['mean_over_steps_with_L'])}; lowest cosine "
               f"{_fmt(g['cosine_min'], '.6f')}; share of units L, mean {_fmt(g['fraction_L_mean'], '.3f')}.",
-              "KL(gc || run) per response token on gc's held-out responses: "
+              "KL(gc || run) per response token on gc's held-out responses (base-seedS: the base model, "
+              "how far training moved gc): "
               + (", ".join(f"{k} {v:.2e}" for k, v in rep["kl_gc_to"].items()) or "-") + "."]
     for name, c in rep["exact_check"].items():
         lines.append(f"Exactness: {name} reproduces gc's metrics ({', '.join(EXACT_KEYS)}) at every one of "
