@@ -131,6 +131,13 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
     (tmp_path / "eval" / "base.json").write_text(json.dumps({"accuracy": 0.3, "scores": [1.0, 0.02, 0.0, 1.0]}))
     rep = summarize(tmp_path, runs, steps)
     assert rep["base_heldout_accuracy"] == 0.5  # exact answers only: partial credit is not accuracy
+    assert rep["discordant_problems"][0] is None  # these evaluations hold no per-problem scores
+    (tmp_path / "eval" / "gc-seed0.json").write_text(json.dumps({"scores": [1.0, 0.0, 1.0, 0.1]}))
+    (tmp_path / "eval" / "hilore-seed0.json").write_text(json.dumps({"scores": [1.0, 1.0, 0.0, 0.0]}))
+    rep = summarize(tmp_path, runs, steps)
+    assert rep["discordant_problems"][0] == {"n": 4, "other_only": 1, "gc_only": 1}
+    assert rep["paired_accuracy_difference_pp"]["values"][0] == 0.0
+    acc["gc-seed0"] = acc["hilore-seed0"] = 0.5
     diffs = [100 * (acc[f"hilore-seed{s}"] - acc[f"gc-seed{s}"]) for s in (0, 1, 2)]
     d = rep["paired_accuracy_difference_pp"]
     assert rep["complete"] and d["values"] == pytest.approx(diffs)

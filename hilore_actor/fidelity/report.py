@@ -38,6 +38,17 @@ def accuracy(ev: Dict) -> float:
     return sum(s >= 1.0 for s in scores) / len(scores) if scores else ev["accuracy"]
 
 
+def discordant(gc: Dict, other: Dict) -> Optional[Dict]:
+    """On the same held-out problems (same order), how many only ``other`` answers exactly and
+    how many only gc does: the paired accuracy difference is (other_only - gc_only) / n, and
+    a handful of discordant problems is within what sampling noise of the evaluation allows."""
+    a, b = gc.get("scores"), other.get("scores")
+    if not a or not b or len(a) != len(b):
+        return None
+    return {"n": len(a), "other_only": sum(y >= 1.0 > x for x, y in zip(a, b)),
+            "gc_only": sum(x >= 1.0 > y for x, y in zip(a, b))}
+
+
 def exact_match(a: List[Dict], b: List[Dict]) -> Dict:
     """Whether run ``b`` reproduces run ``a`` step by step on ``EXACT_KEYS``."""
     first = next(((r["step"], k) for r, s in zip(a, b) for k in EXACT_KEYS if r.get(k) != s.get(k)), None)
@@ -63,6 +74,7 @@ def summarize(out: Path, runs, steps: int) -> Dict:
     paired = [s for s in seeds if f"gc-seed{s}" in acc and f"hilore-seed{s}" in acc]
     rep["paired_accuracy_difference_pp"] = _mean_sd([100 * (acc[f"hilore-seed{s}"] - acc[f"gc-seed{s}"]) for s in paired])
     rep["paired_accuracy_difference_pp"]["seeds"] = paired
+    rep["discordant_problems"] = {s: discordant(evals[f"gc-seed{s}"], evals[f"hilore-seed{s}"]) for s in paired}
     rep["paired_reward_last10_difference"] = _mean_sd([last10(metrics[f"hilore-seed{s}"]) - last10(metrics[f"gc-seed{s}"])
                                                         for s in paired])
     errs = [(r.seed, x) for r in runs if r.method == "hilore" and metrics[r.name] for x in metrics[r.name]]
@@ -122,7 +134,10 @@ def markdown(rep: Dict, out: Path) -> str:
         lines.append(f"| base model (step 0) | - | {rep['base_heldout_accuracy']:.3f} | - |")
     d, g = rep["paired_accuracy_difference_pp"], rep["gradient_error"]
     lines += ["", f"Paired held-out accuracy difference hilore - gc over seeds {d['seeds']}: "
-              f"{_fmt(d['mean'], '+.2f')} pp (SD {_fmt(d['sd'], '.2f')} pp; per seed {[round(v, 2) for v in d['values']]}).",
+              f"{_fmt(d['mean'], '+.2f')} pp (SD {_fmt(d['sd'], '.2f')} pp; per seed {[round(v, 2) for v in d['values']]}). "
+              "Problems only one of the pair answers exactly (hilore only / gc only), per seed: "
+              + (", ".join(f"seed {s}: {c['other_only']} / {c['gc_only']} of {c['n']}"
+                           for s, c in rep.get("discordant_problems", {}).items() if c) or "-") + ".",
               f"Per-step relative gradient error of hilore's updates ({g['steps_measured']} steps): mean {_fmt(g['mean'])}, "
               f"max {_fmt(g['max'])}, mean over steps that used L {_fmt(g['mean_over_steps_with_L'])}; lowest cosine "
               f"{_fmt(g['cosine_min'], '.6f')}; share of units L, mean {_fmt(g['fraction_L_mean'], '.3f')}.",
