@@ -119,13 +119,13 @@ def run(cfg) -> int:
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
     info = job.infos[0]
-    peaks = [i["plan_peak_over_budget"] for i in job.infos if "plan_peak_over_budget" in i]
-    plan_peak = max(peaks) if peaks else None  # the highest planning pass over B (None: a checkpoint from before)
+    peaks = [(i["plan_peak_over_budget"], i.get("plan_peak_phase")) for i in job.infos if "plan_peak_over_budget" in i]
+    plan_peak, peak_phase = max(peaks, key=lambda x: x[0]) if peaks else (None, None)  # None: a checkpoint from before
     print(f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
           f"{info['budget_bytes'] / 2**20:.0f} MiB ({cfg.hilore.budget}, {info.get('budget_scope', 'activations')} scope; "
           f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident {info.get('resident_bytes', 0) / 2**20:.0f} "
           f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
-          f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B; ready in {time.perf_counter() - t0:.0f}s", flush=True)
+          f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s", flush=True)
     log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None)
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
                file=sys.stdout, dynamic_ncols=True)

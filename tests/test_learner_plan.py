@@ -39,8 +39,10 @@ def test_planning_stays_within_the_budget(fresh_seed):
     model = _model(fresh_seed)
     plan = _plan(model, fresh_seed, loo=True)
     info = plan.info
-    print(f"plan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B; probes {plan.sp.costs.probe_tokens}")
+    print(f"plan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B ({info['plan_peak_phase']}); "
+          f"probes {plan.sp.costs.probe_tokens}")
     assert 0 < info["plan_peak_over_budget"] <= 1.0
+    assert info["plan_peak_phase"] in {"gc", "calibration", "profiling", "validation"} or info["plan_peak_phase"].startswith("fit")
     assert all(p.grad is None for p in model.parameters())  # nothing left for the first real update
     assert info["plan_peak_bytes"] >= info["gc_peak_bytes"]  # the gc pass is one of them
     # what planning used to run as its references would not have fitted

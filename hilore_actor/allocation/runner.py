@@ -57,15 +57,27 @@ class Runner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.watch: Optional[List[int]] = None  # peaks of the passes run while watching
+        self.watch_phases: List[str] = []  # the phase each watched pass ran in (``phase``)
+        self._phase = ""
 
     @contextlib.contextmanager
     def watching(self):
-        """Measure every untimed pass inside the block; yields the list of their peaks."""
-        self.watch = []
+        """Measure every untimed pass inside the block; yields the list of their peaks
+        (``watch_phases`` names the phase of each)."""
+        self.watch, self.watch_phases = [], []
         try:
             yield self.watch
         finally:
             self.watch = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Name the passes run inside the block (planning's report says which phase peaked)."""
+        old, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = old
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -144,6 +156,7 @@ class Runner:
             res.peak_bytes = meter.report.peak_bytes
             if self.watch is not None:
                 self.watch.append(res.peak_bytes)
+                self.watch_phases.append(self._phase)
         if grads:
             res.grad = torch.cat([_whole(p.grad).detach().float().flatten() if p.grad is not None
                                   else torch.zeros(p.shape, device=self.device) for p in self.params])

@@ -114,6 +114,7 @@ class HiLoRe:
         self.costs_cache = costs_cache if costs_cache is not None else {}  # shape class -> UnitCosts (share across budgets)
         self._calls = 0
         self._last: Optional[Dict[str, str]] = None
+        self._ratio: Optional[float] = None  # real / predicted bytes of the latest fitted candidate (``_fit``)
 
     # ---- allocation -----------------------------------------------------------------------
     def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
@@ -163,16 +164,18 @@ class HiLoRe:
         shape = shape_class(dev[0])
         cached = self.costs_cache.get(shape)
         if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in self.kinds):
-            self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
-                                                    cap=self.budget if self.within_budget else None, levels=self.levels,
-                                                    partial=self.partial)
+            with self.runner.phase("profiling"):
+                self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
+                                                        cap=self.budget if self.within_budget else None,
+                                                        levels=self.levels, partial=self.partial)
         costs = self.costs_cache[shape]
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
             raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
-        best = None
+        best, self._ratio = None, None
         for scale in self.scales:
-            sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
+            with self.runner.phase(f"fit at risk scale {scale}"):
+                sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
             n = {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED, PARTIAL)}
             rows = sum(row_share(v) is not None for v in sp.plan.values())
             saved = self.saved_seconds(costs, actions)
@@ -183,7 +186,8 @@ class HiLoRe:
                 best = (saved, sp, scale)
         if best is None:  # nothing fitted: start from all-R and let validation grow nothing
             best = (0.0, ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0), 0.0)
-        sp = self._validate(best[1], dev, accumulate)
+        with self.runner.phase("validation"):
+            sp = self._validate(best[1], dev, accumulate)
         sp.report["plan_risk_scale"] = best[2]
         self.plans[shape] = sp
         return sp
@@ -225,11 +229,17 @@ class HiLoRe:
         """Plan, measure the real peak, and rescale the memory budget by the measured ratio of
         real to predicted peak increase (allocator and transient effects that per-unit
         accounting cannot see; shared storages that it counts twice), down when the plan
-        overshoots B, up when it leaves room; keep the largest plan that fits."""
+        overshoots B, up when it leaves room; keep the largest plan that fits. The first
+        candidate uses ``first_fit`` of the room, or less where an earlier fit of this
+        preparation measured more real bytes per predicted byte (``_ratio``, its latest
+        candidate's): plans with more
+        L carry codec transients, and a candidate that overshoots B overshoots while planning."""
         base = sp.costs.base_peak
         room = self.budget - base
         best = None
         sp.memory_budget *= self.first_fit
+        if self._ratio:
+            sp.memory_budget = min(sp.memory_budget, room / self._ratio * 0.95)
         for _ in range(attempts):
             self.replan(sp)
             t, peak, actions = self._measure(sp, [mb])
@@ -240,6 +250,7 @@ class HiLoRe:
             if predicted == 0 or (peak <= self.budget and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
             ratio = max(peak - base, 1) / predicted  # real bytes per predicted byte
+            self._ratio = ratio  # the latest, largest plan's: the next fit's first candidate starts from it
             target = room / ratio * 0.95  # a margin: the ratio measured on a smaller plan may grow with it
             if peak <= self.budget and target <= sp.memory_budget * 1.02:
                 break  # fits, and there is no meaningful room left
