@@ -232,8 +232,8 @@ class HiLoRe:
         overshoots B, up when it leaves room; keep the largest plan that fits. The first
         candidate uses ``first_fit`` of the room, or less where an earlier fit of this
         preparation measured more real bytes per predicted byte (``_ratio``, its latest
-        candidate's): plans with more
-        L carry codec transients, and a candidate that overshoots B overshoots while planning."""
+        candidate's): plans with more L carry codec transients, and a candidate that
+        overshoots B overshoots while planning."""
         base = sp.costs.base_peak
         room = self.budget - base
         best = None

@@ -55,9 +55,14 @@ def load_final_policy(model_spec: str, seed: int, final_dir: Optional[Path]):
     return model.eval(), tok
 
 
+def exact_share(scores: Sequence[float]) -> float:
+    """Accuracy: the share of problems the verifier scores 1 (it gives wrong numbers small
+    partial credit, which a mean score would count)."""
+    return sum(s >= 1.0 for s in scores) / len(scores)
+
+
 def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int = 64, log=print) -> Dict:
-    """Greedy responses to ``examples``, scored by the task's verifier (``pool.score``); accuracy
-    is the share scored 1 (the verifier gives wrong numbers small partial credit)."""
+    """Greedy responses to ``examples``, scored by the task's verifier (``pool.score``)."""
     from ..rollout.hf_generate import generate_groups
 
     scores, texts, seqs, prompt_lens = [], [], [], []
@@ -71,8 +76,8 @@ def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int 
             seqs.append(r.sequences[j, :n].tolist())
             prompt_lens.append(r.prompt_lens[j])
         log(f"[fidelity]   {len(scores)}/{len(examples)} held-out problems, accuracy so far "
-            f"{sum(s >= 1.0 for s in scores) / len(scores):.3f}")
-    return {"accuracy": sum(s >= 1.0 for s in scores) / len(scores), "mean_score": sum(scores) / len(scores),
+            f"{exact_share(scores):.3f}")
+    return {"accuracy": exact_share(scores), "mean_score": sum(scores) / len(scores),
             "n": len(scores), "scores": scores, "texts": texts,
             "sequences": seqs, "prompt_lens": prompt_lens}
 

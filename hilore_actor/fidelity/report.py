@@ -34,8 +34,10 @@ def accuracy(ev: Dict) -> float:
     """The share of held-out problems answered exactly (verifier score 1). The task's verifier
     also gives small partial credit to wrong numbers (reasoning-gym), which the mean score
     would count; evaluations without per-problem scores give their stored figure."""
+    from .evaluate import exact_share
+
     scores = ev.get("scores")
-    return sum(s >= 1.0 for s in scores) / len(scores) if scores else ev["accuracy"]
+    return exact_share(scores) if scores else ev["accuracy"]
 
 
 def discordant(gc: Dict, other: Dict) -> Optional[Dict]:

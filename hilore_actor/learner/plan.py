@@ -16,9 +16,10 @@ B's own base; profiling measures what would not fit on prefixes of the microbatc
 reference is all-R). One kind of pass can still overshoot: a candidate plan whose real
 bytes per predicted byte exceed what its fit assumed (on SmolLM2 at 1.10, the fidelity
 study's seed-0 planning peaked at 1.010 B, and a later planning at 1.102 B in the fit at risk
-scale 4.0: a fit grows its plan by the ratio a smaller plan measured). The runner measures each pass;
-``info["plan_peak_over_budget"]`` is the highest over B and ``info["plan_peak_phase"]`` the
-phase it ran in (gc, calibration, profiling, fit at a risk scale, validation).
+scale 4.0: a fit grows its plan by the ratio a smaller plan measured). The runner measures
+each pass; ``info["plan_peak_over_budget"]`` is the highest over B and
+``info["plan_peak_phase"]`` the phase it ran in (gc, calibration, profiling, fit at a risk
+scale, validation).
 
 A shorter microbatch gets the plan re-solved for its own tokens (``RankPlan.for_tokens``).
 Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
