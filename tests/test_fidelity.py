@@ -121,8 +121,9 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
     acc, steps = {}, 3
     for r in runs:
         acc[r.name] = float(torch.rand(1, generator=g))
-        rows = [{"step": i + 1, "reward_mean": float(torch.rand(1, generator=g)), "fraction_L": 0.25,
-                 **({"grad_rel_error": 0.01 * (i + 1), "grad_rel_error_max": 0.01 * (i + 1), "grad_cosine_min": 0.99}
+        # step 1: every advantage zero, so no gradient and an error of 0 by convention
+        rows = [{"step": i + 1, "reward_mean": float(torch.rand(1, generator=g)), "fraction_L": 0.25, "grad_norm": float(i > 0),
+                 **({"grad_rel_error": 0.01 * i, "grad_rel_error_max": 0.01 * i, "grad_cosine_min": 0.99}
                     if r.method == "hilore" else {})} for i in range(steps)]
         (tmp_path / "runs").mkdir(exist_ok=True)
         (tmp_path / "runs" / f"{r.name}.metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
@@ -142,7 +143,9 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
     d = rep["paired_accuracy_difference_pp"]
     assert rep["complete"] and d["values"] == pytest.approx(diffs)
     assert d["mean"] == pytest.approx(statistics.fmean(diffs)) and d["sd"] == pytest.approx(statistics.stdev(diffs))
-    assert rep["gradient_error"]["mean"] == pytest.approx(0.02) and rep["gradient_error"]["max"] == pytest.approx(0.03)
+    ge = rep["gradient_error"]
+    assert ge["mean"] == pytest.approx(0.01) and ge["max"] == pytest.approx(0.02)
+    assert ge["steps_with_a_gradient"] == 6 and ge["mean_over_steps_with_a_gradient"] == pytest.approx(0.015)
     (tmp_path / "eval" / "hilore-seed2.json").unlink()  # an unfinished run: reported as missing, not paired
     rep = summarize(tmp_path, runs, steps)
     assert not rep["complete"] and rep["missing_runs"] == ["hilore-seed2"]
