@@ -1,7 +1,11 @@
 """A rank's planning on a tiny model: every planning pass (the gc pass that sets B,
 profiling, candidate fitting, validation, calibration, leave-one-out) peaks within B, where
 the old reference (all-H) alone would not fit; a shorter microbatch gets a plan sized to it."""
+import json
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +175,19 @@ def test_ranks_share_one_calibration(fresh_seed, tmp_path):
     want = merge([calibrate_levels(runner, batches[r::2], ["L"])["L"] for r in range(2)])
     assert got[0].kappa == pytest.approx(want.kappa, rel=1e-3) and got[0].e_bar == pytest.approx(want.e_bar, rel=1e-3)
     assert len(got[0].samples) == len(want.samples) > 0
+
+
+@pytest.mark.slow
+def test_planning_stays_within_the_budget_on_smollm2(tmp_path):
+    """The fidelity study's job on the real model: no planning pass (gc, profiling, every fit
+    candidate, validation) peaks above B. About 7 minutes on 2 cores (pytest -m slow)."""
+    study = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fidelity"
+    cmd = [sys.executable, "-m", "hilore_actor.train_grpo", "--config", str(study / "study.yaml"), "--pretrain", "smollm2",
+           "--train.seed", "0", "--max_steps", "1", "--save_path", str(tmp_path), "--actor_backend", "hilore",
+           "--hilore.mode", "hilore", "--hilore.calibration", str(study / "calibration.json"), "--log_workers"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    out = r.stdout + r.stderr
+    print("\n".join(ln for ln in out.splitlines() if "[hilore]" in ln or "planning peaked" in ln))
+    assert r.returncode == 0, out[-4000:]
+    (row,) = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["plan_peak_over_budget"] <= 1.0, [ln for ln in out.splitlines() if "fit candidate" in ln]

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from ..recovery.policies import stores_nothing
 from ..recovery.state import (CHECKPOINT, COMPRESSED, EXACT, PARTIAL, ROWS, action_for_plan, allows, plan_for_label,
                               row_share, split_label)
+from . import fitting
 from .calibration import Calibration
 from .exposure import exposures, rest_exposures
 from .knapsack import Option, solve
@@ -114,7 +115,9 @@ class HiLoRe:
         self.costs_cache = costs_cache if costs_cache is not None else {}  # shape class -> UnitCosts (share across budgets)
         self._calls = 0
         self._last: Optional[Dict[str, str]] = None
-        self._ratio: Optional[float] = None  # real / predicted bytes of the latest fitted candidate (``_fit``)
+        self._ratio: Optional[float] = None  # the largest real / predicted bytes a candidate measured (``_fit``)
+        self._candidates: List[Dict] = []  # every candidate the current preparation measured
+        self._measured: Dict[tuple, tuple] = {}  # plan -> (seconds, peak, actions), this preparation's
 
     # ---- allocation -----------------------------------------------------------------------
     def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
@@ -172,11 +175,11 @@ class HiLoRe:
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
             raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
-        best, self._ratio = None, None
+        best, self._ratio, self._candidates, self._measured = None, None, [], {}
         for scale in self.scales:
             with self.runner.phase(f"fit at risk scale {scale}"):
                 sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
-            n = {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED, PARTIAL)}
+            n = _kind_counts(sp)
             rows = sum(row_share(v) is not None for v in sp.plan.values())
             saved = self.saved_seconds(costs, actions)
             self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed "
@@ -188,7 +191,7 @@ class HiLoRe:
             best = (0.0, ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0), 0.0)
         with self.runner.phase("validation"):
             sp = self._validate(best[1], dev, accumulate)
-        sp.report["plan_risk_scale"] = best[2]
+        sp.report.update(plan_risk_scale=best[2], fit_candidates=self._candidates)
         self.plans[shape] = sp
         return sp
 
@@ -225,36 +228,40 @@ class HiLoRe:
         actions = self.allocate(sp.costs, self.static_risks(), sp.memory_budget, sp.plan_risk_budget, plan=limits)
         sp.plan = {n: plan_for_label(a) for n, a in actions.items()}
 
-    def _fit(self, sp: ShapePlan, mb, attempts: int = 4):
-        """Plan, measure the real peak, and rescale the memory budget by the measured ratio of
+    def _fit(self, sp: ShapePlan, mb, attempts: int = 5):
+        """Plan, measure the real peak, and resize the memory budget by the measured ratio of
         real to predicted peak increase (allocator and transient effects that per-unit
         accounting cannot see; shared storages that it counts twice), down when the plan
-        overshoots B, up when it leaves room; keep the largest plan that fits. The first
-        candidate uses ``first_fit`` of the room, or less where an earlier fit of this
-        preparation measured more real bytes per predicted byte (``_ratio``, its latest
-        candidate's): plans with more L carry codec transients, and a candidate that
-        overshoots B overshoots while planning."""
+        overshoots B, up by half the gap when it leaves room (``fitting``: every candidate
+        is a planning pass, so it is sized cautiously); keep the largest plan that fits."""
         base = sp.costs.base_peak
         room = self.budget - base
         best = None
-        sp.memory_budget *= self.first_fit
-        if self._ratio:
-            sp.memory_budget = min(sp.memory_budget, room / self._ratio * 0.95)
+        sp.memory_budget = fitting.first_candidate(sp.memory_budget, self.first_fit, self._ratio)
         for _ in range(attempts):
             self.replan(sp)
-            t, peak, actions = self._measure(sp, [mb])
-            if peak <= self.budget and (best is None or sp.memory_budget > best[0].memory_budget):
+            key = tuple(sorted(sp.plan.items()))  # fits at larger risk scales often re-find a plan
+            seen = key in self._measured
+            if not seen:
+                self._measured[key] = self._measure(sp, [mb])
+            t, peak, actions = self._measured[key]
+            fits = peak <= self.budget
+            if fits and (best is None or sp.memory_budget > best[0].memory_budget):
                 best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
                         t, peak, actions)
             predicted = self.planned_bytes(sp)
-            if predicted == 0 or (peak <= self.budget and sp.memory_budget >= self.costs_total(sp.costs)):
+            if not seen:
+                self._candidates.append(fitting.record(_kind_counts(sp), sp.memory_budget, predicted, peak, self.budget,
+                                                       sp.costs.base_peak, sp.plan_risk_budget / (self.delta or 1.0)))
+                self.log(fitting.describe(self._candidates[-1]))
+            if predicted == 0 or (fits and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
             ratio = max(peak - base, 1) / predicted  # real bytes per predicted byte
-            self._ratio = ratio  # the latest, largest plan's: the next fit's first candidate starts from it
-            target = room / ratio * 0.95  # a margin: the ratio measured on a smaller plan may grow with it
-            if peak <= self.budget and target <= sp.memory_budget * 1.02:
-                break  # fits, and there is no meaningful room left
-            sp.memory_budget = target if peak > self.budget else max(target, sp.memory_budget)
+            self._ratio = max(self._ratio or 0.0, ratio)  # the next fit's first candidate starts from the largest
+            nxt = fitting.next_candidate(room, sp.memory_budget, ratio, fits)
+            if nxt is None:
+                break
+            sp.memory_budget = nxt
         if best is None:
             return sp, t, peak, actions
         return best
@@ -398,3 +405,8 @@ class HiLoRe:
     def run(self, mb, **kw):
         """One microbatch under HiLoRe (the plan for its shape class + online actions)."""
         return self._run(self.plan_for(mb), mb, **kw)
+
+
+def _kind_counts(sp: ShapePlan) -> Dict[str, int]:
+    """How many units ``sp``'s plan keeps exact, compressed and partial."""
+    return {q: sum(split_label(v)[0] == q for v in sp.plan.values()) for q in (EXACT, COMPRESSED, PARTIAL)}

@@ -13,13 +13,12 @@ microbatches as large as the job can make (``workloads.replayed_microbatches``) 
 
 Every one of these passes stays within B, so a device sized for B can plan (the gc pass is
 B's own base; profiling measures what would not fit on prefixes of the microbatch; the exact
-reference is all-R). One kind of pass can still overshoot: a candidate plan whose real
-bytes per predicted byte exceed what its fit assumed (on SmolLM2 at 1.10, the fidelity
-study's seed-0 planning peaked at 1.010 B, and a later planning at 1.102 B in the fit at risk
-scale 4.0: a fit grows its plan by the ratio a smaller plan measured). The runner measures
-each pass; ``info["plan_peak_over_budget"]`` is the highest over B and
-``info["plan_peak_phase"]`` the phase it ran in (gc, calibration, profiling, fit at a risk
-scale, validation).
+reference is all-R; a fit grows its candidates by half the gap its measured real/predicted
+ratio leaves, ``allocation.fitting``, because that ratio grows with the plan: on SmolLM2 at
+1.10, planning that took full steps peaked at 1.010-1.102 B). One pass can still overshoot:
+a fit's first candidate, whose ratio no earlier pass measured. The runner measures each
+pass; ``info["plan_peak_over_budget"]`` is the highest over B and ``info["plan_peak_phase"]``
+the phase it ran in (gc, calibration, profiling, fit at a risk scale, validation).
 
 A shorter microbatch gets the plan re-solved for its own tokens (``RankPlan.for_tokens``).
 Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
