@@ -1,6 +1,7 @@
 """A rank's planning on a tiny model: every planning pass (the gc pass that sets B,
 profiling, candidate fitting, validation, calibration, leave-one-out) peaks within B, where
-the old reference (all-H) alone would not fit; a shorter microbatch gets a plan sized to it."""
+the old reference (all-H) alone would not fit; a shorter microbatch gets a plan sized to it.
+Slow: the same on SmolLM2 with the fidelity study's flags, through the job."""
 import json
 import subprocess
 import sys
