@@ -34,6 +34,7 @@ def test_tune_sac_layers_takes_the_most_layers_that_fit():
     assert layers == every_kth(12, 3)  # 4 layers: 140 <= 145; every 2nd (6 layers) would be 160
 
 
+@pytest.mark.slow  # torch.compile: 70-90 s on 2 cores (pytest -m slow tests/test_bench_peers.py)
 @pytest.mark.filterwarnings("ignore")
 def test_compiled_peer_uses_the_chunked_head(setup):
     runners, dev = setup
@@ -45,6 +46,7 @@ def test_compiled_peer_uses_the_chunked_head(setup):
     assert float((g - ref).norm() / ref.norm()) < 1e-3
 
 
+@pytest.mark.slow  # torch.compile: 70-90 s on 2 cores (pytest -m slow tests/test_bench_peers.py)
 @pytest.mark.filterwarnings("ignore")
 def test_compile_budget_fits_on_every_dev_microbatch(setup):
     runners, dev = setup
