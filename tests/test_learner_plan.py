@@ -181,7 +181,7 @@ def test_ranks_share_one_calibration(fresh_seed, tmp_path):
 @pytest.mark.slow
 def test_planning_stays_within_the_budget_on_smollm2(tmp_path):
     """The fidelity study's job on the real model: no planning pass (gc, profiling, every fit
-    candidate, validation) peaks above B. About 7 minutes on 2 cores (pytest -m slow)."""
+    candidate, validation) peaks above B. About 9 minutes on 2 cores (pytest -m slow)."""
     study = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fidelity"
     cmd = [sys.executable, "-m", "hilore_actor.train_grpo", "--config", str(study / "study.yaml"), "--pretrain", "smollm2",
            "--train.seed", "0", "--max_steps", "1", "--save_path", str(tmp_path), "--actor_backend", "hilore",

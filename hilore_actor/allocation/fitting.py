@@ -37,12 +37,12 @@ def next_candidate(room: float, memory_budget: float, ratio: float, fits: bool) 
     return memory_budget + GROWTH * (target - memory_budget)
 
 
-def record(kinds: Dict[str, int], memory_budget: float, predicted: int, peak: int, budget: int, base_peak: int,
-           risk_scale: float) -> Dict:
+def record(kinds: Dict[str, int], memory_budget: float, predicted: int, peak_over_budget: float,
+           ratio: Optional[float], risk_scale: float) -> Dict:
     """One measured candidate (``ShapePlan.report["fit_candidates"]``): how many units it keeps
     exact, compressed and partial, and its real peak increase per predicted byte."""
     return dict(risk_scale=risk_scale, memory_budget=int(memory_budget), predicted=int(predicted),
-                peak_over_budget=peak / budget, ratio=(peak - base_peak) / predicted if predicted else None, **kinds)
+                peak_over_budget=peak_over_budget, ratio=ratio, **kinds)
 
 
 def describe(rec: Dict) -> str:

@@ -250,13 +250,13 @@ class HiLoRe:
                 best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
                         t, peak, actions)
             predicted = self.planned_bytes(sp)
+            ratio = max(peak - base, 1) / predicted if predicted else None  # real bytes per predicted byte
             if not seen:
-                self._candidates.append(fitting.record(_kind_counts(sp), sp.memory_budget, predicted, peak, self.budget,
-                                                       sp.costs.base_peak, sp.plan_risk_budget / (self.delta or 1.0)))
+                self._candidates.append(fitting.record(_kind_counts(sp), sp.memory_budget, predicted, peak / self.budget,
+                                                       ratio, sp.plan_risk_budget / (self.delta or 1.0)))
                 self.log(fitting.describe(self._candidates[-1]))
             if predicted == 0 or (fits and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
-            ratio = max(peak - base, 1) / predicted  # real bytes per predicted byte
             self._ratio = max(self._ratio or 0.0, ratio)  # the next fit's first candidate starts from the largest
             nxt = fitting.next_candidate(room, sp.memory_budget, ratio, fits)
             if nxt is None:
