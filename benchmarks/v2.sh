@@ -9,7 +9,7 @@
 #   cpu-small-2codec  issue 12: hilore with two L levels (int8-g64 and bf16) within B and the tolerance
 # Issue 14's comparison is inside these runs: hilore (P and token L offered) beside hilore-coarse
 # (whole-unit H/L/R, what hilore meant before) in every run of every method (ALL).
-# A run too long for one session goes in pieces: RUN:1 .. RUN:4 each time some of the methods
+# A run too long for one session goes in pieces: RUN:1 .. RUN:5 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
 # exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
 # Usage: bash benchmarks/v2.sh RUN [RUN ...]   (writes benchmarks/results/RUN.{json,png,md,log})
@@ -22,7 +22,7 @@ OUTDIR=${OUTDIR:-benchmarks/results}
 export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184}
 export PYTHONUNBUFFERED=1
 ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore-coarse,hilore
-PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,all-l,hilore-hr,hilore-static,hilore-coarse,hilore gc,compile-budget)
+PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,hilore-coarse,hilore gc,compile-budget gc,all-l,hilore-hr,hilore-static)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
   run=${spec%%:*} only=

@@ -38,6 +38,17 @@ def test_growth_stays_within_b_when_the_ratio_grows_with_the_plan(fresh_seed):
         assert best >= 0.85 * room, (best / room, cands)  # it still fills most of the room
 
 
+def test_bytes_hidden_under_another_peak_never_size_a_candidate_over_b():
+    """On cpu-ref a compressed unit raised the peak by nothing (ratio 0): the ratio rule alone
+    then sized a candidate of 150 GB for a room of about 200 MB. Here the first ``hidden``
+    predicted bytes cost nothing and every byte beyond them one real byte."""
+    for hidden in (0.0, 30.0, 60.0, 85.0):
+        cands = _simulate(100.0, lambda m: max(0.0, m - hidden) / m, 0.9)  # noqa: B023
+        assert all(real <= 100.0 for _, real in cands), (hidden, cands)
+        assert all(b <= a + 0.5 * (100.0 - ra) + 1e-9 for (a, ra), (b, _) in zip(cands, cands[1:])), cands
+    assert fitting.next_candidate(200.0, 48.0, ratio=1e-6, fits=True) == pytest.approx(48.0 + 0.5 * 200.0, rel=1e-6)
+
+
 def test_a_candidate_above_b_shrinks_by_its_own_ratio():
     room, m = 1000.0, 900.0
     nxt = fitting.next_candidate(room, m, ratio=1.25, fits=False)
@@ -48,6 +59,7 @@ def test_a_candidate_above_b_shrinks_by_its_own_ratio():
 def test_a_full_plan_stops_growing():
     assert fitting.next_candidate(1000.0, 940.0, ratio=1.0, fits=True) is None
     assert fitting.next_candidate(1000.0, 500.0, ratio=1.0, fits=True) == pytest.approx(500 + 0.5 * (950 - 500))
+    assert fitting.next_candidate(1000.0, 960.0, ratio=0.5, fits=True) == pytest.approx(960 + 0.5 * (1000 - 480))  # half the real room
 
 
 def test_the_first_candidate_uses_the_largest_ratio_measured():

@@ -10,7 +10,13 @@ candidate is sized from what was measured, cautiously:
   candidate of this preparation measured (a fit at a larger risk scale swaps H for L at the
   same predicted bytes; the ratio of the L-heavier plan is not known before it runs);
 - after a candidate within B: half the gap to the room its own ratio allows (a full step,
-  with a 5% margin, overshot B by up to 10% on SmolLM2: the ratio of the larger plan grew);
+  with a 5% margin, overshot B by up to 10% on SmolLM2: the ratio of the larger plan grew),
+  and never more than half the real room it left, at one real byte per predicted byte or
+  its ratio if larger. A plan's bytes can hide under another part of the step's peak (the
+  head, the optimizer step): on cpu-ref a 48 MB L unit raised the peak by nothing, ratio
+  0, and the ratio rule alone then sized a 150 GB candidate that measured 5.2 B. The bytes
+  beyond the hidden ones cost at least their size, so this bound is safe while the next
+  plan's marginal ratio stays below 1 / GROWTH;
 - after a candidate above B: the room its own ratio allows, less a margin.
 """
 from __future__ import annotations
@@ -29,12 +35,13 @@ def first_candidate(room: float, first_fit: float, ratio: Optional[float]) -> fl
 def next_candidate(room: float, memory_budget: float, ratio: float, fits: bool) -> Optional[float]:
     """Memory budget of the next candidate, or None where a fitting plan has no meaningful
     room left. ``ratio``: this candidate's real peak increase per predicted byte."""
-    target = room / ratio * MARGIN
+    target = room / max(ratio, 1e-9) * MARGIN
     if not fits:
         return min(target, memory_budget * MARGIN)
-    if target <= memory_budget * 1.02:
+    left = room - ratio * memory_budget  # the real room this candidate left
+    if target <= memory_budget * 1.02 or left <= (1 - MARGIN) * room:
         return None
-    return memory_budget + GROWTH * (target - memory_budget)
+    return min(memory_budget + GROWTH * (target - memory_budget), memory_budget + GROWTH * left / max(ratio, 1.0))
 
 
 def record(kinds: Dict[str, int], memory_budget: float, predicted: int, peak_over_budget: float,
