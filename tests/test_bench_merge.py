@@ -39,3 +39,24 @@ def test_a_later_piece_replaces_a_method_it_re_measured(capsys):
     assert by["all-l"]["piece"] == "new" and by["all-l"]["speed_over_gc"] == 1.1
     assert by["gc"]["piece"] == "old" and by["no-gc"]["piece"] == "old" and len(recs) == 3
     assert "kept new" in capsys.readouterr().err
+
+
+def test_hilore_over_coarse_pairs_repeats_of_one_piece_only(fresh_seed):
+    """report.versus: the median of reference/method over the same repeats, by brute force;
+    a reference timed in another piece is never paired."""
+    import random
+    import statistics
+
+    from hilore_actor.bench.report import versus
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    coarse, fine = [rng.uniform(9, 11) for _ in range(7)], [rng.uniform(8, 10) for _ in range(7)]
+    recs = [{"method": "hilore-coarse", "budget_ratio": 1.1, "piece": "p3", "update_seconds_all": coarse},
+            {"method": "hilore", "budget_ratio": 1.1, "piece": "p3", "update_seconds_all": fine},
+            {"method": "hilore", "budget_ratio": 1.25, "piece": "p3", "update_seconds_all": fine},
+            {"method": "hilore-coarse", "budget_ratio": 1.25, "piece": "p5", "update_seconds_all": coarse}]
+    out = versus(recs)
+    want = statistics.median(c / f for c, f in zip(coarse, fine))
+    assert f"| 1.10 | {want:.3f} [" in out and "| 1.25 |" not in out, out
+    assert versus(recs[2:]) == ""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Dict, List
 
@@ -76,7 +77,29 @@ def markdown(records: List[Dict], header: Dict) -> str:
                    f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
                    f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r.get('p_frac'), '.2f')} | "
                    f"{fmt(r['r_frac'], '.2f')} | {_note(r)} |")
-    return "\n".join(out) + "\n" + plans(records)
+    return "\n".join(out) + "\n" + versus(records) + plans(records)
+
+
+def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore-coarse") -> str:
+    """Issue 14's comparison: ``method`` over ``reference`` at each budget, as the median of
+    their paired times (reference / method, both timed in the same repeats of one piece) with
+    a bootstrap 95% interval; pairs from different pieces or phases are not formed."""
+    from .stats import bootstrap_ci, paired_ratios
+
+    timed = {(r["method"], r.get("budget_ratio"), r.get("piece")): r for r in records if r.get("update_seconds_all")}
+    out = []
+    for (m, b, piece), r in timed.items():
+        ref = timed.get((reference, b, piece))
+        if m != method or ref is None:
+            continue
+        ratios = paired_ratios(ref["update_seconds_all"], r["update_seconds_all"])
+        ci = bootstrap_ci(ratios)
+        out.append(f"| {fmt(b, '.2f')} | {statistics.median(ratios):.3f} "
+                   f"{'-' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | {len(ratios)} |")
+    if not out:
+        return ""
+    return (f"\n### `{method}` over `{reference}` (paired repeats)\n\n| B | speed [95% CI] | repeats |\n|---|---|---|\n"
+            + "\n".join(out) + "\n")
 
 
 def plans(records: List[Dict], top: int = 4) -> str:
