@@ -71,6 +71,16 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _rss() -> str:
+    """This process's resident memory, for the progress lines: a run of several methods in one
+    process once grew to 24 GB and was killed (cpu-ref-a piece 5); empty where /proc is absent."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return ""
+    return f", RSS {pages * os.sysconf('SC_PAGE_SIZE') / 2**30:.1f} GiB"
+
+
 def _methods(args) -> List[str]:
     from ..recovery.policies import ENGINE_POLICIES
     from .methods import OURS, PEERS, split_name
@@ -147,7 +157,7 @@ def prepare_methods(names, budgets, ctx):
                 continue
             m.prepare_seconds = time.perf_counter() - t
             entries.append(m)
-            _log(f"[bench] ready: {name}{'' if b is None else f' @ {b:.2f}'} ({m.prepare_seconds:.0f}s)")
+            _log(f"[bench] ready: {name}{'' if b is None else f' @ {b:.2f}'} ({m.prepare_seconds:.0f}s{_rss()})")
     return entries, unavailable
 
 
@@ -162,7 +172,7 @@ def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> Li
         peaks = [m.peaks(u) for u in inputs.updates]
         errs = [float((m.grad(u) - g).norm() / g.norm()) for u, g in zip(inputs.updates, ref_grads)]
         records.append(method_record(m, timings[id(m)], peaks, errs, budget, budgets, inputs.tokens_per_update))
-        _log(f"[bench] measured {m.name}{'' if m.budget_ratio is None else f' @ {m.budget_ratio:.2f}'}")
+        _log(f"[bench] measured {m.name}{'' if m.budget_ratio is None else f' @ {m.budget_ratio:.2f}'}{_rss()}")
     add_gap_recovered(records)
     return records
 
