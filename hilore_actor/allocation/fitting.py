@@ -38,7 +38,7 @@ def next_candidate(room: float, memory_budget: float, ratio: float, fits: bool) 
     target = room / max(ratio, 1e-9) * MARGIN
     if not fits:
         return min(target, memory_budget * MARGIN)
-    left = room - ratio * memory_budget  # the real room this candidate left
+    left = room - ratio * memory_budget  # the real room left had the plan filled its budget (<= the room it left)
     if target <= memory_budget * 1.02 or left <= (1 - MARGIN) * room:
         return None
     return min(memory_budget + GROWTH * (target - memory_budget), memory_budget + GROWTH * left / max(ratio, 1.0))

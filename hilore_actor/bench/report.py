@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Dict, List
+
+from .stats import speed_summary
 
 FIELDS = ("method", "head", "budget_ratio", "update_seconds", "tokens_per_second", "speed_over_gc", "speed_ci95",
           "peak_bytes", "peak_over_gc", "peak_activations_bytes", "peak_device_bytes", "grad_rel_err_mean",
@@ -84,18 +85,14 @@ def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore
     """Issue 14's comparison: ``method`` over ``reference`` at each budget, as the median of
     their paired times (reference / method, both timed in the same repeats of one piece) with
     a bootstrap 95% interval; pairs from different pieces or phases are not formed."""
-    from .stats import bootstrap_ci, paired_ratios
-
     timed = {(r["method"], r.get("budget_ratio"), r.get("piece")): r for r in records if r.get("update_seconds_all")}
     out = []
     for (m, b, piece), r in timed.items():
         ref = timed.get((reference, b, piece))
         if m != method or ref is None:
             continue
-        ratios = paired_ratios(ref["update_seconds_all"], r["update_seconds_all"])
-        ci = bootstrap_ci(ratios)
-        out.append(f"| {fmt(b, '.2f')} | {statistics.median(ratios):.3f} "
-                   f"{'-' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | {len(ratios)} |")
+        s = speed_summary(ref["update_seconds_all"], r["update_seconds_all"])  # its "over gc" is over ``reference``
+        out.append(f"| {fmt(b, '.2f')} | {s['speed_over_gc']:.3f} {_ci(s)} | {len(s['speed_ratios'])} |")
     if not out:
         return ""
     return (f"\n### `{method}` over `{reference}` (paired repeats)\n\n| B | speed [95% CI] | repeats |\n|---|---|---|\n"
