@@ -1,4 +1,6 @@
 """The CPU meter gives the exact peak of known allocation patterns."""
+import weakref
+
 import pytest
 import torch
 
@@ -129,3 +131,13 @@ def test_frees_of_blocks_from_an_earlier_meter_are_not_counted():
         a = buf(16 * 1024)
     assert m.peak_bytes == 16 * 1024
     del a
+
+
+def test_profiler_data_is_freed_when_the_meter_exits():
+    """The profiler sits in a reference cycle; left to the cyclic collector, its event data
+    outlived each meter and fragmented the heap (24 GB over one benchmark process)."""
+    m = MemoryMeter("cpu")
+    with m:
+        prof = weakref.ref(m._prof)
+        torch.randn(256, 256).sum()
+    assert prof() is None
