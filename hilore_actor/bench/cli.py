@@ -73,7 +73,8 @@ def _log(msg: str) -> None:
 
 def _rss() -> str:
     """This process's resident memory, for the progress lines: a run of several methods in one
-    process once grew to 24 GB and was killed (cpu-ref-a piece 5); empty where /proc is absent."""
+    process once grew to 24 GB and was killed (cpu-ref-a piece 5; the CPU meter's profiler
+    outliving it, ``runtime/memory.py``); empty where /proc is absent."""
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):

@@ -99,7 +99,8 @@ class MemoryMeter:
             # allocation of the region) outlives it until Python's cyclic collector happens to
             # run; tensors allocated meanwhile land between those blocks, and glibc's heap grew
             # by ~6 GB per HiLoRe preparation, 24 GB over a benchmark (cpu-ref-a piece 5, killed
-            # for memory). Collect now: the region is measured, never timed.
+            # for memory). Collect now: on CPU the meter serves measurement (the profiler already
+            # slows the region far more than one collection; a CPU training job pays both).
             gc.collect()
         self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()},
                                    {k: int(max(v, 0)) for k, v in before.items()})
