@@ -239,10 +239,15 @@ def test_unknown_layer_structure_falls_back_to_layer_checkpointing():
         engine = RecoveryEngine(model)
     assert any("Weird" in str(x.message) and "whole-layer" in str(x.message) for x in w)
     assert engine.unit_names == ["layers.0", "layers.1", "layers.2"]
-    model.zero_grad()
-    with engine.step("all-r"):
-        model(x).square().sum().backward()
-    assert all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters())
+    for plan in ("all-r", "all-p", "all-h"):  # P on a whole-layer unit keeps its matmul outputs
+        model.zero_grad()
+        with engine.step(plan) as st:
+            loss = model(x).square().sum()
+            st.set_actions()
+            kept = st.bytes_by_unit(shared=False)
+            loss.backward()
+        assert all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters()), plan
+        assert all((b["partial"] > 0) == (plan == "all-p") for b in kept.values()), (plan, kept)
 
 
 def test_clear_errors_for_bad_plans_and_actions():
@@ -291,8 +296,9 @@ def test_padded_batch_with_kv_cache_is_bitwise_no_gc(arch):
 
     ref = step()
     eng = RecoveryEngine(model)
-    mixed = {n: "HR"[int(torch.randint(0, 2, (1,), generator=g))] for n in eng.unit_names}
-    for plan in ("all-r", mixed):
+    mixed = {n: "HPR"[int(torch.randint(0, 3, (1,), generator=g))] for n in eng.unit_names}
+    print("seed", seed, mixed)
+    for plan in ("all-r", "all-p", mixed):
         got = step(eng, plan)
         assert set(got) == set(ref) and all(torch.equal(got[n], ref[n]) for n in ref), plan
 
