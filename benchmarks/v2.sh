@@ -7,6 +7,8 @@
 #   cpu-ref-allr      gc, hilore-hr, hilore head for head at 1.10 (activation scope): all-R plans against gc
 #   cpu-small-p       issue 14's first look: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
 #   cpu-small-2codec  issue 12: hilore with two L levels (int8-g64 and bf16) within B and the tolerance
+#   cpu-real-p110    issue 14 at the aim's budget: gc, hilore-coarse, hilore at 1.10 on real weights, with P's
+#                    saving measured on the whole microbatch (cpu-real-a's calibration reused; about an hour)
 # Issue 14's comparison is inside these runs: hilore (P and token L offered) beside hilore-coarse
 # (whole-unit H/L/R, what hilore meant before) in every run of every method (ALL).
 # A run too long for one session goes in pieces: RUN:1 .. RUN:5 each time some of the methods
@@ -38,6 +40,9 @@ for spec in "$@"; do
                   only=gc,hilore-hr,hilore ;;
     cpu-small-p) a=(--workload cpu-small --budgets 1.25,1.5)
                  only=gc,hilore-hr,hilore-hr-p ;;
+    cpu-real-p110) a=(--workload cpu-real --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo
+                      --calibration "$OUTDIR/cpu-real-a.calibration.json")
+                   only=gc,hilore-coarse,hilore ;;
     cpu-small-2codec) a=(--workload cpu-small --budgets 1.10,1.25,1.5 --codec int8-g64,bf16)
                       only=gc,all-l,hilore-static,hilore ;;
     *) echo "unknown run $run" >&2; exit 2 ;;

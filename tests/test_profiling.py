@@ -70,3 +70,19 @@ def test_partial_costs_and_a_plan_that_takes_p(setup):
     g_p = runner.run(mb, {n: a for n, a in actions.items()}, grads=True).grad
     g_r = runner.run(mb, "all-r", grads=True).grad
     assert torch.equal(g_p, g_r)
+
+
+def test_partial_savings_within_a_cap_are_measured_on_the_whole_microbatch(setup):
+    """Within B the probes are short prefixes; P's saving is then measured on the whole
+    microbatch for a few units of each kind (the rest R), with no pass above B, and every
+    unit's P saving is its kind's measured share of its own R replay time."""
+    runner, mb, budget = setup
+    with runner.watching() as peaks:
+        costs = profile_units(runner, mb, repeats=1, cap=budget, partial=True)
+    print("probes", costs.probe_tokens, "shares", costs.partial_share, "peaks/B", [round(p / budget, 3) for p in peaks])
+    assert max(costs.probe_tokens) < mb.num_tokens and max(peaks) <= budget
+    assert "attn" in costs.partial_share and all(0.0 <= s <= 1.0 for s in costs.partial_share.values())
+    for n in costs.dtau:
+        kind = "attn" if n.endswith("self_attn") else "mlp"
+        if kind in costs.partial_share:  # an MLP unit's P may not fit half the room left above all-R
+            assert costs.dtau[n]["P"] == pytest.approx(costs.partial_share[kind] * costs.dtau[n]["H"])
