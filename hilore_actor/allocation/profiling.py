@@ -83,11 +83,11 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
         costs.dm[n] = _dm(est, n, _kinds(levels, partial))
     if partial and mb.num_tokens not in probes:
         room = (cap - peak) / 2 if cap is not None else float("inf")
-        costs.partial_share = _partial_shares(runner, mb, repeats, {n: costs.dm[n]["P"] for n in names}, room)
+        kinds = {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}
+        costs.partial_share = _partial_shares(runner, mb, repeats, kinds, {n: costs.dm[n]["P"] for n in names}, room)
         for n in names:
-            kind = _unit_kinds(runner)[n]
-            if kind in costs.partial_share:
-                costs.dtau[n]["P"] = costs.partial_share[kind] * statistics.median(rec[n])
+            if kinds[n] in costs.partial_share:
+                costs.dtau[n]["P"] = costs.partial_share[kinds[n]] * statistics.median(rec[n])
     costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n, _kinds(levels, partial))
                                                                                for n in names}}
                     for x, v in sorted(probes.items())]
@@ -252,11 +252,8 @@ def _poly_at(xs: List[int], ys: List[float], degree: int, x: float) -> float:
     return float(np.polyval(np.polyfit(xs, ys, min(degree, len(xs) - 1)), x))
 
 
-def _unit_kinds(runner) -> Dict[str, str]:
-    return {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}
-
-
-def _partial_shares(runner, mb: Microbatch, repeats: int, p_bytes: Dict[str, float], room: float) -> Dict[str, float]:
+def _partial_shares(runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], p_bytes: Dict[str, float],
+                    room: float) -> Dict[str, float]:
     """``{unit kind: share of the unit's R replay time that P saves}``, measured on ``mb``
     itself. Within B the probes are short (on SmolLM2 at 1.10 B_GC, all-H of 30 layers fits
     a few hundred tokens), where a replay's per-op overhead hides what P keeps: scaled from
@@ -264,7 +261,6 @@ def _partial_shares(runner, mb: Microbatch, repeats: int, p_bytes: Dict[str, flo
     saves 135-154 ms of 160-181. So per kind, up to two units (first and middle) whose P
     bytes fit ``room`` go P on ``mb`` with every other unit R, and their replay times are
     set against the same units' under R. Kinds with no unit that fits keep the probes' value."""
-    kinds = _unit_kinds(runner)
     shares: Dict[str, float] = {}
     for kind in dict.fromkeys(kinds.values()):
         members = [n for n in runner.engine.unit_names if kinds[n] == kind]
