@@ -18,7 +18,9 @@ def main():
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine, apply_baseline
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from hilore_actor.runtime.distributed import init_deepspeed_distributed
+
+    init_deepspeed_distributed("cpu")
     rank = torch.distributed.get_rank()
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     ids, pos = packed_microbatch(96, 128, n_seqs=3, seed=100 + rank)  # each rank its own data

@@ -35,6 +35,7 @@ from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size
 from ..learner.coordinator import call
 from ..learner.faults import injected
 from ..recovery.state import ACTIONS
+from ..runtime.distributed import init_deepspeed_distributed
 
 
 def _fault(point: str, rank: int, step: int) -> None:
@@ -54,11 +55,8 @@ class Learner:
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         self.device = worker_device()
         if self.device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
             torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        init_deepspeed_distributed(self.device.type)
         from ..models.source import load_policy
 
         self.dtype = param_dtype(cfg)
