@@ -8,7 +8,8 @@
 #   cpu-small-p       issue 14's first look: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
 #   cpu-small-2codec  issue 12: hilore with two L levels (int8-g64 and bf16) within B and the tolerance
 #   cpu-real-p110    issue 14 at the aim's budget: gc, hilore-coarse, hilore at 1.10 on real weights, with P's
-#                    saving measured on the whole microbatch (cpu-real-a's calibration reused; about an hour)
+#                    saving measured on the whole microbatch and both P levels (P, P:core) offered
+#                    (cpu-real-a's calibration reused; about 80 minutes)
 # Issue 14's comparison is inside these runs: hilore (P and token L offered) beside hilore-coarse
 # (whole-unit H/L/R, what hilore meant before) in every run of every method (ALL).
 # A run too long for one session goes in pieces: RUN:1 .. RUN:5 each time some of the methods

@@ -92,6 +92,43 @@ def test_p_is_bitwise_no_gc_and_keeps_part_of_a_bundle(arch, lora):
             assert p["partial"] + p["checkpoint"] < h["exact"] + h["checkpoint"]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_p_core_keeps_only_the_attention_kernel_and_is_bitwise_no_gc(arch):
+    """P at level ``core`` (plan ``partial:core``) keeps only the attention kernel's outputs:
+    gradients bitwise no-gc, alone and mixed with H, P and R; an attention unit keeps bytes,
+    fewer than under P; an MLP unit (no attention kernel) keeps none."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = tiny(arch, "lora-dropout")
+    ids, pos = packed_microbatch(96, VOCAB, n_seqs=3)
+    ref, _ = run(model, ids, pos)
+    engine = RecoveryEngine(model)
+    gen = torch.Generator().manual_seed(seed)
+    labels = ("H", "P", "P:core", "R")
+    mixed = {n: labels[int(b)] for n, b in zip(engine.unit_names, torch.randint(0, 4, (4,), generator=gen))}
+    for plan, actions in [("all-p:core", None), (mixed, None), ("all-p:core", "all-r")]:
+        g, _ = run(model, ids, pos, engine, plan, actions)
+        for n in ref:
+            assert torch.equal(g[n], ref[n]), f"{plan}/{actions}: {n} differs"
+    held = {}
+    for plan in ("all-p", "all-p:core"):
+        model.zero_grad(set_to_none=True)
+        with engine.step(plan) as st:
+            loss = grpo_loss(model, ids, pos)
+            st.set_actions()
+            held[plan] = st.bytes_by_unit(shared=False)
+            loss.backward()
+    for n in engine.unit_names:
+        p, c = held["all-p"][n]["partial"], held["all-p:core"][n]["partial"]
+        print(n, "P", p, "P:core", c)
+        assert (0 < c < p) if n.endswith("attn") or "self_attn" in n else c == 0
+    with pytest.raises(ValueError, match="not available"), engine.step("all-p:core") as st:
+        grpo_loss(model, ids, pos)
+        st.set_actions({n: "P" for n in engine.unit_names})  # the kept outputs were chosen in forward
+    with pytest.raises(ValueError, match="unknown P level"):
+        engine.step({n: "P:fast" for n in engine.unit_names})
+
+
 @pytest.mark.parametrize("codec", ["int8", "int8-g64", "int8-outlier", "bf16", "fp8-e4m3", "fp8-e4m3-b32", "fp8-e5m2"])
 @pytest.mark.parametrize("lora", ["full", "lora-dropout"])
 @pytest.mark.parametrize("arch", ARCHS)

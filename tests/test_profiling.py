@@ -58,10 +58,12 @@ def test_partial_costs_and_a_plan_that_takes_p(setup):
     runner, mb, budget = setup
     costs = profile_units(runner, mb, repeats=1, partial=True)
     for n in costs.dm:
-        print(n, {a: costs.dm[n][a] >> 10 for a in ("H", "P")}, "KiB;", {a: round(costs.dtau[n][a], 4) for a in ("H", "P")}, "s")
+        print(n, {a: v >> 10 for a, v in costs.dm[n].items()}, "KiB;", {a: round(v, 4) for a, v in costs.dtau[n].items()}, "s")
         assert costs.dm[n]["P"] > 0 and 0.0 <= costs.dtau[n]["P"] <= costs.dtau[n]["H"] * 1.5
-        if n.endswith("mlp"):
-            assert costs.dm[n]["P"] < costs.dm[n]["H"]
+        if n.endswith("mlp"):  # no attention kernel: P:core would keep nothing, so it is no option
+            assert costs.dm[n]["P"] < costs.dm[n]["H"] and "P:core" not in costs.dm[n]
+        else:  # the kernel's outputs alone: fewer bytes than P's
+            assert 0 < costs.dm[n]["P:core"] < costs.dm[n]["P"] and 0.0 <= costs.dtau[n]["P:core"] <= costs.dtau[n]["H"] * 1.5
     hl = HiLoRe(runner, 10**12, None, mode="hilore-hr", partial=True, loo=False, log=lambda *a: None)
     room = sum(costs.dm[n]["P"] for n in costs.dm if n.endswith("mlp")) * 1.01
     actions = hl.allocate(costs, {}, room, 0.0)
@@ -81,8 +83,11 @@ def test_partial_savings_within_a_cap_are_measured_on_the_whole_microbatch(setup
         costs = profile_units(runner, mb, repeats=1, cap=budget, partial=True)
     print("probes", costs.probe_tokens, "shares", costs.partial_share, "peaks/B", [round(p / budget, 3) for p in peaks])
     assert max(costs.probe_tokens) < mb.num_tokens and max(peaks) <= budget
-    assert "attn" in costs.partial_share and all(0.0 <= s <= 1.0 for s in costs.partial_share.values())
-    for n in costs.dtau:
-        kind = "attn" if n.endswith("self_attn") else "mlp"
-        if kind in costs.partial_share:  # an MLP unit's P may not fit half the room left above all-R
-            assert costs.dtau[n]["P"] == pytest.approx(costs.partial_share[kind] * costs.dtau[n]["H"])
+    assert set(costs.partial_share) == {"P", "P:core"} and "attn" in costs.partial_share["P:core"]
+    assert "mlp" not in costs.partial_share["P:core"]  # it keeps nothing of an MLP unit: not measured
+    for a, shares in costs.partial_share.items():
+        assert all(0.0 <= s <= 1.0 for s in shares.values())
+        for n in costs.dtau:
+            kind = "attn" if n.endswith("self_attn") else "mlp"
+            if kind in shares:  # an MLP unit's P may not fit half the room left above all-R
+                assert costs.dtau[n][a] == pytest.approx(shares[kind] * costs.dtau[n]["H"])

@@ -27,7 +27,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..grpo.microbatch import Microbatch
-from ..recovery.state import ROWS, plan_for_label, row_share
+from ..recovery.rules import PARTIAL_LEVELS
+from ..recovery.state import P, ROWS, SEP, plan_for_label, row_share
+
+# P's levels as action labels: "P" (matmul and attention-kernel outputs), "P:core" (the kernel's alone)
+P_LABELS = tuple(P if k is None else P + SEP + k for k in PARTIAL_LEVELS)
 
 
 def shape_class(mb: Microbatch, bucket: int = 256) -> str:
@@ -47,7 +51,8 @@ class UnitCosts:
     probe_tokens: List[int] = field(default_factory=list)  # where bytes and codec times were measured
     bytes_linear_error: float = 0.0  # worst relative residual of a straight line through the probes' bytes
     points: List[Dict] = field(default_factory=list)  # measured (tokens, all-R peak, dm) for costs_at
-    partial_share: Dict[str, float] = field(default_factory=dict)  # unit kind -> share of its replay P saves, on the whole microbatch
+    options: List[str] = field(default_factory=list)  # the non-R options profiled (a unit may lack one that keeps nothing of it)
+    partial_share: Dict[str, Dict[str, float]] = field(default_factory=dict)  # P label -> unit kind -> share of its replay it saves, on the whole microbatch
 
 
 def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] = None,
@@ -57,8 +62,10 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
     may peak above it (the budget B): the all-R passes run on ``mb`` (they are the plan's
     floor), the all-H and all-L passes, which hold far more, on prefixes of ``mb`` that fit,
     and their bytes and codec times are scaled to ``mb``'s tokens (``probe_bytes``).
-    ``partial``: also P, whose utility is the unit's R replay time less its replay time
-    with the kept op outputs (measured on the probes, scaled like codec times)."""
+    ``partial``: also each P level (``P_LABELS``), whose utility is the unit's R replay time
+    less its replay time with the kept op outputs (on the probes, scaled like codec times,
+    then measured on ``mb`` itself: ``_partial_shares``). A P level that keeps nothing of a
+    unit (``P:core`` of an MLP) is no option for it."""
     names = runner.engine.unit_names
     runner.run(mb, "all-r")  # warm-up
     rec: Dict[str, List[float]] = {n: [] for n in names}
@@ -73,21 +80,26 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
         raise ValueError(f"budget {cap} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
     probes = probe_bytes(runner, mb, repeats, cap, levels, partial=partial)
     costs = UnitCosts(shape_class(mb), statistics.median(base), int(peak), tokens=mb.num_tokens,
-                      probe_tokens=sorted(probes))
+                      probe_tokens=sorted(probes), options=["H", *_kinds(levels, partial)])
     est, costs.bytes_linear_error = scaled(probes, mb.num_tokens)
     for n in names:
         t = statistics.median(rec[n])
         costs.dtau[n] = dict({"H": t}, **{a: max(0.0, t - est[CODEC + a][n]) for a in levels})
-        if partial:  # the probes' R and P replay times, both scaled: their difference is what P saves
-            costs.dtau[n]["P"] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + "P"][n]) * (t / max(est[REPLAY + "R"][n], 1e-12))
+        for a in P_LABELS if partial else ():  # the probes' R and P replay times, both scaled: their difference is what P saves
+            costs.dtau[n][a] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + a][n]) * (t / max(est[REPLAY + "R"][n], 1e-12))
         costs.dm[n] = _dm(est, n, _kinds(levels, partial))
+        for a in P_LABELS if partial else ():
+            if est[a][n] <= 0:  # this level keeps nothing of the unit: no option
+                del costs.dtau[n][a], costs.dm[n][a]
     if partial and mb.num_tokens not in probes:
         room = (cap - peak) / 2 if cap is not None else float("inf")
         kinds = {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}
-        costs.partial_share = _partial_shares(runner, mb, repeats, kinds, {n: costs.dm[n]["P"] for n in names}, room)
-        for n in names:
-            if kinds[n] in costs.partial_share:
-                costs.dtau[n]["P"] = costs.partial_share[kinds[n]] * statistics.median(rec[n])
+        for a in P_LABELS:
+            share = _partial_shares(runner, mb, repeats, kinds, a, {n: costs.dm[n][a] for n in names if a in costs.dm[n]}, room)
+            costs.partial_share[a] = share
+            for n in names:
+                if kinds[n] in share and a in costs.dtau[n]:
+                    costs.dtau[n][a] = share[kinds[n]] * statistics.median(rec[n])
     costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n, _kinds(levels, partial))
                                                                                for n in names}}
                     for x, v in sorted(probes.items())]
@@ -99,7 +111,7 @@ REPLAY = "replay|"  # key prefix of a unit's replay seconds under R or P in a pr
 
 
 def _kinds(levels: Sequence[str], partial: bool) -> Sequence[str]:
-    return (*levels, "P") if partial else tuple(levels)
+    return (*levels, *P_LABELS) if partial else tuple(levels)
 
 
 def _dm(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
@@ -132,7 +144,8 @@ def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:
     f = tokens / costs.tokens
     out = UnitCosts(shape=f"{costs.shape}@{tokens}", base_seconds=costs.base_seconds * f,
                     base_peak=int(_poly_at(xs, [p["base_peak"] for p in pts], 1, tokens)) if len(pts) > 1 else costs.base_peak,
-                    tokens=tokens, probe_tokens=list(costs.probe_tokens), bytes_linear_error=costs.bytes_linear_error)
+                    tokens=tokens, probe_tokens=list(costs.probe_tokens), bytes_linear_error=costs.bytes_linear_error,
+                    options=list(costs.options))
     for n in costs.dm:
         out.dtau[n] = {a: v * f for a, v in costs.dtau[n].items()}
         out.dm[n] = {a: int(max(0.0, _poly_at(xs, [p["dm"][n][a] for p in pts], 2, tokens))) for a in costs.dm[n]}
@@ -174,19 +187,21 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], parti
 
 
 def _partial_at(runner, mb: Microbatch, repeats: int, out: Dict) -> None:
-    """P on ``mb``: each unit's kept op outputs (bytes as if held alone) and its replay
-    seconds with them, interleaved with plain R replays of the same prefix."""
+    """Each P level on ``mb``: each unit's kept op outputs (bytes as if held alone) and its
+    replay seconds with them, interleaved with plain R replays of the same prefix."""
     names = runner.engine.unit_names
-    p_run = runner.run(mb, "all-p", measure_peak=True)
-    out["P"] = {n: float(p_run.bytes_alone[n]["partial"]) for n in names}
-    out["peak"]["all-h"] = max(out["peak"]["all-h"], float(p_run.peak_bytes))
-    rec = {k: {n: [] for n in names} for k in ("R", "P")}
+    plans = {"R": "all-r", **{a: {n: plan_for_label(a) for n in names} for a in P_LABELS}}
+    for a in P_LABELS:
+        p_run = runner.run(mb, plans[a], measure_peak=True)
+        out[a] = {n: float(p_run.bytes_alone[n]["partial"]) for n in names}
+        out["peak"]["all-h"] = max(out["peak"]["all-h"], float(p_run.peak_bytes))
+    rec = {k: {n: [] for n in names} for k in plans}
     for _ in range(repeats):
-        for k, policy in (("R", "all-r"), ("P", "all-p")):  # R: per unit within the layer replay, as dtau["H"]
-            res = runner.run(mb, policy, profile=True)
+        for k, plan in plans.items():  # R: per unit within the layer replay, as dtau["H"]
+            res = runner.run(mb, plan, profile=True)
             for n in names:
                 rec[k][n].append(res.unit_seconds[n]["recompute"])
-    for k in ("R", "P"):
+    for k in plans:
         out[REPLAY + k] = {n: statistics.median(rec[k][n]) for n in names}
 
 
@@ -252,18 +267,21 @@ def _poly_at(xs: List[int], ys: List[float], degree: int, x: float) -> float:
     return float(np.polyval(np.polyfit(xs, ys, min(degree, len(xs) - 1)), x))
 
 
-def _partial_shares(runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], p_bytes: Dict[str, float],
+def _partial_shares(runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], label: str, p_bytes: Dict[str, float],
                     room: float) -> Dict[str, float]:
-    """``{unit kind: share of the unit's R replay time that P saves}``, measured on ``mb``
+    """``{unit kind: share of the unit's R replay time that P level ``label`` saves}``, measured on ``mb``
     itself. Within B the probes are short (on SmolLM2 at 1.10 B_GC, all-H of 30 layers fits
     a few hundred tokens), where a replay's per-op overhead hides what P keeps: scaled from
     them, an attention unit's P saved 7-17 ms of a 139 ms replay, while on 2048 tokens it
     saves 135-154 ms of 160-181. So per kind, up to two units (first and middle) whose P
     bytes fit ``room`` go P on ``mb`` with every other unit R, and their replay times are
-    set against the same units' under R. Kinds with no unit that fits keep the probes' value."""
+    set against the same units' under R. Kinds with no unit that fits keep the probes' value;
+    units missing from ``p_bytes`` (the level keeps nothing of them) are not measured."""
     shares: Dict[str, float] = {}
     for kind in dict.fromkeys(kinds.values()):
-        members = [n for n in runner.engine.unit_names if kinds[n] == kind]
+        members = [n for n in runner.engine.unit_names if kinds[n] == kind and n in p_bytes]
+        if not members:
+            continue
         picked, used = [], 0.0
         for n in dict.fromkeys([members[0], members[len(members) // 2]]):
             if used + p_bytes[n] <= room:
@@ -271,7 +289,7 @@ def _partial_shares(runner, mb: Microbatch, repeats: int, kinds: Dict[str, str],
                 used += p_bytes[n]
         if not picked:
             continue
-        plan = {n: ("partial" if n in picked else "checkpoint") for n in runner.engine.unit_names}
+        plan = {n: (plan_for_label(label) if n in picked else "checkpoint") for n in runner.engine.unit_names}
         runner.run(mb, plan)  # warm-up (and, under a watching runner, its peak)
         rec = {k: {n: [] for n in picked} for k in ("R", "P")}
         for _ in range(repeats):

@@ -33,7 +33,7 @@ from . import fitting
 from .calibration import Calibration
 from .exposure import exposures, rest_exposures
 from .knapsack import Option, solve
-from .profiling import UnitCosts, costs_at, option_cost, profile_units, shape_class
+from .profiling import P_LABELS, UnitCosts, costs_at, option_cost, profile_units, shape_class
 
 MODES = ("hilore", "hilore-hr", "hilore-static")
 
@@ -86,7 +86,8 @@ class HiLoRe:
         would not fit on prefixes, ``profiling.probe_bytes``; the exact reference is all-R);
         ``first_fit``: the share of the memory room the first candidate plan may use (the
         real peak per predicted byte is not known before one plan has run). ``partial``:
-        offer P (keep a unit's matmul and attention outputs, replay the rest) beside H, L, R.
+        offer P beside H, L, R at each P level (``profiling.P_LABELS``: keep a unit's matmul and
+        attention-kernel outputs, or the attention kernel's alone, and replay the rest).
         ``token_rows``: shares of token rows token L may keep exact (``"L@0.1"``, MLP units only;
         risk: Eq. 11 at the exposure of the compressed rows, ``exposure.rest_exposures``)."""
         if mode not in MODES:
@@ -102,7 +103,7 @@ class HiLoRe:
         self.delta = 0.0 if mode == "hilore-hr" else delta
         self.levels = tuple(sorted(self.calibrations, key=lambda a: (a != "L", a))) if self.delta > 0 else ()
         self.partial = bool(partial)
-        self.kinds = ("H", *(("P",) if self.partial else ()), *self.levels)  # the non-R options per unit
+        self.kinds = ("H", *(P_LABELS if self.partial else ()), *self.levels)  # the non-R options per unit
         self.shares = tuple(float(f) for f in token_rows) if self.levels else ()
         self.token_wise = {u.name for layer in self.engine.layer_specs for u in layer.units if u.token_wise}
         self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
@@ -166,7 +167,7 @@ class HiLoRe:
         """Profile, pick and validate the plan for ``dev``'s shape class (see module doc)."""
         shape = shape_class(dev[0])
         cached = self.costs_cache.get(shape)
-        if cached is None or any(a not in next(iter(cached.dm.values()), {}) for a in self.kinds):
+        if cached is None or not set(self.kinds) <= set(cached.options):
             with self.runner.phase("profiling"):
                 self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
                                                         cap=self.budget if self.within_budget else None,

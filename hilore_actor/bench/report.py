@@ -116,7 +116,8 @@ def plans(records: List[Dict], top: int = 4) -> str:
                          for n in left)
         out.append(f"- `{r['method']}` at {fmt(r['budget_ratio'], '.2f')}: room {r['room_bytes'] / 2**20:.1f} MiB inside a "
                    f"microbatch, all-R peak {r['all_r_peak_bytes'] / 2**20:.1f} MiB, so {r['memory_budget_bytes'] / 2**20:.1f} MiB "
-                   f"for stored units; plan keeps {kept['exact']} H, {kept['partial']} P and {kept['compressed']} L of {len(u)}. "
+                   f"for stored units; plan keeps {kept['exact']} H, {kept['partial']} P "
+                   f"({sum(v['plan'] == 'partial:core' for v in u.values())} of them P:core) and {kept['compressed']} L of {len(u)}. "
                    f"Best left R: {desc or 'none'}.")
     return ("\n### HiLoRe plans\n\n" + "\n".join(out) + "\n") if out else ""
 

@@ -47,8 +47,9 @@ HILORE_FLAGS = [
      "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
      "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk"),
     ("hilore.partial", boolean, False, "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
-     "and attention kernels and replay the rest from them in backward (exact gradients; torch's selective "
-     "checkpointing, chosen per unit by the knapsack); off until benchmarked"),
+     "and attention kernels (P), or of its attention kernel alone (P:core), and replay the rest from them in "
+     "backward (exact gradients; torch's selective checkpointing, chosen per unit by the knapsack); off until "
+     "benchmarked"),
     ("hilore.token_rows", str, "", "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
      "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others compressed, each share "
      "one more option per L level for the knapsack (empty: off until benchmarked; modes with L)"),

@@ -19,8 +19,8 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
    MLP's input need not be kept): that is exactly decoder-layer checkpointing.
 
 5. P (plan ``partial``): while the unit runs forward, torch's selective-checkpoint caching
-   mode keeps the outputs of its matmuls and attention kernels (``rules.partial_saves``) and
-   the unit keeps no saved tensor; backward replays the unit under the matching cached mode,
+   mode keeps the outputs of its matmuls and attention kernels (plan ``partial:core``: of its
+   attention kernel alone; ``rules.partial_saves``) and the unit keeps no saved tensor; backward replays the unit under the matching cached mode,
    which hands those outputs back instead of recomputing them. The unit holds a fraction of
    its bytes and its replay costs a fraction of its time.
 
@@ -197,7 +197,7 @@ class RecoveryEngine:
             if u.plan == PARTIAL:  # keep the expensive ops' outputs while the unit runs (closed in _module_post)
                 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-                u.sac = create_selective_checkpoint_contexts(partial_policy())
+                u.sac = create_selective_checkpoint_contexts(partial_policy(u.partial_level))
                 u.sac[0].__enter__()
         if st.layer_joint_plan[li]:
             return

@@ -12,7 +12,8 @@ from typing import Dict, Tuple, Union
 from .state import (ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PARTIAL, PLANS, H, L, P, R, action_for_plan, plan_for_label,
                     split_label)
 
-ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-p": (PARTIAL, P), "all-r": (CHECKPOINT, R)}
+ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-p": (PARTIAL, P),
+                   "all-p:core": (PARTIAL + ":core", P + ":core"), "all-r": (CHECKPOINT, R)}
 BASELINES = ("no-gc", "gc")
 
 
@@ -47,6 +48,7 @@ def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Di
 
 def _check_codecs(labels) -> None:
     from .codecs import CODECS
+    from .rules import PARTIAL_LEVELS
     from .state import row_share
 
     for label in labels:
@@ -57,9 +59,13 @@ def _check_codecs(labels) -> None:
         if share is not None and (split_label(label)[0] not in (L, COMPRESSED) or not 0.0 <= share <= 1.0):
             raise ValueError(f"{label!r}: only L and compressed keep a share in [0, 1] of token rows exact")
     named = [(b, c) for b, c in map(split_label, labels) if c is not None]
+    levels = sorted({f"{b}:{c}" for b, c in named if b in (P, PARTIAL) and c not in PARTIAL_LEVELS})
+    if levels:
+        raise ValueError(f"unknown P level in {levels}; P and partial may name {sorted(k for k in PARTIAL_LEVELS if k)}")
+    named = [(b, c) for b, c in named if b not in (P, PARTIAL)]
     misplaced = sorted({f"{b}:{c}" for b, c in named if b not in (L, COMPRESSED)})
     if misplaced:
-        raise ValueError(f"only L and compressed name a codec, got {misplaced}")
+        raise ValueError(f"only L and compressed name a codec (and P and partial a level), got {misplaced}")
     bad = sorted({c for _, c in named if c not in CODECS})
     if bad:
         raise ValueError(f"unknown codec(s) {bad} in a plan or actions; available: {sorted(CODECS)}")

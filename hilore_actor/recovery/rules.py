@@ -1,5 +1,5 @@
 """Which saved tensors L keeps exact: the one table (issue 12, item 2); and which op
-outputs a partial unit (P) keeps (``partial_saves``, issue 14).
+outputs a partial unit (P) keeps at each P level (``partial_saves``, issue 14).
 
 L compresses a unit's saved tensors, except the kinds below. Measured per kind on SmolLM2-135M
 with its real weights (``benchmarks/results/codecs-smollm2.md``, kinds as in
@@ -42,14 +42,27 @@ def exact_reason(t: torch.Tensor, in_attention_core: bool = False) -> Optional[s
     return None
 
 
-def partial_saves():
-    """The ops whose outputs a partial unit (P) keeps: the matmuls and attention kernels,
-    where a unit's recompute time is; everything else (norms, activations, rotary, casts)
-    is recomputed from them, as torch's selective activation checkpointing does."""
+ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+                     "_flash_attention_forward", "_efficient_attention_forward")
+# What each P level keeps (the action "P:core", plan "partial:core"; "P": the default level).
+PARTIAL_LEVELS: Dict[Optional[str], str] = {
+    None: "the outputs of the unit's matmuls and attention kernels",
+    "core": "the attention kernel's outputs alone (attention units): on a packed 2048-token microbatch the "
+            "masked kernel takes about three times its unit's four projections on CPU, and keeps about a "
+            "quarter of their bytes (SmolLM2: 4.6 of 17 MiB)",
+}
+
+
+def partial_saves(level: Optional[str] = None):
+    """The ops whose outputs a partial unit (P) keeps (``PARTIAL_LEVELS``): the matmuls and
+    attention kernels, where a unit's recompute time is, or (``"core"``) the attention kernels
+    alone; everything else (norms, activations, rotary, casts, and under ``core`` the
+    projections) is recomputed from them, as torch's selective activation checkpointing does."""
+    if level not in PARTIAL_LEVELS:
+        raise ValueError(f"unknown P level {level!r}; levels: {sorted(k for k in PARTIAL_LEVELS if k)} or none")
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    names = ATTENTION_KERNELS + (() if level == "core" else ("mm", "addmm", "bmm", "baddbmm"))
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 
@@ -66,13 +79,13 @@ def _matmul_operands(op, args):
     return None
 
 
-def partial_policy():
-    """A selective-checkpoint policy saving ``partial_saves()``, except matmuls that are
+def partial_policy(level: Optional[str] = None):
+    """A selective-checkpoint policy saving ``partial_saves(level)``, except matmuls that are
     cheap per output byte: a LoRA up-projection (inner size r, output the layer's width)
     costs little to recompute and would keep as many bytes as the base projection."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saves = partial_saves()
+    saves = partial_saves(level)
 
     def policy(ctx, op, *args, **kwargs):
         if op not in saves:

@@ -30,6 +30,8 @@ RECOMPUTED = (P, R)  # actions whose saved tensors backward rebuilds by replayin
 # in bf16 whatever the engine's default codec is ("L" / "compressed": the default). Several L
 # levels per unit are then just more labels (allocation's knapsack picks among them).
 SEP = ":"
+# P may name its level the same way: "P:core" / "partial:core" keep only the attention kernel's
+# outputs ("P": its matmuls' too; ``rules.PARTIAL_LEVELS``).
 # Token-granular L (token-wise units only, ``UnitSpec.token_wise``): ``"L@0.25"`` /
 # ``"compressed@0.25"`` keep the 25% of the unit's token rows with the largest exposure exact
 # and compress the others; the rows are chosen in forward, as the unit runs (``Step.keep_rows``).
@@ -47,6 +49,12 @@ def row_share(label: str) -> Optional[float]:
     """The share of token rows kept exact: ``"L@0.25"`` -> 0.25; None for whole-unit labels."""
     _, sep, share = label.partition(ROWS)
     return float(share) if sep else None
+
+
+def partial_level(label: str) -> Optional[str]:
+    """The P level a P or partial label names: ``"partial:core"`` -> ``"core"``; None otherwise."""
+    base, level = split_label(label)
+    return level if base in (P, PARTIAL) else None
 
 
 def _suffix(label: str) -> str:
@@ -84,6 +92,8 @@ def allows(plan: str, action: str) -> bool:
         return False
     if a == L and p == COMPRESSED:
         return pc == ac and row_share(plan) == row_share(action)
+    if a == P:  # the kept op outputs were chosen in forward, by the plan's P level
+        return pc == ac
     return not (a == L and row_share(action) is not None)
 
 
@@ -144,6 +154,7 @@ class UnitState:
     row_share: Optional[float] = None  # token L: the share of rows kept exact (plan "compressed@f")
     row_index: Any = None  # token L: (kept rows, other rows) as index tensors, chosen in forward
     sac: Any = None  # partial: (caching, cached) op-output modes of its forward and its replay
+    partial_level: Optional[str] = None  # partial: which op outputs it keeps (plan "partial:core": "core")
     timer: Optional[float] = None
     outputs: Dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (call, index), while recording
 
@@ -199,9 +210,9 @@ def partial_outputs(u: UnitState) -> List[torch.Tensor]:
         return []
     out = []
     for entries in u.sac[0].storage.values():
-        for v in entries.values():
-            val = getattr(v, "val", None)  # torch.utils.checkpoint._VersionWrapper
-            out += list(iter_tensors(val))
+        for v in entries.values():  # one _VersionWrapper per output (torch.utils.checkpoint), a tuple of
+            for w in (v if isinstance(v, (tuple, list)) else (v,)):  # them for a multi-output op (sdpa)
+                out += list(iter_tensors(getattr(w, "val", None)))
     return out
 
 

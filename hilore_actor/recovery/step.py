@@ -13,8 +13,8 @@ import torch
 
 from .codecs import RowSplit, decode, get_codec, has_rows
 from .rules import exact_reason
-from .state import (ALLOWED, CHECKPOINT, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows, row_share,
-                    split_label, storage_key, unit_bytes)
+from .state import (ALLOWED, CHECKPOINT, COMPRESSED, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows,
+                    partial_level, row_share, split_label, storage_key, unit_bytes)
 
 if TYPE_CHECKING:
     from .engine import RecoveryEngine
@@ -40,7 +40,8 @@ class Step:
         self._pending_actions = actions
         self.layers = [
             LayerState(spec, [UnitState(u, plan=split_label(plans[u.name])[0], codec=self._codec(plans[u.name]),
-                                        row_share=row_share(plans[u.name])) for u in spec.units])
+                                        row_share=row_share(plans[u.name]), partial_level=partial_level(plans[u.name]))
+                              for u in spec.units])
             for spec in engine.layer_specs
         ]
         self.units = [u for ls in self.layers for u in ls.units]
@@ -88,9 +89,9 @@ class Step:
         return out
 
     def _codec(self, label: str):
-        """The codec a plan or action label names, else the engine's default."""
-        name = split_label(label)[1]
-        return get_codec(name) if name else self.engine.codec
+        """The codec an L or compressed label names, else the engine's default."""
+        base, name = split_label(label)
+        return get_codec(name) if name and base in (L, COMPRESSED) else self.engine.codec
 
     def __enter__(self) -> "Step":
         if self.engine._step is not None:
