@@ -57,6 +57,19 @@ def test_h_r_and_gc_are_bitwise_no_gc(arch, lora):
     assert all(torch.equal(g[n], ref[n]) for n in ref), "gc differs from no-gc"
 
 
+def _held_bytes(model, engine, ids, pos, plans):
+    """{plan: bytes each unit holds between forward and backward (``Step.bytes_by_unit``)}."""
+    held = {}
+    for plan in plans:
+        model.zero_grad(set_to_none=True)
+        with engine.step(plan) as st:
+            loss = grpo_loss(model, ids, pos)
+            st.set_actions()
+            held[plan] = st.bytes_by_unit(shared=False)
+            loss.backward()
+    return held
+
+
 @pytest.mark.parametrize("lora", ["full", "lora-dropout"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_p_is_bitwise_no_gc_and_keeps_part_of_a_bundle(arch, lora):
@@ -76,14 +89,7 @@ def test_p_is_bitwise_no_gc_and_keeps_part_of_a_bundle(arch, lora):
         g, step = run(model, ids, pos, engine, plan, actions)
         for n in ref:
             assert torch.equal(g[n], ref[n]), f"{plan}/{actions}: {n} differs"
-    held = {}
-    for plan in ("all-h", "all-p"):
-        model.zero_grad(set_to_none=True)
-        with engine.step(plan) as st:
-            loss = grpo_loss(model, ids, pos)
-            st.set_actions()
-            held[plan] = st.bytes_by_unit(shared=False)
-            loss.backward()
+    held = _held_bytes(model, engine, ids, pos, ("all-h", "all-p"))
     for n in engine.unit_names:
         h, p = held["all-h"][n], held["all-p"][n]
         print(n, "H", h, "P", p)
@@ -110,14 +116,7 @@ def test_p_core_keeps_only_the_attention_kernel_and_is_bitwise_no_gc(arch):
         g, _ = run(model, ids, pos, engine, plan, actions)
         for n in ref:
             assert torch.equal(g[n], ref[n]), f"{plan}/{actions}: {n} differs"
-    held = {}
-    for plan in ("all-p", "all-p:core"):
-        model.zero_grad(set_to_none=True)
-        with engine.step(plan) as st:
-            loss = grpo_loss(model, ids, pos)
-            st.set_actions()
-            held[plan] = st.bytes_by_unit(shared=False)
-            loss.backward()
+    held = _held_bytes(model, engine, ids, pos, ("all-p", "all-p:core"))
     for n in engine.unit_names:
         p, c = held["all-p"][n]["partial"], held["all-p:core"][n]["partial"]
         print(n, "P", p, "P:core", c)
