@@ -85,12 +85,12 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
     for n in names:
         t = statistics.median(rec[n])
         costs.dtau[n] = dict({"H": t}, **{a: max(0.0, t - est[CODEC + a][n]) for a in levels})
-        for a in P_LABELS if partial else ():  # the probes' R and P replay times, both scaled: their difference is what P saves
-            costs.dtau[n][a] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + a][n]) * (t / max(est[REPLAY + "R"][n], 1e-12))
         costs.dm[n] = _dm(est, n, _kinds(levels, partial))
-        for a in P_LABELS if partial else ():
+        for a in P_LABELS if partial else ():  # the probes' R and P replay times, both scaled: their difference is what P saves
             if est[a][n] <= 0:  # this level keeps nothing of the unit: no option
-                del costs.dtau[n][a], costs.dm[n][a]
+                del costs.dm[n][a]
+                continue
+            costs.dtau[n][a] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + a][n]) * (t / max(est[REPLAY + "R"][n], 1e-12))
     if partial and mb.num_tokens not in probes:
         room = (cap - peak) / 2 if cap is not None else float("inf")
         kinds = {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}

@@ -20,9 +20,10 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
 
 5. P (plan ``partial``): while the unit runs forward, torch's selective-checkpoint caching
    mode keeps the outputs of its matmuls and attention kernels (plan ``partial:core``: of its
-   attention kernel alone; ``rules.partial_saves``) and the unit keeps no saved tensor; backward replays the unit under the matching cached mode,
-   which hands those outputs back instead of recomputing them. The unit holds a fraction of
-   its bytes and its replay costs a fraction of its time.
+   attention kernel alone; ``rules.partial_saves``) and the unit keeps no saved tensor;
+   backward replays the unit under the matching cached mode, which hands those outputs back
+   instead of recomputing them. The unit holds a fraction of its bytes and its replay costs a
+   fraction of its time.
 
 H, P and R therefore give bitwise the gradients of plain autograd; only L approximates.
 """

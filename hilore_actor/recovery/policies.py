@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Tuple, Union
 
-from .state import (ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PARTIAL, PLANS, H, L, P, R, action_for_plan, plan_for_label,
-                    split_label)
+from .state import (ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PARTIAL, PLANS, SEP, H, L, P, R, action_for_plan,
+                    plan_for_label, split_label)
 
 ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-p": (PARTIAL, P),
-                   "all-p:core": (PARTIAL + ":core", P + ":core"), "all-r": (CHECKPOINT, R)}
+                   "all-p:core": (PARTIAL + SEP + "core", P + SEP + "core"), "all-r": (CHECKPOINT, R)}
 BASELINES = ("no-gc", "gc")
 
 
