@@ -128,6 +128,42 @@ def test_p_core_keeps_only_the_attention_kernel_and_is_bitwise_no_gc(arch):
         engine.step({n: "P:fast" for n in engine.unit_names})
 
 
+def _held_total(model, engine, ids, pos, actions):
+    """(all bytes, kept op outputs) held between forward and backward under ``actions``, each storage counted once."""
+    model.zero_grad(set_to_none=True)
+    with engine.step(actions) as st:
+        loss = grpo_loss(model, ids, pos)
+        st.set_actions()
+        total = sum(sum(b.values()) for b in st.bytes_by_unit(shared=True).values())
+        partial = sum(b["partial"] for b in st.bytes_by_unit(shared=True).values())
+        loss.backward()
+    return total, partial
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_layer_of_p_and_r_units_replays_as_one(arch):
+    """A layer whose units are all R or P replays as one (engine.py, 4-5): each P unit's kept
+    outputs are served inside that unit only (another unit's matmuls are recomputed), the
+    gradients are bitwise no-gc, and the layer holds what all-R holds plus the P units' kept
+    outputs: no input of its MLP, which the layer replay rebuilds."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    model = tiny(arch, "lora-dropout")
+    ids, pos = packed_microbatch(96, VOCAB, n_seqs=3)
+    ref, _ = run(model, ids, pos, rng_seed=seed)
+    engine = RecoveryEngine(model)
+    attn, mlp = engine.unit_names[:2]
+    all_r = {n: "R" for n in engine.unit_names}
+    base, _ = _held_total(model, engine, ids, pos, all_r)
+    for acts in ({attn: "P:core"}, {attn: "P"}, {mlp: "P"}, {attn: "P", mlp: "P"}, {attn: "P:core", mlp: "P"}):
+        g, step = run(model, ids, pos, engine, {**all_r, **acts}, rng_seed=seed)
+        for n in ref:
+            assert torch.equal(g[n], ref[n]), f"{acts}: {n} differs"
+        total, partial = _held_total(model, engine, ids, pos, {**all_r, **acts})
+        print(acts, "held", total, "all-R", base, "kept outputs", partial)
+        assert partial > 0 and total == base + partial
+
+
 @pytest.mark.parametrize("codec", ["int8", "int8-g64", "int8-outlier", "bf16", "fp8-e4m3", "fp8-e4m3-b32", "fp8-e5m2"])
 @pytest.mark.parametrize("lora", ["full", "lora-dropout"])
 @pytest.mark.parametrize("arch", ARCHS)

@@ -8,7 +8,8 @@ each unit's encode + decode (what L adds back). Runs are warmed up and repeated;
 kept. Memory: the bytes each unit's bundle holds after forward, exact (H) or compressed (L),
 from the engine's allocator-level accounting, counted as if the unit were the only one kept
 (a storage shared by several units, such as an attention mask, is charged to each), plus,
-for an attention unit, the MLP input that must then be kept for the MLP's own replay.
+for an attention unit kept H or L, the MLP input that must then be kept for the MLP's own
+replay (a P unit joins its layer's replay, which rebuilds that input).
 Schedule validation (``schedule.py``) measures the joint effect: real peak, and
 leave-one-out utility.
 
@@ -115,8 +116,10 @@ def _kinds(levels: Sequence[str], partial: bool) -> Sequence[str]:
 
 
 def _dm(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
+    """Bytes per option; an attention unit kept H or L also keeps its MLP's input (``mixed``),
+    a P unit does not: its layer still replays as a whole (``recovery/engine.py``, 4-5)."""
     extra = values["mixed"].get(unit, 0.0)
-    return {a: int(values[a][unit] + extra) for a in ("H", *levels)}
+    return {a: int(values[a][unit] + (0.0 if a in P_LABELS else extra)) for a in ("H", *levels)}
 
 
 def option_cost(costs: UnitCosts, unit: str, label: str) -> Tuple[float, float]:
@@ -176,8 +179,8 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], parti
         out["peak"]["all-h"] = max(out["peak"]["all-h"], float(l_run.peak_bytes))
     if partial:
         _partial_at(runner, mb, repeats, out)
-    # keeping a layer's attention while its MLP is R breaks the shared layer replay: the MLP
-    # then needs its own input kept (one hidden-state tensor)
+    # keeping a layer's attention H or L while its MLP is R breaks the shared layer replay: the
+    # MLP then needs its own input kept (one hidden-state tensor)
     mixed = {layer.units[0].name: layer.units[1].name for layer in runner.engine.layer_specs
              if [u.kind for u in layer.units] == ["attn", "mlp"]}
     if mixed:

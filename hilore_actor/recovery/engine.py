@@ -14,16 +14,19 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
    backward starts.
 4. In backward, unpacking an H handle returns the stored tensor; L decodes; R re-runs the
    unit's recorded calls (same inputs, RNG, autocast, precision) under a capture hook that
-   collects the re-saved tensors in the same order. When every unit of a layer is R, one replay
-   of the whole layer serves them all (the attention recompute produces the MLP's input, so the
-   MLP's input need not be kept): that is exactly decoder-layer checkpointing.
+   collects the re-saved tensors in the same order. When every unit of a layer is R or P, one
+   replay of the whole layer serves them all (the attention recompute produces the MLP's input,
+   so the MLP's input need not be kept): with every unit R that is exactly decoder-layer
+   checkpointing.
 
 5. P (plan ``partial``): while the unit runs forward, torch's selective-checkpoint caching
    mode keeps the outputs of its matmuls and attention kernels (plan ``partial:core``: of its
    attention kernel alone; ``rules.partial_saves``) and the unit keeps no saved tensor;
    backward replays the unit under the matching cached mode, which hands those outputs back
    instead of recomputing them. The unit holds a fraction of its bytes and its replay costs a
-   fraction of its time.
+   fraction of its time. Its cached mode is on exactly while the unit re-runs, as its caching
+   mode was in forward (the mode replays the unit's op sequence), so a P unit can join its
+   layer's replay.
 
 H, P and R therefore give bitwise the gradients of plain autograd; only L approximates.
 """
@@ -38,7 +41,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .codecs import DEFAULT_CODECS, PAYLOADS, decode, get_codec
 from .rules import partial_policy
-from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, R, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
+from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
                     map_structure, storage_key)
 from .step import Step
 from .units import discover_units
@@ -180,6 +183,9 @@ class RecoveryEngine:
         if st.mode == "replay":
             if k == 0:
                 st.capture = u if u in st.targets else None
+                if st.capture is u and u.action == P:  # serve its kept op outputs while it re-runs
+                    st.cached = u
+                    u.sac[1].__enter__()
                 if st.profile:
                     u.timer = st.clock()
             return
@@ -220,6 +226,7 @@ class RecoveryEngine:
         if st.mode == "replay":
             if last:
                 st.capture = None
+                self._close_cached(st)
                 if st.profile and u.timer is not None:
                     u.replay_seconds += st.clock() - u.timer
                     u.timer = None
@@ -292,11 +299,11 @@ class RecoveryEngine:
         ls = st.layer_of[u.name]
         if u.replayed:
             raise RuntimeError(f"hilore: {u.name}: a saved tensor is missing after recomputation")
-        targets = [x for x in ls.units if x.action == R] if ls.joint else [u]  # joint: every unit is R
+        targets = list(ls.units) if ls.joint else [u]  # joint: every unit is R or P
         replay = ls.replay if ls.joint else u.replay
         for x in targets:
             x.replayed, x.capture_count = True, 0
-        self._run_replay(st, replay, targets, cached=u.sac[1] if u.action == P else None)
+        self._run_replay(st, replay, targets)
         for x in targets:
             if x.capture_count != x.n_saved:
                 raise RuntimeError(
@@ -304,9 +311,15 @@ class RecoveryEngine:
                     "the unit's forward is not deterministic in structure"
                 )
 
-    def _run_replay(self, st: "Step", replay: Replay, targets: List[UnitState], cached=None) -> None:
-        """Re-run ``replay``'s calls, capturing the targets' saved tensors; ``cached``: a
-        partial unit's selective-checkpoint mode, which serves its kept op outputs."""
+    @staticmethod
+    def _close_cached(st: "Step") -> None:
+        if st.cached is not None:
+            st.cached.sac[1].__exit__(None, None, None)
+            st.cached = None
+
+    def _run_replay(self, st: "Step", replay: Replay, targets: List[UnitState]) -> None:
+        """Re-run ``replay``'s calls, capturing the targets' saved tensors (a P target's kept
+        op outputs are served by its cached mode while it runs: ``_module_pre``)."""
         cpu_rng, devices, dev_states = replay.rng
         device_type = "cuda" if devices else "cpu"
         outs: list = []
@@ -330,8 +343,7 @@ class RecoveryEngine:
                 stack.enter_context(residency_preserved([c.module for c in replay.calls]))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(partial(self._capture, st), lambda x: x))
-                if cached is not None:
-                    stack.enter_context(cached)
+                stack.callback(self._close_cached, st)  # the replay stopped inside a P unit (_ReplayDone)
                 for call in replay.calls:
                     outs.append(call.module(*map_structure(call.args, resolve), **map_structure(call.kwargs, resolve)))
         except _ReplayDone:

@@ -168,7 +168,7 @@ class LayerState:
     spec: LayerSpec
     units: List[UnitState]
     replay: Replay = field(default_factory=Replay)
-    joint: bool = False  # every unit is R: one layer replay serves them all (shared recompute)
+    joint: bool = False  # every unit is R or P: one layer replay serves them all (shared recompute)
 
 
 def unit_bytes(layers: List[LayerState], shared: bool = True) -> Dict[str, Dict[str, int]]:

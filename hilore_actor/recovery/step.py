@@ -54,6 +54,7 @@ class Step:
         self.current: Optional[UnitState] = None
         self.capture: Optional[UnitState] = None
         self.targets: set = set()
+        self.cached: Optional[UnitState] = None  # replay: the P unit whose cached mode is on now
         self.actions_set = False
         self._compressed: Dict[tuple, tuple] = {}
         self._masks: Dict[tuple, torch.Tensor] = {}
@@ -192,7 +193,7 @@ class Step:
                     if isinstance(v, torch.Tensor) and idx not in u.external and idx not in u.kept:
                         u.entries[idx] = self.compress(v, u)
         for ls in self.layers:
-            ls.joint = all(u.action == R for u in ls.units)  # a P unit replays alone, with its kept outputs
+            ls.joint = all(u.action in RECOMPUTED for u in ls.units)  # P units too, under their cached modes
             if ls.joint:
                 for u in ls.units:
                     u.replay = Replay()  # the layer replay rebuilds every unit: drop their own inputs
