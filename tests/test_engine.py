@@ -57,17 +57,20 @@ def test_h_r_and_gc_are_bitwise_no_gc(arch, lora):
     assert all(torch.equal(g[n], ref[n]) for n in ref), "gc differs from no-gc"
 
 
-def _held_bytes(model, engine, ids, pos, plans):
-    """{plan: bytes each unit holds between forward and backward (``Step.bytes_by_unit``)}."""
-    held = {}
-    for plan in plans:
-        model.zero_grad(set_to_none=True)
-        with engine.step(plan) as st:
-            loss = grpo_loss(model, ids, pos)
-            st.set_actions()
-            held[plan] = st.bytes_by_unit(shared=False)
-            loss.backward()
+def _held(model, engine, ids, pos, plan, shared=False):
+    """Bytes each unit holds between forward and backward under ``plan`` (``Step.bytes_by_unit``)."""
+    model.zero_grad(set_to_none=True)
+    with engine.step(plan) as st:
+        loss = grpo_loss(model, ids, pos)
+        st.set_actions()
+        held = st.bytes_by_unit(shared=shared)
+        loss.backward()
     return held
+
+
+def _held_bytes(model, engine, ids, pos, plans):
+    """{plan: bytes each unit holds, as if held alone}."""
+    return {plan: _held(model, engine, ids, pos, plan) for plan in plans}
 
 
 @pytest.mark.parametrize("lora", ["full", "lora-dropout"])
@@ -129,15 +132,9 @@ def test_p_core_keeps_only_the_attention_kernel_and_is_bitwise_no_gc(arch):
 
 
 def _held_total(model, engine, ids, pos, actions):
-    """(all bytes, kept op outputs) held between forward and backward under ``actions``, each storage counted once."""
-    model.zero_grad(set_to_none=True)
-    with engine.step(actions) as st:
-        loss = grpo_loss(model, ids, pos)
-        st.set_actions()
-        total = sum(sum(b.values()) for b in st.bytes_by_unit(shared=True).values())
-        partial = sum(b["partial"] for b in st.bytes_by_unit(shared=True).values())
-        loss.backward()
-    return total, partial
+    """(all bytes, kept op outputs) held between forward and backward, each storage counted once."""
+    held = _held(model, engine, ids, pos, actions, shared=True).values()
+    return sum(sum(b.values()) for b in held), sum(b["partial"] for b in held)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
