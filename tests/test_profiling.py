@@ -52,7 +52,9 @@ def test_scaled_is_exact_on_quadratic_bytes_and_reports_the_curvature():
 def test_partial_costs_and_a_plan_that_takes_p(setup):
     """P's profiled costs: an MLP unit keeps fewer bytes than under H and its P replay saves
     part of its R replay; with P offered and room for the P bytes of every unit but not the
-    H bytes, the knapsack takes P somewhere, and that plan's gradients equal all-R's bitwise."""
+    H bytes, the knapsack takes a partial option (P or P:core) somewhere, and that plan's
+    gradients equal all-R's bitwise. Which one depends on the measured times: an attention
+    unit's H plus P:core can beat the MLP units' P on a noisy machine."""
     from hilore_actor.allocation import HiLoRe
 
     runner, mb, budget = setup
@@ -68,7 +70,7 @@ def test_partial_costs_and_a_plan_that_takes_p(setup):
     room = sum(costs.dm[n]["P"] for n in costs.dm if n.endswith("mlp")) * 1.01
     actions = hl.allocate(costs, {}, room, 0.0)
     print(actions)
-    assert "P" in actions.values()
+    assert any(a in ("P", "P:core") for a in actions.values())
     g_p = runner.run(mb, {n: a for n, a in actions.items()}, grads=True).grad
     g_r = runner.run(mb, "all-r", grads=True).grad
     assert torch.equal(g_p, g_r)
