@@ -114,3 +114,37 @@ def test_side_pass_leaves_the_online_chooser_as_it_was():
     with h.side_pass():
         h._calls, h._last = 9, None
     assert (h._calls, h._last) == (3, {"model.layers.0.mlp": "H"})
+
+
+def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
+    """The leave-one-out check on scripted paired times (time without the unit minus time
+    with it, seeded random sizes): a unit slower in all three pairs goes to R; one whose
+    pairs straddle zero with a negative median (what run-to-run noise makes of a small
+    saving) stays, as does a useful one."""
+    from types import SimpleNamespace
+
+    from hilore_actor.allocation.schedule import ShapePlan
+    from hilore_actor.recovery.state import CHECKPOINT, EXACT
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    size = (torch.rand(9, generator=torch.Generator().manual_seed(seed)) * 0.03 + 0.001).tolist()
+    paired = {"costly": [-size[0], -size[1], -size[2]], "noisy": [-size[3] - size[5], size[5], -size[4] - size[5]],
+              "useful": size[6:9]}
+    costs = SimpleNamespace(dtau={n: {"H": 0.01} for n in paired}, dm={n: {"H": 1 << 20} for n in paired})
+    sp = ShapePlan("s", costs, dict({n: EXACT for n in paired}, other=CHECKPOINT), 0.0, 0.0, 0.0)
+    pair = {n: 0 for n in paired}
+
+    def run(plan, mb, timed=False):
+        if plan is sp:
+            return SimpleNamespace(seconds=1.0)
+        (n,) = [n for n in paired if plan.plan[n] == CHECKPOINT and sp.plan[n] != CHECKPOINT]
+        pair[n] += 1
+        return SimpleNamespace(seconds=1.0 + paired[n][pair[n] - 1])
+
+    hl = HiLoRe.__new__(HiLoRe)
+    hl.runner, hl.loo_units, hl.log, hl._run = SimpleNamespace(watch=None), 4, print, run
+    hl._drop_useless(sp, None)
+    assert pair == {n: 3 for n in paired}  # every stored unit checked, three pairs each
+    assert sp.plan == {"costly": CHECKPOINT, "noisy": EXACT, "useful": EXACT, "other": CHECKPOINT}
+    assert sp.report["loo_recomputed"] == ["costly"]

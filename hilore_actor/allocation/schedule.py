@@ -12,8 +12,9 @@
      two runs of the same plan differ by 10-15%, more than candidates differ;
   4. validate it: the measured peak on every development microbatch <= B (else shrink the
      memory budget by the overshoot and re-plan), the accumulated relative gradient error over
-     them <= ``tolerance`` (else halve the risk budget), and drop each non-R action whose
-     leave-one-out utility (time with it minus time without it, paired) is <= 0.
+     them <= ``tolerance`` (else halve the risk budget), and drop each non-R action that
+     made the update slower in every leave-one-out pair (time without it minus time with it
+     <= 0 in all of them).
 Online (``choose``), per microbatch or every ``refresh_every``: omega -> exposure (Eq. 7) ->
 risk psi_u -> knapsack restricted to each unit's planned representation -> actions.
 Modes: ``hilore``; ``hilore-hr`` (delta = 0: H/R only); ``hilore-static`` (the plan's own
@@ -323,10 +324,18 @@ class HiLoRe:
 
     def _drop_useless(self, sp: ShapePlan, mb, repeats: int = 3) -> None:
         """Leave-one-out: each checked unit's paired utility (time without it minus time with
-        it, ``repeats`` interleaved pairs of whole updates); <= 0 sends it to R. Checking
-        every stored unit costs 2 x repeats updates each (30 minutes for the CPU demo's 27
-        units), so only the ``loo_units`` stored units with the least profiled utility per
-        byte are checked: those are where a measured utility of zero is likely."""
+        it, ``repeats`` interleaved pairs of whole updates); <= 0 in every pair sends it to R.
+
+        Every pair, not the median: the profile already measured the unit's saving, and this
+        check is there to catch a unit that costs time when stored (e.g. its codec is slower
+        than its replay), not to re-estimate a saving of 1-3% of an update that a busy CPU's
+        10-15% run-to-run noise cannot resolve in three pairs. With the median, a unit whose
+        saving is small beside the noise went to R about half the time (cpu-small sweep,
+        commit de65e2e: 18 units recomputed on medians of -1.8 to -33 ms on 0.6-1.4 s
+        updates); a unit with no effect at all now goes to R with probability 1/8.
+        Checking every stored unit costs 2 x repeats updates each (30 minutes for the CPU
+        demo's 27 units), so only the ``loo_units`` stored units with the least profiled
+        utility per byte are checked: those are where a measured utility of zero is likely."""
         stored = [n for n, q in sp.plan.items() if q != CHECKPOINT]
         label = {n: action_for_plan(sp.plan[n]) for n in stored}
         def per_byte(n: str) -> float:
@@ -342,10 +351,13 @@ class HiLoRe:
                 self._run(alt, mb)  # measured once (planning's peak), not timed
             for _ in range(repeats):  # paired: with, without, interleaved
                 diffs.append(self._run(alt, mb, timed=True).seconds - self._run(sp, mb, timed=True).seconds)
-            if statistics.median(diffs) <= 0:
+            ms = ", ".join(f"{d * 1e3:.1f}" for d in diffs)
+            if max(diffs) <= 0:
                 sp.plan[n] = CHECKPOINT
                 sp.report.setdefault("loo_recomputed", []).append(n)
-                self.log(f"[hilore] leave-one-out: {n} saves no time ({statistics.median(diffs) * 1e3:.1f} ms); recompute it")
+                self.log(f"[hilore] leave-one-out: {n} saved no time in any pair ({ms} ms); recompute it")
+            else:
+                self.log(f"[hilore] leave-one-out: {n} kept (paired savings {ms} ms)")
 
     # ---- online -------------------------------------------------------------------------------
     def plan_for(self, mb) -> ShapePlan:

@@ -59,8 +59,8 @@ HILORE_FLAGS = [
      "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
     ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
     ("hilore.loo", boolean, True, "leave-one-out check of the plan: the four stored units with the least profiled "
-     "utility per byte are timed in pairs with and without them and recomputed when they save no time (false skips "
-     "it: faster start-up)"),
+     "utility per byte are timed in pairs with and without them and recomputed when they were slower in every pair "
+     "(false skips it: faster start-up)"),
 ]
 DEFAULTS = {spec[0][len("hilore."):]: spec[2] for spec in HILORE_FLAGS}
 TYPES = {spec[0][len("hilore."):]: spec[1] for spec in HILORE_FLAGS}
