@@ -58,7 +58,9 @@ for spec in "$@"; do
   methods=${only:-$ALL} name=$run
   if [ -n "$piece" ]; then
     methods=${PIECES[$((piece - 1))]} name=$run.$piece
-    a+=(--calibration "$OUTDIR/$run.calibration.json")
+    calib=$run  # view (b) shares view (a)'s calibration: same workload, inputs and rows; risk does not depend on B
+    case "$run" in *-b) calib=${run%-b}-a ;; esac
+    a+=(--calibration "$OUTDIR/$calib.calibration.json")
   fi
   "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats 7 --updates 3 \
     --json "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" --markdown "$OUTDIR/$name.md" 2>&1 \

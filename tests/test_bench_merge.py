@@ -31,6 +31,19 @@ def test_mismatched_pieces_are_refused(tmp_path, capsys):
     assert "budget_base_bytes" in capsys.readouterr().err
 
 
+def test_real_inputs_compare_the_measured_rows_not_the_pool_size():
+    """A piece that reused a calibration file generated a smaller rollout pool (fewer groups,
+    another mean reward) for the same measured rows: it merges; other measured rows do not."""
+    rows = {"task": "rg:t", "response_token_share": 0.6549, "clip_frac_last_row": 0.0}
+    a, b, c = (piece([("gc", None, 1.0)]) for _ in range(3))
+    a["inputs"] = dict(rows, groups=15, mean_reward=0.044)
+    b["inputs"] = dict(rows, groups=14, mean_reward=0.038)
+    c["inputs"] = dict(rows, groups=15, mean_reward=0.044, response_token_share=0.6509)
+    assert len(merge([("a", a), ("b", b)])[1]) == 1
+    with pytest.raises(ValueError, match="inputs"):
+        merge([("a", a), ("c", c)])
+
+
 def test_a_later_piece_replaces_a_method_it_re_measured(capsys):
     old = piece([("gc", None, 1.0), ("no-gc", None, 1.25), ("all-l", None, 1.2)])
     new = piece([("gc", None, 1.0), ("all-l", None, 1.1)])

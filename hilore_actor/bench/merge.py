@@ -5,7 +5,10 @@ by method, each piece its own process, each timing its methods interleaved with 
 
 Pieces combine only when they measured the same thing: same workload, inputs, head, budget
 base and scope, and the same B (its base run's peak, which is deterministic for the same
-inputs); anything else is an error. Speeds stay paired with the gc of their own piece (as a
+inputs); anything else is an error. Of a real workload's inputs, the rollout pool's size and
+mean reward (``POOL_KEYS``) are not compared: the pool grows with the calibration rows a run
+builds after its measured ones (none when it reuses a calibration file), while the measured
+rows are the pool's first tokens, from per-group seeds, and are described by the other keys. Speeds stay paired with the gc of their own piece (as a
 compiled peer's phase is), so they remain comparable; each record keeps the name of its piece.
 A method measured in several pieces keeps the record of the last piece given (a re-run piece
 replaces the rows it re-measured, e.g. after a change made them stale) and says so on stderr;
@@ -24,6 +27,14 @@ from .records import add_gap_recovered
 
 MUST_MATCH = ("workload", "head", "budget_from", "budget_scope", "budget_base_bytes", "budget_offset_bytes", "codec",
               "updates", "inputs", "torch", "device")
+POOL_KEYS = ("groups", "mean_reward")  # rollout_pool's size: see the module docstring
+
+
+def _compared(key: str, value):
+    """``value`` as the merge compares it: a real workload's inputs without the pool's size."""
+    if key == "inputs" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in POOL_KEYS}
+    return value
 
 
 def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
@@ -33,7 +44,7 @@ def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
     first_name, first = pieces[0]
     for name, d in pieces[1:]:
         for k in MUST_MATCH:
-            if d.get(k) != first.get(k):
+            if _compared(k, d.get(k)) != _compared(k, first.get(k)):
                 raise ValueError(f"{name} and {first_name} differ in {k!r}: {d.get(k)!r} vs {first.get(k)!r}")
     chosen: Dict[Tuple, Dict] = {}
     for name, d in pieces:

@@ -105,7 +105,9 @@ def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed:
 
     The provenance statistics describe the first ``n_described`` rows (default: all): the
     measured and development rows, which come first. Runs that build different numbers of
-    calibration rows after them then describe the same inputs, so their pieces can merge."""
+    calibration rows after them then describe the same inputs, so their pieces can merge;
+    ``groups`` and ``mean_reward`` describe the whole pool, whose size depends on those
+    calibration rows, so the merge leaves them out (``bench.merge.POOL_KEYS``)."""
     pool = rollout_pool(model, tokenizer, int(sum(sizes) * 1.1), group_size, seed, log=log)
     rows = pack_rows(pool, sizes, group_size)
     device = next(model.parameters()).device
