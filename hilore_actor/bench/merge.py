@@ -8,8 +8,9 @@ base and scope, and the same B (its base run's peak, which is deterministic for 
 inputs); anything else is an error. Of a real workload's inputs, the rollout pool's size and
 mean reward (``POOL_KEYS``) are not compared: the pool grows with the calibration rows a run
 builds after its measured ones (none when it reuses a calibration file), while the measured
-rows are the pool's first tokens, from per-group seeds, and are described by the other keys. Speeds stay paired with the gc of their own piece (as a
-compiled peer's phase is), so they remain comparable; each record keeps the name of its piece.
+rows are the pool's first tokens, from per-group seeds, and are described by the other keys.
+Speeds stay paired with the gc of their own piece (as a compiled peer's phase is), so they
+remain comparable; each record keeps the name of its piece.
 A method measured in several pieces keeps the record of the last piece given (a re-run piece
 replaces the rows it re-measured, e.g. after a change made them stale) and says so on stderr;
 gc keeps its first record (every piece has its own).
