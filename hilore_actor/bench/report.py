@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-from ..recovery.state import split_label
+from ..learner.plan import plan_counts
 from .stats import speed_summary
 
 FIELDS = ("method", "head", "budget_ratio", "update_seconds", "tokens_per_second", "speed_over_gc", "speed_ci95",
@@ -108,7 +108,7 @@ def plans(records: List[Dict], top: int = 4) -> str:
         if "units" not in r:
             continue
         u = r["units"]
-        kept = {q: sum(split_label(v["plan"])[0] == q for v in u.values()) for q in ("exact", "compressed", "partial")}
+        kept = plan_counts({n: v["plan"] for n, v in u.items()})
         left = sorted((n for n, v in u.items() if v["plan"] == "checkpoint"),
                       key=lambda n: -u[n]["dtau_H"] / max(u[n]["bytes_H"], 1))[:top]
         desc = "; ".join(f"`{n}` saves {u[n]['dtau_H'] * 1e3:.1f} ms for {u[n]['bytes_H'] / 2**20:.1f} MiB H "
