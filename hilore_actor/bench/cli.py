@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=("qwen2", "llama", "phi3"), help="override a random-weight workload's model family")
     p.add_argument("--model-config", help="any HF causal-LM config.json (random weights) instead of the workload's shape")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list: no-gc, gc, sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, "
-                        "hilore-hr, hilore-static, hilore; a '+full' suffix runs that method with full float32 logits")
+                   help="comma list: no-gc, gc, sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, all-p, all-p:core, "
+                        "hilore-hr, hilore-static, hilore-coarse, hilore-p, hilore-hr-p, hilore; a '+full' suffix runs "
+                        "that method with full float32 logits (gc+full: the OpenRLHF default)")
     p.add_argument("--head", default="chunked", choices=("chunked", "full"),
                    help="LM head of every method: chunked token log-probs (what the product runs) or full logits")
     p.add_argument("--budget-from", default="gc", choices=("gc", "gc+full"),
