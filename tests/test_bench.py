@@ -49,6 +49,20 @@ def test_unknown_method_is_a_clear_error(tiny_cfg, capsys):
     assert "unknown method 'magic'" in capsys.readouterr().err
 
 
+def test_methods_help_names_every_known_method():
+    """The --methods help is typed out (the parser stays free of the heavy method modules);
+    it must not drift from the names the command accepts."""
+    import re
+
+    from hilore_actor.bench.cli import build_parser
+    from hilore_actor.bench.methods import OURS, PEERS
+    from hilore_actor.recovery.policies import ENGINE_POLICIES
+
+    action = next(a for a in build_parser()._actions if a.dest == "methods")
+    named = set(re.findall(r"[a-z][a-z0-9:+-]*[a-z0-9]", action.help.split(";")[0].split(":", 1)[1]))
+    assert {"no-gc", "gc", *ENGINE_POLICIES, *PEERS, *OURS} <= named
+
+
 def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
     out = tmp_path / "r.json"
     rc = main(["--model-config", str(tiny_cfg), "--methods", "gc,gc+full,hilore-hr", "--budget-from", "gc+full",
