@@ -81,3 +81,52 @@ def test_the_graph_check_sees_lazy_imports():
     seen = {(h, t) for h, t, _ in _package_imports()}
     assert ("openrlhf", "learner") in seen and ("train", "learner") in seen  # lazy, inside functions
     assert ("recovery", "allocation") not in seen
+
+
+def _module_imports(package: str):
+    """{module: modules of ``hilore_actor.<package>`` it imports}, lazy and TYPE_CHECKING imports
+    included (every ``from .x import`` in the file's syntax tree)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "hilore_actor" / package
+    mods = {f.stem for f in root.glob("*.py") if f.stem != "__init__"}
+    graph = {}
+    for m in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((root / f"{m}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                deps.add(node.module.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {a.name for a in node.names}
+        graph[m] = deps & mods
+    return graph
+
+
+def _cycles(graph):
+    """Every module that can reach itself, with one path (plain depth-first search)."""
+    found = []
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    found.append(" -> ".join(path + [start]))
+                    stack = []
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    return found
+
+
+def test_no_import_cycle_inside_recovery():
+    assert not _cycles(_module_imports("recovery"))
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"engine": {"step"}, "step": {"engine"}, "saved": set()}) == ["engine -> step -> engine",
+                                                                               "step -> engine -> step"]
+    assert _cycles({"engine": {"step", "saved"}, "step": {"saved"}, "saved": set()}) == []

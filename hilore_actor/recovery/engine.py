@@ -4,8 +4,8 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
 
 1. ``saved_tensors_hooks`` intercept every tensor autograd saves. Module hooks on each unit's
    modules tell which unit is running, so each saved tensor becomes a handle ``(unit, index)``;
-   the unit's store keeps it exact, compressed, or not at all, as its pre-forward *plan* says.
-   Parameters pass through untouched (never copied, never counted).
+   the unit's store keeps it exact, compressed, or not at all, as its pre-forward *plan* says
+   (``saved.py``). Parameters pass through untouched (never copied, never counted).
 2. While a unit runs, its module calls are recorded (arguments that come from outside the unit
    are its exact *checkpoint inputs*; arguments produced inside the unit are links), together
    with the RNG and autocast state. Each decoder layer's own call is recorded the same way.
@@ -39,27 +39,18 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from .codecs import DEFAULT_CODECS, PAYLOADS, decode, get_codec
+from .codecs import DEFAULT_CODECS, get_codec
 from .rules import partial_policy
-from .state import (CHECKPOINT, COMPRESSED, P, PARTIAL, RECOMPUTED, Call, Link, Replay, UnitState, iter_tensors,
-                    map_structure, storage_key)
+from .saved import is_param
+from .state import CHECKPOINT, PARTIAL, P, Call, Link, Replay, UnitState, iter_tensors, map_structure, storage_key
 from .step import Step
 from .units import discover_units
-from .zero3 import gathered_alias, is_partitioned, residency_preserved
-
-
+from .zero3 import residency_preserved
 
 
 class _ReplayDone(Exception):
     """Raised from the capture hook once every target's bundle is rebuilt (as
     ``torch.utils.checkpoint`` stops early): the replay's remaining ops are never run."""
-
-
-class _Handle:
-    __slots__ = ("unit", "idx")
-
-    def __init__(self, unit: UnitState, idx: int):
-        self.unit, self.idx = unit, idx
 
 
 def _rng_state(args) -> tuple:
@@ -243,57 +234,6 @@ class RecoveryEngine:
             if u.sac is not None and st.mode == "forward":
                 u.sac[0].__exit__(None, None, None)
 
-    # ---- saved-tensor hooks --------------------------------------------------------------
-    def _is_param(self, t: torch.Tensor, st: "Step") -> bool:
-        return isinstance(t, torch.nn.Parameter) or storage_key(t) in st.param_keys
-
-    def _pack(self, t: torch.Tensor):
-        st = self._step
-        if st is None or st.mode != "forward" or st.current is None or self._is_param(t, st):
-            return t
-        u = st.current
-        idx = u.n_saved
-        u.n_saved += 1
-        ext = storage_key(t) in u.ext_keys
-        if ext:
-            u.external.add(idx)
-        if u.plan in (CHECKPOINT, PARTIAL):
-            u.entries[idx] = None
-        elif ext:
-            u.entries[idx] = st.canonical(t)
-        elif self.attention_core_exact and self._core_depth > 0 and self._child_depth == 0:
-            u.kept.add(idx)  # the attention core: exact even under L (rules.KEEP_EXACT)
-            u.entries[idx] = st.canonical(t)
-            st.kept_keys.add(storage_key(u.entries[idx]))  # the storage held (a shared mask: the first copy's)
-        elif u.plan == COMPRESSED:
-            u.entries[idx] = st.compress(t, u)
-        else:
-            u.entries[idx] = st.canonical(t)
-        return _Handle(u, idx)
-
-    def _unpack(self, h):
-        if isinstance(h, torch.Tensor):
-            return gathered_alias(h) if is_partitioned(h) else h
-        st = self._step
-        if st is None:
-            raise RuntimeError("hilore: backward ran after its engine step ended; call loss.backward() inside `with engine.step():`")
-        st.ensure_actions()
-        u, idx = h.unit, h.idx
-        if u.action in RECOMPUTED:
-            if idx not in u.recomputed:
-                self._recompute(st, u)
-            return u.recomputed.pop(idx)
-        if idx not in u.entries:
-            raise RuntimeError(f"hilore: saved tensor {idx} of {u.name} was already used; one backward per engine step")
-        v = u.entries.pop(idx)
-        if not isinstance(v, PAYLOADS):
-            return v
-        t0 = st.clock() if st.profile else 0.0
-        out = decode(u.codec or self.codec, v)
-        if st.profile:
-            u.codec_seconds += st.clock() - t0
-        return out
-
     # ---- recomputation -------------------------------------------------------------------
     def _recompute(self, st: "Step", u: UnitState) -> None:
         ls = st.layer_of[u.name]
@@ -359,7 +299,7 @@ class RecoveryEngine:
 
     def _capture(self, st: "Step", t: torch.Tensor):
         u = st.capture
-        if u is not None and not self._is_param(t, st):
+        if u is not None and not is_param(t, st):
             u.recomputed[u.capture_count] = t
             u.capture_count += 1
             if u.capture_count == u.n_saved and all(x.capture_count == x.n_saved for x in st.targets):

@@ -1,35 +1,34 @@
 """One microbatch under the recovery engine: plans in, actions set, memory and timings out.
 
 ``Step`` owns the per-step state (``state.py``) and the decisions: compressing for L,
-dropping for R, and accounting. The mechanism that fills and drains it lives in ``engine.py``.
+dropping for R, and accounting. The hooks that fill and drain it are ``saved.py``; the
+recording and replay of units is ``engine.py``.
 """
 from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Dict, Optional, Set, Union
+from functools import partial
+from typing import Dict, Optional, Set, Union
 
 import torch
 
 from .codecs import RowSplit, decode, get_codec, has_rows
 from .rules import exact_reason
+from .saved import pack, unpack
 from .state import (ALLOWED, CHECKPOINT, COMPRESSED, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows,
                     partial_level, row_share, split_label, storage_key, unit_bytes)
-
-if TYPE_CHECKING:
-    from .engine import RecoveryEngine
-
 
 
 class Step:
     """One microbatch under the engine: ``with engine.step(...) as step:`` forward, loss,
     ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
 
-    def __init__(self, engine: "RecoveryEngine", plans: Dict[str, str], actions, track_error: bool = True,
+    def __init__(self, engine, plans: Dict[str, str], actions, track_error: bool = True,
                  track_tokens: bool = False, profile: bool = False, token_scores: Optional[torch.Tensor] = None):
         """``token_scores``: a pre-forward weight per token (``[B, T]`` or shorter; e.g. |advantage|
         on response tokens) that token L multiplies with each row's norm to choose its exact rows;
-        None: the norms alone."""
+        None: the norms alone. ``engine``: the ``RecoveryEngine`` this step runs under."""
         self.engine = engine
         self.token_scores = token_scores
         self.track_error = track_error
@@ -102,7 +101,7 @@ class Step:
                            for p in self.engine.model.parameters() if p.numel() > 0}
         self.engine._core_depth = self.engine._child_depth = 0  # a failed forward may have left them set
         self.engine._step = self
-        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.engine._pack, self.engine._unpack)
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(pack, self), partial(unpack, self))
         self._hooks_ctx.__enter__()
         return self
 
