@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The committed benchmark v2 runs (issue 11, item 9), one per argument, each its own process:
+# The committed benchmark v2 runs, one per argument, each its own process:
 #   cpu-small-sweep   view (a): --budget-from gc, device scope, budgets 1.05..2.0
 #   cpu-ref-a         view (a) at 1.10 and 1.25          cpu-real-a   the same on real weights
 #   cpu-ref-b         view (b): --budget-from gc+full at 1.10, plus the gc+full row
 #   cpu-real-b        the same on real weights
 #   cpu-ref-allr      gc, hilore-hr, hilore head for head at 1.10 (activation scope): all-R plans against gc
-#   cpu-small-p       issue 14's first look: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
-#   cpu-small-2codec  issue 12: hilore with two L levels (int8-g64 and bf16) within B and the tolerance
-#   cpu-real-p110    issue 14 at the aim's budget: gc, hilore-coarse, hilore at 1.10 on real weights, with P's
+#   cpu-small-p       a first look at P: gc, hilore-hr, hilore-hr-p (P offered) at 1.25 and 1.5
+#   cpu-small-2codec  hilore with two L levels (int8-g64 and bf16) within B and the tolerance
+#   cpu-real-p110    P at 1.10: gc, hilore-coarse, hilore at 1.10 on real weights, with P's
 #                    saving measured on the whole microbatch and both P levels (P, P:core) offered
 #                    (cpu-real-a's calibration reused; about 80 minutes)
-# Issue 14's comparison is inside these runs: hilore (P and token L offered) beside hilore-coarse
-# (whole-unit H/L/R, what hilore meant before) in every run of every method (ALL).
-# A run too long for one session goes in pieces: RUN:1 .. RUN:5 each time some of the methods
+# hilore (P and token L offered) runs beside hilore-coarse (whole-unit H/L/R) in every run of
+# every method (ALL).
+# A run too long for one sitting goes in pieces: RUN:1 .. RUN:5 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
 # exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
-# Every item-9 run (views a and b) runs HiLoRe without the leave-one-out check (--no-loo): three paired updates cannot
+# Every view (a) and (b) run runs HiLoRe without the leave-one-out check (--no-loo): three paired updates cannot
 # resolve a unit's 1-3% saving on this CPU, and each run's plan is then what the allocation chose.
 # Usage: bash benchmarks/v2.sh RUN [RUN ...]   (writes benchmarks/results/RUN.{json,png,md,log})
 # Freed memory stays in the process (GLIBC_TUNABLES), as a GPU's caching allocator keeps it:
@@ -38,7 +38,7 @@ for spec in "$@"; do
     cpu-real-a) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo) ;;
     cpu-ref-b)  a=(--workload cpu-ref --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
     cpu-real-b) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo) ;;
-    # issue 13: head for head at 1.10 in the activation scope nothing fits, so HiLoRe's plan is all-R
+    # head for head at 1.10 in the activation scope nothing fits, so HiLoRe's plan is all-R
     cpu-ref-allr) a=(--workload cpu-ref --budget-scope activations --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo)
                   only=gc,hilore-hr,hilore ;;
     cpu-small-p) a=(--workload cpu-small --budgets 1.25,1.5)

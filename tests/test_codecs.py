@@ -1,5 +1,5 @@
 """L codecs against simpler references: group-wise = per-row codec on each group's slice,
-outliers kept exact, stored bytes counted exactly, and the ordering issue 12 asks for."""
+outliers kept exact, stored bytes counted exactly, and the ordering real activations need."""
 import pytest
 import torch
 
@@ -63,7 +63,7 @@ def test_outlier_codec_keeps_the_outlier_channels_exact():
 
 
 def test_an_outlier_channel_orders_the_codecs():
-    """Issue 12: with one outlier channel, group-wise int8 beats per-token int8, keeping the
+    """With one outlier channel, group-wise int8 beats per-token int8, keeping the
     outlier exact beats both, and bf16 is the most accurate."""
     gen = _seeded()
     x = _outlier_activation(gen)

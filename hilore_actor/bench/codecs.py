@@ -1,4 +1,4 @@
-"""The codec benchmark: what each L codec costs in bytes, time and gradient error (issue 12).
+"""The codec benchmark: what each L codec costs in bytes, time and gradient error.
 
 ``python -m hilore_actor.bench.codecs --model smollm2|cpu-ref|cpu-small|PATH --json OUT [--markdown OUT]``
 

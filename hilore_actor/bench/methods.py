@@ -21,8 +21,8 @@ from .peers import (PeerUnavailable, compiled_runner, decoder_layers, enable_sac
 from .scope import UpdatePeaks, make_optimizer, update_peaks
 
 # HiLoRe rows: (mode, P offered, token-L row shares). ``hilore`` offers every finer option
-# (issue 14: P, and token L keeping 10% or 25% of an MLP unit's rows exact); ``hilore-coarse``
-# is H/L/R per whole unit, what ``hilore`` meant before them; ``-p``: P offered, no token L.
+# (P, and token L keeping 10% or 25% of an MLP unit's rows exact); ``hilore-coarse``
+# is H/L/R per whole unit; ``-p``: P offered, no token L.
 TOKEN_ROWS = (0.1, 0.25)
 VARIANTS = {"hilore-hr": ("hilore-hr", False, ()), "hilore-static": ("hilore-static", False, ()),
             "hilore-coarse": ("hilore", False, ()), "hilore": ("hilore", True, TOKEN_ROWS),

@@ -1,6 +1,6 @@
 """Which saved tensor is which, and what compressing one kind costs in gradient error.
 
-A study tool for the codec benchmark (issue 12, item 2): before the engine gets rules about
+A study tool for the codec benchmark: before the engine gets rules about
 which saved tensors L must keep exact, measure, per *kind* of saved tensor, the gradient error
 of compressing that kind alone in every layer, everything else exact.
 

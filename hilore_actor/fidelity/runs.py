@@ -107,7 +107,7 @@ def train(run: Run, cmd: List[str], log=print) -> None:
     with (run.dir / "job.log").open("a") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        # its own session: a terminal's Ctrl-C reaches the job once, through ``forward`` (a second
+        # its own process group: a terminal's Ctrl-C reaches the job once, through ``forward`` (a second
         # signal would make it stop at once, without its checkpoint)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)

@@ -3,7 +3,7 @@
 OpenRLHF's forward (openrlhf/models/actor.py, 0.11) runs the whole HF model, casts the full
 ``[tokens, vocab]`` logits to float32, divides them by the temperature, and takes the label
 log-probs (and, with ``return_entropy``, every position's entropy) from them: the largest
-tensors of a learner step (OpenRLHF issue 1047). This replacement keeps the signature and
+tensors of a learner step (https://github.com/OpenRLHF/OpenRLHF/issues/1047). This replacement keeps the signature and
 the outputs the PPO path reads (action log-probs ``[B, A]``, zero off the action mask;
 ``output.entropy`` ``[B, T-1]``) and computes them from the decoder's last hidden state with
 ``models.chunked_head.ChunkedTokenLogProbs``, so the full logits never exist.

@@ -4,7 +4,7 @@ A codec turns one saved activation into a compact payload and back. The tensor i
 rows of its last dimension (hidden / head / feature channels). Why several codecs: real LLM
 activations carry a few outlier channels far above the rest (LLM.int8()), and one absmax
 scale per token then spends its whole range on them; on SmolLM2's real weights per-token int8
-gives a gradient error five times that of random weights (issue 12). The remedies, each in
+gives a gradient error five times that of random weights. The remedies, each in
 plain torch ops so it runs on CPU and CUDA alike:
 
 - ``int8``, ``fp8-e4m3``, ``fp8-e5m2``: one absmax scale per row (per token);

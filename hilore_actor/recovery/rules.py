@@ -1,5 +1,5 @@
-"""Which saved tensors L keeps exact: the one table (issue 12, item 2); and which op
-outputs a partial unit (P) keeps at each P level (``partial_saves``, issue 14).
+"""Which saved tensors L keeps exact: the one table; and which op outputs a partial
+unit (P) keeps at each P level (``partial_saves``).
 
 L compresses a unit's saved tensors, except the kinds below. Measured per kind on SmolLM2-135M
 with its real weights (``benchmarks/results/codecs-smollm2.md``, kinds as in

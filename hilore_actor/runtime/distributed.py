@@ -8,7 +8,7 @@ On the CPU accelerator, ``deepspeed.init_distributed`` JIT-compiles ``deepspeed_
   gather) go through gloo either way, so the compile buys a learner nothing;
 - a process killed while it compiles (a timed-out test, a killed Ray actor) leaves the lock
   file behind, and every later ``init_distributed`` on that machine waits on it forever in
-  ``torch.utils.file_baton.FileBaton.wait``. This stopped CI once (stop 30).
+  ``torch.utils.file_baton.FileBaton.wait`` (a CI run has hung there).
 
 DeepSpeed builds the kernel only when ``deepspeed.ops.__compatible_ops__`` marks it compatible
 (``deepspeed/comm/torch.py: build_shm_op``), and that dict is probed once per process and kept

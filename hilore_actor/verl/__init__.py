@@ -1,4 +1,4 @@
-"""HiLoRe as the actor of verl 0.9.1 recipes (issue 16).
+"""HiLoRe as the actor of verl 0.9.1 recipes.
 
 - ``engine``: ``HiLoReFSDPEngine``, verl's FSDP engine under the backend key ``hilore``;
 - ``attach``: its plan, recovery engine and budget coordinator, made once verl built the model;
