@@ -83,7 +83,7 @@ def markdown(records: List[Dict], header: Dict) -> str:
 
 
 def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore-coarse") -> str:
-    """Issue 14's comparison: ``method`` over ``reference`` at each budget, as the median of
+    """``method`` over ``reference`` at each budget, as the median of
     their paired times (reference / method, both timed in the same repeats of one piece) with
     a bootstrap 95% interval; pairs from different pieces or phases are not formed."""
     timed = {(r["method"], r.get("budget_ratio"), r.get("piece")): r for r in records if r.get("update_seconds_all")}
@@ -172,11 +172,27 @@ def plot(path, records: List[Dict], budgets, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m hilore_actor.bench.report RESULT.json``: rewrite RESULT.md and RESULT.png
-    from the JSON (after a change to the report, no re-measuring needed)."""
-    import sys
+    """``python -m hilore_actor.bench.report RESULT.json [...]``: rewrite each RESULT.md and
+    RESULT.png from its JSON (after a change to the report, no re-measuring needed).
+    ``--results DIR --out RESULTS.md [--readme README.md] [--check]``: the results page and the
+    README's headline table (``results_page``)."""
+    import argparse
 
-    for path in (argv if argv is not None else sys.argv[1:]):
+    ap = argparse.ArgumentParser(prog="python -m hilore_actor.bench.report")
+    ap.add_argument("json", nargs="*", help="result JSON files whose markdown and plot to re-render")
+    ap.add_argument("--results", help="folder of committed results: generate the results page from it")
+    ap.add_argument("--out", default="benchmarks/RESULTS.md", help="the results page (with --results)")
+    ap.add_argument("--readme", help="also regenerate this README's headline block (with --results)")
+    ap.add_argument("--check", action="store_true", help="compare only; exit 1 when a file differs")
+    args = ap.parse_args(argv)
+    if args.results:
+        from .results_page import write
+
+        stale = write(Path(args.results), Path(args.out), Path(args.readme) if args.readme else None, args.check)
+        for p in stale:
+            print(f"{'differs from its JSON' if args.check else 'rewritten'}: {p}")
+        return 1 if (args.check and stale) else 0
+    for path in args.json:
         data = json.loads(Path(path).read_text())
         records = data.pop("records")
         Path(path).with_suffix(".md").write_text(markdown(records, data))

@@ -1,0 +1,247 @@
+"""``benchmarks/RESULTS.md`` and the README's headline table, generated from the committed JSON.
+
+``python -m hilore_actor.bench.report --results benchmarks/results --out benchmarks/RESULTS.md
+[--readme README.md]`` rewrites both; ``--check`` only compares and exits 1 when a file differs
+(the default suite runs it, so no figure on either page can drift from its JSON).
+
+The noise floor beside every speed: gc timed against itself, the ratio of gc's update time in
+one repeat to the next repeat of the same piece (median and bootstrap 95% interval over those
+adjacent pairs). Adjacent repeats are further apart than a method and the gc it is paired with
+(those run side by side in one repeat), so this floor is wider than an interleaved A/A row; a
+speed is called above the floor only when its interval lies wholly above the floor's.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..learner.plan import plan_counts
+from .report import _note, definitions, fmt, plans, versus
+from . import results_studies
+from .results_runs import CURRENT_PLANNER, EXACT_PEERS, HEADLINE, RUNS
+from .stats import bootstrap_ci
+
+MIB = 2 ** 20
+BEGIN, END = "<!-- results:headline (generated: python -m hilore_actor.bench.report --results ...) -->", \
+    "<!-- /results:headline -->"
+
+
+def load(results: Path, name: str) -> Optional[Dict]:
+    p = Path(results) / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def interval(s: Optional[float], ci) -> str:
+    return "-" if s is None else f"{s:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+# ---- noise floor and comparisons ---------------------------------------------------------
+def gc_times(data: Dict, piece: Optional[str]) -> List[float]:
+    """gc's update times in ``piece`` (the gc every method of that piece is paired with)."""
+    for r in data["records"]:
+        if r.get("piece") == piece and r.get("paired_gc_seconds_all"):
+            return r["paired_gc_seconds_all"]
+    gc = next((r for r in data["records"] if r["method"] == "gc"), None)
+    return gc["update_seconds_all"] if gc else []
+
+
+def aa_floor(times: List[float]) -> Dict:
+    ratios = [a / b for a, b in zip(times, times[1:])]
+    if not ratios:
+        return {"median": None, "ci": None}
+    return {"median": statistics.median(ratios), "ci": bootstrap_ci(ratios)}
+
+
+def above(r: Dict, floor: Dict) -> Optional[bool]:
+    if not r.get("speed_ci95") or not floor["ci"]:
+        return None
+    return r["speed_ci95"][0] > floor["ci"][1]
+
+
+def fits(r: Dict, b: float) -> bool:
+    f = r.get("fits_budget")
+    return bool(f) if isinstance(f, bool) else b in (f or [])
+
+
+def fastest_peer(records: List[Dict], b: float) -> Optional[Dict]:
+    """The fastest exact peer whose measured peak fits B (gc, budgeted at ``b``, or unbudgeted)."""
+    ok = [r for r in records if r["method"] in EXACT_PEERS and r.get("speed_over_gc") is not None
+          and r.get("budget_ratio") in (None, b) and fits(r, b)]
+    return max(ok, key=lambda r: r["speed_over_gc"], default=None)
+
+
+def find(records: List[Dict], method: str, b: Optional[float]) -> Optional[Dict]:
+    return next((r for r in records if r["method"] == method and r.get("budget_ratio") == b), None)
+
+
+def plan_cell(r: Dict) -> str:
+    if "plan" not in r:
+        return "-"
+    c = plan_counts(r["plan"])
+    core = sum(v == "partial:core" for v in r["plan"].values())
+    p = f"{c['partial']} P" + (f" ({core} core)" if core else "")
+    return f"{c['exact']} H, {c['compressed']} L, {p}, {c['checkpoint']} R"
+
+
+# ---- one result --------------------------------------------------------------------------
+def _pieces(data: Dict, name: str) -> List[str]:
+    pieces = data.get("pieces") or [{"name": f"{name}.json", "command": data["command"],
+                                     "git_commit": data["git_commit"]}]
+    out = ["| piece | methods | commit | gc median s |", "|---|---|---|---|"]
+    for p in pieces:
+        piece = p["name"] if data.get("pieces") else None
+        methods = sorted({r["method"] for r in data["records"] if r.get("piece") == piece})
+        times = gc_times(data, piece)
+        out.append(f"| `{p['name']}` | {', '.join(methods)} | {p['git_commit'][:7]} | "
+                   f"{fmt(statistics.median(times) if times else None, '.1f')} |")
+    out += ["", "Commands:", ""] + [f"- `{p['command']}`" for p in pieces]
+    return out
+
+
+def _table(data: Dict) -> List[str]:
+    out = ["| method | B | speed x gc [95% CI] | A/A floor [95% CI] | above floor | recompute removed | "
+           "peak / B1 | grad err mean / max | plan | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(data["records"], key=lambda r: (r.get("budget_ratio") is None, r.get("budget_ratio") or 0)):
+        b = fmt(r.get("budget_ratio"), ".2f")
+        if r.get("unavailable"):
+            out.append(f"| {r['method']} | {b} | not run: {r['unavailable']} | | | | | | | |")
+            continue
+        floor = aa_floor(gc_times(data, r.get("piece")))
+        ab = above(r, floor) if r["method"] != "gc" else None
+        out.append(
+            f"| {r['method']} ({r['head']} head) | {b} | {interval(r['speed_over_gc'], r.get('speed_ci95'))} | "
+            f"{interval(floor['median'], floor['ci'])} | {'-' if ab is None else ('yes' if ab else 'no')} | "
+            f"{fmt(r.get('gap_recovered'), '.0%')} | {r['peak_over_gc']:.3f} | "
+            f"{fmt(r.get('grad_rel_err_mean'), '.4f')} / {fmt(r.get('grad_rel_err_max'), '.4f')} | {plan_cell(r)} | "
+            f"{_note(r)} |")
+    return out
+
+
+def _observations(data: Dict) -> List[str]:
+    recs, out = data["records"], []
+    for b in data["budgets"]:
+        peer, h = fastest_peer(recs, b), find(recs, "hilore", b)
+        if peer:
+            out.append(f"- At {b:.2f}: the fastest exact peer that fits is `{peer['method']}`, "
+                       f"{interval(peer['speed_over_gc'], peer.get('speed_ci95'))} x gc.")
+        if h and h.get("speed_over_gc") is not None:
+            floor = aa_floor(gc_times(data, h.get("piece")))
+            verdict = {True: "above", False: "not above", None: "not comparable with"}[above(h, floor)]
+            out.append(f"- At {b:.2f}: `hilore` {interval(h['speed_over_gc'], h.get('speed_ci95'))} x gc is {verdict} "
+                       f"its piece's A/A floor {interval(floor['median'], floor['ci'])}; plan {plan_cell(h)}.")
+    hl = [r for r in recs if "plan" in r]
+    if hl:
+        within = all(r.get("fits_budget") is True for r in hl)
+        worst = max(hl, key=lambda r: r.get("grad_rel_err_mean") or 0)
+        out.append(f"- HiLoRe records within B on every measured microbatch: {'all' if within else 'not all'}; largest "
+                   f"mean gradient error {fmt(worst.get('grad_rel_err_mean'), '.4f')} (`{worst['method']}` at "
+                   f"{fmt(worst.get('budget_ratio'), '.2f')}).")
+    return out
+
+
+def _workload(data: Dict) -> str:
+    w = data["workload"]
+    resident = data.get("budget_offset_bytes") or 0
+    return (f"Workload `{w['name']}` ({w.get('note') or w.get('arch')}): {w['microbatches']} microbatches of "
+            f"{w['tokens']} tokens per update, LoRA r{w['lora_rank']}, {w['dtype']}, {data['device']}, torch "
+            f"{data['torch']}, {data['threads']} threads; {data['repeats']} interleaved repeats of {data['updates']} "
+            f"updates; calibration {data.get('calib')} x {data.get('calib_tokens')} tokens, codecs `{data.get('codec')}`, "
+            f"leave-one-out {'on' if data.get('loo') else 'off'}; resident bytes (weights, gradients, AdamW state) "
+            f"{resident / MIB:.1f} MiB.")
+
+
+def run_section(run, data: Dict) -> str:
+    merged = bool(data.get("pieces"))
+    cmd = (" ".join(f"{run.name}:{i + 1}" for i in range(len(data["pieces"]))) + f" {run.name}:merge") if merged \
+        else run.name
+    out = [f"## {run.title} (`{run.name}`)", "", run.about, "",
+           f"Run: `bash benchmarks/v2.sh {cmd}`; raw times, peaks and per-unit plans: "
+           f"`benchmarks/results/{run.name}.json` (and `.md`, `.png`).", "",
+           run.stale or CURRENT_PLANNER, "", _workload(data), "", definitions(data), ""]
+    out += _table(data) + [""] + _observations(data) + [""]
+    out += [f"- {n}" for n in run.notes] + ([""] if run.notes else [])
+    for extra in (versus(data["records"]), plans(data["records"])):
+        if extra:
+            out += [extra.strip(), ""]
+    out += ["### Pieces", ""] + _pieces(data, run.name)
+    return "\n".join(out) + "\n"
+
+
+# ---- the headline ------------------------------------------------------------------------
+def headline(results: Path) -> str:
+    out = ["| result | B | hilore x gc [95% CI] | A/A floor [95% CI] | above floor | recompute removed | "
+           "peak / B1 | grad err mean | fastest exact peer that fits |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, method, b in HEADLINE:
+        data = load(results, name)
+        r = data and find(data["records"], method, b)
+        if not r:
+            out.append(f"| `{name}` | {b:.2f} | missing | | | | | | |")
+            continue
+        floor = aa_floor(gc_times(data, r.get("piece")))
+        peer = fastest_peer(data["records"], b)
+        ab = above(r, floor)
+        out.append(
+            f"| `{name}` | {b:.2f} x {data['budget_from']} ({data['budget_scope']}) | "
+            f"{interval(r['speed_over_gc'], r.get('speed_ci95'))} | {interval(floor['median'], floor['ci'])} | "
+            f"{'-' if ab is None else ('yes' if ab else 'no')} | {fmt(r.get('gap_recovered'), '.0%')} | "
+            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | "
+            f"{'-' if not peer else peer['method'] + ' ' + fmt(peer['speed_over_gc'])} |")
+    return "\n".join(out) + "\n"
+
+
+HEADLINE_KEY = ("Speed: median of paired ratios gc time / hilore time over interleaved repeats (2 CPU cores, "
+                "chunked head for every method). B: the ratio times the peak of the named method in the named "
+                "scope (device: weights, gradients, AdamW state, activations, head and the optimizer step). A/A "
+                "floor: gc against itself in adjacent repeats of the same piece; \"above floor\" only when the "
+                "whole interval is above it. Recompute removed: the share of gc's recompute time (gc - no-gc) "
+                "saved. Gradient error: relative to no-gc, mean over 3 updates.")
+
+
+# ---- the page ----------------------------------------------------------------------------
+def render(results: Path) -> str:
+    results = Path(results)
+    out = ["# Results", "",
+           "Generated from the JSON in `benchmarks/results/` by `python -m hilore_actor.bench.report --results "
+           "benchmarks/results --out benchmarks/RESULTS.md --readme README.md`; do not edit by hand (a default-suite "
+           "test regenerates it and fails when this file differs). How the benchmark measures: "
+           "[`docs/benchmark.md`](../docs/benchmark.md). Nothing here ran on a GPU.", "",
+           "## Headline", "", headline(results), HEADLINE_KEY, ""]
+    for run in RUNS:
+        data = load(results, run.name)
+        if data is not None:
+            out.append(run_section(run, data))
+    for part in (results_studies.codecs, results_studies.fidelity, results_studies.diagnostics,
+                 results_studies.knapsack, results_studies.demo):
+        text = part(results)
+        if text:
+            out.append(text)
+    out.append("## Older results\n\n`benchmarks/results/v1-stale/` holds the first benchmark's results, kept for the "
+               "record and not for claims (`STALE.md` there says why).\n")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def readme_block(results: Path) -> str:
+    return f"{BEGIN}\n{headline(Path(results))}\n{HEADLINE_KEY}\n{END}"
+
+
+def with_headline(readme: str, results: Path) -> str:
+    """``readme`` with its headline block (between the markers) regenerated."""
+    i, j = readme.find(BEGIN), readme.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"the README has no headline block ({BEGIN!r} ... {END!r})")
+    return readme[:i] + readme_block(results) + readme[j + len(END):]
+
+
+def write(results: Path, out: Path, readme: Optional[Path] = None, check: bool = False) -> List[str]:
+    """Write (or with ``check`` only compare) the page and the README's block; returns the
+    files that differed from what the JSON gives."""
+    wanted = {Path(out): render(results)}
+    if readme is not None:
+        wanted[Path(readme)] = with_headline(Path(readme).read_text(), results)
+    stale = [str(p) for p, text in wanted.items() if not p.exists() or p.read_text() != text]
+    if not check:
+        for p, text in wanted.items():
+            p.write_text(text)
+    return stale

@@ -1,0 +1,99 @@
+"""Which committed results ``benchmarks/RESULTS.md`` shows, in what order, and what a reader
+must know about each that its JSON cannot say (what changed in the planner since it ran).
+
+Every figure on the page is computed from the JSON by ``results_page``; the texts here carry
+no figures, so they cannot drift from the data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+# Rows of the headline table: (result, method, budget ratio).
+HEADLINE: List[Tuple[str, str, float]] = [
+    ("cpu-real-a", "hilore", 1.10),
+    ("cpu-real-a", "hilore", 1.25),
+    ("cpu-real-b", "hilore", 1.10),
+    ("cpu-ref-a", "hilore", 1.10),
+    ("cpu-ref-b", "hilore", 1.10),
+]
+
+# Gradient checkpointing and the peers that keep gradients exact: "the fastest peer that fits".
+EXACT_PEERS = ("gc", "gc+full", "no-gc", "sac", "sac-budget", "compile-budget")
+
+CURRENT_PLANNER = (
+    "Planned by the current planner: the fit's bounded growth, the exact-cost knapsack fill, "
+    "profile-ranked candidates, L with the attention core exact, P's saving measured on the whole "
+    "microbatch, the `P:core` level, and one replay for a layer whose units are all R or P.")
+
+
+@dataclass
+class Run:
+    name: str
+    title: str
+    about: str
+    notes: List[str] = field(default_factory=list)
+    stale: str = ""
+
+
+RUNS: List[Run] = [
+    Run("cpu-real-a", "View (a) on cpu-real: real weights, B from gc's device peak",
+        "The bundled SmolLM2-135M-Instruct with its real weights on real rollouts; every method runs the "
+        "chunked head, and B at 1.00 is gc's own device peak (the paper's B_GC).",
+        ["The room above the all-R peak is small against one unit's H (a few percent of B_GC each), "
+         "unlike the paper's 3B model, where a unit is a far smaller share of B_GC.",
+         "Uniform int8-g64 L on every unit (`all-l`) has a larger gradient error here than on random "
+         "weights; the HiLoRe rows that take L compress only the units whose calibrated risk is low."],
+        ""),
+    Run("cpu-real-b", "View (b) on cpu-real: B from gc with full float32 logits",
+        "The same workload; B at 1.00 is the device peak of gc with full float32 logits, what today's "
+        "OpenRLHF gradient checkpointing needs, and every method gets that room on the chunked head.",
+        ["compile-budget reads faster than eager no-gc: with this much room inductor's fused kernels, "
+         "not the memory plan, set the pace (HiLoRe runs eager units).",
+         "gc+full can run faster than gc on this CPU: the chunked head costs time, and buys memory."]),
+    Run("cpu-ref-a", "View (a) on cpu-ref: random weights, B from gc's device peak",
+        "A random-weight Qwen2 shape (hidden 512, 12 layers) on replayed microbatches: a mechanism "
+        "check; its gradient errors say nothing about a real model.",
+        []),
+    Run("cpu-ref-b", "View (b) on cpu-ref: B from gc with full float32 logits",
+        "The cpu-ref shape with B from gc with full logits; random weights.",
+        ["compile-budget reads faster than eager no-gc (inductor's fusion); no eager method can lead it."]),
+    Run("cpu-small-sweep", "View (a) sweep on cpu-small: budgets 1.05 to 2.0",
+        "A small random-weight Qwen2 shape; every budgeted method at each budget, B from gc.",
+        ["Where a HiLoRe plan stores every unit, what is left between it and compile-budget is "
+         "inductor's fusion, not the allocation."]),
+    Run("cpu-real-p110", "cpu-real at 1.10 with P and P:core offered",
+        "gc, hilore-coarse and hilore at 1.10 on real weights, with P's saving measured on the whole "
+        "microbatch and both P levels offered.",
+        [], "Stale `hilore` row: planned before a layer whose units are all R or P replays as one "
+            "(a `P:core` attention unit then broke its layer's joint replay). `cpu-real-a` re-measures it."),
+    Run("cpu-ref-allr", "All-R plans against gc (cpu-ref, activation scope)",
+        "Head for head at 1.10 in the activation scope nothing fits, so both HiLoRe plans store nothing "
+        "and run as plain layer checkpointing: the same program as gc. The rows measure the machine's "
+        "noise, not a method.", []),
+    Run("cpu-small-2codec", "Two L levels on cpu-small",
+        "hilore with two L levels (`int8-g64,bf16`) within B and the tolerance; random weights.",
+        [], "Stale HiLoRe rows: planned before the fit's bounded growth and before L compressed a tensor "
+            "saved through several views once (an attention unit's L could then store more than its H)."),
+    Run("cpu-small-p", "A first look at P on cpu-small",
+        "hilore-hr with and without P (partial storage) offered, at 1.25 and 1.5.",
+        [], "Stale HiLoRe rows: planned by an older planner, before P's saving was measured on the whole "
+            "microbatch and before `P:core`."),
+]
+
+CODEC_RUNS = [
+    ("codecs-smollm2", "Codecs on SmolLM2-135M-Instruct (real weights)", ""),
+    ("codecs-cpu-ref", "Codecs on cpu-ref (random weights)",
+     "Stale for L's error: measured before L kept the attention core exact."),
+]
+
+REWARD_NOTE = ("Rewards measured before math-verify stopped accepting a response that restates an unparenthesised "
+               "question (\"To calculate 1 + -3, ...\") as its value; a rerun's rewards may differ, its times and "
+               "peaks do not depend on it.")
+DEMO_RUNS = [  # (metrics file stem, title, commit it ran at, note)
+    ("demo-device", "`bash scripts/demo.sh` (device scope, the default)", "1fd495a", REWARD_NOTE),
+    ("demo-activations", "`bash scripts/demo.sh --hilore.budget_scope activations`", "c2bea89", REWARD_NOTE),
+]
+
+# The paper's risk-diagnostic figures for psi_u, quoted beside ours (HILORE.md).
+PAPER_PSI = {"spearman": 0.77, "top10_recall": 0.80, "auroc_top10": 0.88}

@@ -1,0 +1,65 @@
+"""``benchmarks/RESULTS.md`` and the README's headline table are generated from the committed
+JSON: the committed files must equal what the generator makes now, and the generator's noise
+floor and peer choice must agree with a brute-force reference."""
+import json
+import random
+import shutil
+import statistics
+from pathlib import Path
+
+from hilore_actor.bench import results_page as rp
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_committed_results_page_and_readme_match_their_json():
+    stale = rp.write(RESULTS, ROOT / "benchmarks" / "RESULTS.md", ROOT / "README.md", check=True)
+    assert not stale, (f"{stale} differ from what the JSON gives: run python -m hilore_actor.bench.report "
+                       "--results benchmarks/results --out benchmarks/RESULTS.md --readme README.md")
+
+
+def test_a_changed_figure_makes_the_check_fail(tmp_path):
+    """The check can fail: one speed changed in a copy of a result changes the page."""
+    res = tmp_path / "results"
+    res.mkdir()
+    shutil.copy(RESULTS / "cpu-real-b.json", res / "cpu-real-b.json")
+    page = tmp_path / "RESULTS.md"
+    assert rp.write(res, page) == [str(page)]  # written the first time
+    assert rp.write(res, page, check=True) == []
+    data = json.loads((res / "cpu-real-b.json").read_text())
+    rec = next(r for r in data["records"] if r["method"] == "hilore")
+    rec["speed_over_gc"] += 0.01
+    (res / "cpu-real-b.json").write_text(json.dumps(data))
+    assert rp.write(res, page, check=True) == [str(page)]
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n" + rp.BEGIN + "\nold table\n" + rp.END + "\nrest\n")
+    rp.write(res, page, readme)
+    text = readme.read_text()
+    assert text.startswith("intro\n" + rp.BEGIN) and text.endswith(rp.END + "\nrest\n")
+    assert f"{rec['speed_over_gc']:.3f}" in text and "old table" not in text
+
+
+def _brute_floor(times):
+    ratios = [times[i] / times[i + 1] for i in range(len(times) - 1)]
+    return statistics.median(ratios)
+
+
+def test_noise_floor_and_fastest_peer_against_brute_force():
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(20):
+        times = [rng.uniform(10, 20) for _ in range(rng.randint(2, 9))]
+        assert abs(rp.aa_floor(times)["median"] - _brute_floor(times)) < 1e-12
+        b = rng.choice([1.1, 1.25])
+        recs = []
+        for m in ("gc", "sac-budget", "compile-budget", "no-gc", "all-l", "hilore"):
+            budgeted = m in ("sac-budget", "compile-budget", "hilore")
+            peak = rng.uniform(0.9, 1.5)
+            recs.append({"method": m, "budget_ratio": b if budgeted else None, "speed_over_gc": rng.uniform(0.9, 1.5),
+                         "peak_over_gc": peak,
+                         "fits_budget": (peak <= b) if budgeted else [x for x in (1.1, 1.25) if peak <= x]})
+        want = max((r for r in recs if r["method"] in rp.EXACT_PEERS and r["peak_over_gc"] <= b),
+                   key=lambda r: r["speed_over_gc"], default=None)
+        assert rp.fastest_peer(recs, b) is want
