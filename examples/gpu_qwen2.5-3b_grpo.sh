@@ -3,7 +3,7 @@
 # (group_norm, 8 samples per prompt), 2K-token responses, B = 1.10 x the gc peak.
 # Layout: 2 learner ranks (DeepSpeed ZeRO-2, NCCL), 1 vLLM engine, 1 reference worker.
 # MODEL and DATA are local paths (no hub access): DATA is a JSONL file with prompt/answer fields
-# (e.g. DeepMath-10K exported to JSONL). Not yet run on a GPU by this project: see the README.
+# (e.g. DeepMath-10K exported to JSONL). Not yet run on a GPU: see docs/testing.md.
 set -euo pipefail
 MODEL=${MODEL:?set MODEL=/path/to/Qwen2.5-3B-Instruct}
 DATA=${DATA:?set DATA=/path/to/deepmath10k.jsonl}

@@ -148,8 +148,9 @@ def _workload(data: Dict) -> str:
             f"{w['tokens']} tokens per update, LoRA r{w['lora_rank']}, {w['dtype']}, {data['device']}, torch "
             f"{data['torch']}, {data['threads']} threads; {data['repeats']} interleaved repeats of {data['updates']} "
             f"updates; calibration {data.get('calib')} x {data.get('calib_tokens')} tokens, codecs `{data.get('codec')}`, "
-            f"leave-one-out {'on' if data.get('loo') else 'off'}; resident bytes (weights, gradients, AdamW state) "
-            f"{resident / MIB:.1f} MiB.")
+            f"leave-one-out {'on' if data.get('loo') else 'off'}; "
+            + (f"resident bytes in B (weights, gradients, AdamW state) {resident / MIB:.1f} MiB."
+               if data["budget_scope"] == "device" else "B counts no resident bytes (activation scope)."))
 
 
 def run_section(run, data: Dict) -> str:

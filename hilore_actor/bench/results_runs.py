@@ -70,7 +70,9 @@ RUNS: List[Run] = [
     Run("cpu-ref-allr", "All-R plans against gc (cpu-ref, activation scope)",
         "Head for head at 1.10 in the activation scope nothing fits, so both HiLoRe plans store nothing "
         "and run as plain layer checkpointing: the same program as gc. The rows measure the machine's "
-        "noise, not a method.", []),
+        "noise, not a method.", [],
+        "Planned before the current planner's later changes; nothing fits this room under any of them, so both "
+        "plans are all-R."),
     Run("cpu-small-2codec", "Two L levels on cpu-small",
         "hilore with two L levels (`int8-g64,bf16`) within B and the tolerance; random weights.",
         [], "Stale HiLoRe rows: planned before the fit's bounded growth and before L compressed a tensor "

@@ -66,7 +66,7 @@ class HFRolloutWorker:
 
 class VLLMRolloutWorker:
     """A vLLM engine. Weight sync loads merged HF-named tensors into the engine's model.
-    Not exercised on CPU (vLLM's kernels are CUDA-only); see the README's status table."""
+    Not exercised on CPU (vLLM's kernels are CUDA-only); see docs/testing.md, "What is tested where"."""
 
     def __init__(self, flat_cfg: Dict, index: int):
         try:
