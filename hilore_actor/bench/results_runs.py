@@ -97,5 +97,10 @@ DEMO_RUNS = [  # (metrics file stem, title, commit it ran at, note)
     ("demo-activations", "`bash scripts/demo.sh --hilore.budget_scope activations`", "c2bea89", REWARD_NOTE),
 ]
 
+# The aims the risk diagnostics are held to, and why two of its rows can coincide.
+DIAG_AIMS = {"spearman": 0.85, "auroc_top10": 0.92}
+DIAG_NOTE = ("Advantage-only and complete exposure coincide when no token is clipped and the diagnostics' loss "
+             "has no KL term: omega is then the advantage term alone.")
+
 # The paper's risk-diagnostic figures for psi_u, quoted beside ours (HILORE.md).
 PAPER_PSI = {"spearman": 0.77, "top10_recall": 0.80, "auroc_top10": 0.88}

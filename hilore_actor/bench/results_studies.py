@@ -4,11 +4,12 @@ committed JSON (or JSONL) by ``results_page``."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Dict, List
 
 from .report import fmt
-from .results_runs import CODEC_RUNS, DEMO_RUNS, PAPER_PSI
+from .results_runs import CODEC_RUNS, DEMO_RUNS, DIAG_AIMS, DIAG_NOTE, PAPER_PSI
 
 
 def _mean_max(g: Dict) -> str:
@@ -69,7 +70,11 @@ def fidelity(results: Path) -> str:
                "-"),
            row("KL(gc \\|\\| hilore)", [f"{kl.get(f'hilore-seed{s}', float('nan')):.3g}" for s in seeds], "-"),
            row("KL(gc \\|\\| base)", [f"{kl.get(f'base-seed{s}', float('nan')):.3g}" for s in seeds], "-"), "",
-           f"Base model's held-out accuracy {d['base_heldout_accuracy']:.3f}. hilore's per-step gradient error: mean "
+           f"Held-out accuracy: greedy decoding, exact answers only, on {d['discordant_problems'][seeds[0]]['n']} problems. "
+           f"Base model's held-out accuracy {d['base_heldout_accuracy']:.3f}. "
+           + "".join(f"KL(gc || {k.rsplit('-seed', 1)[0]}) on seed {k.rsplit('-seed', 1)[1]}: {v:.3g}. "
+                     for k, v in kl.items() if not k.startswith(("hilore-seed", "base-seed"))) +
+           f"hilore's per-step gradient error: mean "
            f"{ge['mean']:.4f}, max {ge['max']:.4f} over {ge['steps_measured']} steps ({ge['mean_over_steps_with_a_gradient']:.4f} "
            f"over the {ge['steps_with_a_gradient']} with a nonzero gradient), lowest cosine {ge['cosine_min']:.5f}, "
            f"{ge['fraction_L_mean']:.0%} of unit actions L."]
@@ -96,6 +101,13 @@ def diagnostics(results: Path) -> str:
         out.append(f"| {name} | {v['spearman']:.3f} | {v['top10_recall']:.3f} | {v['auroc_top10']:.3f} |")
     out.append(f"| paper (psi_u) | {PAPER_PSI['spearman']:.2f} | {PAPER_PSI['top10_recall']:.2f} | "
                f"{PAPER_PSI['auroc_top10']:.2f} |")
+    psi = d["predictors"].get("psi")
+    if psi:
+        out += ["", f"psi_u against the aims: Spearman >= {DIAG_AIMS['spearman']}: {psi['spearman'] >= DIAG_AIMS['spearman']}; "
+                f"AUROC >= {DIAG_AIMS['auroc_top10']}: {psi['auroc_top10'] >= DIAG_AIMS['auroc_top10']}; top-10% recall "
+                f"{'at or above' if psi['top10_recall'] >= PAPER_PSI['top10_recall'] else 'below'} the paper's. "
+                f"Inputs: {d['inputs'].get('groups')} groups, clip fraction {d['inputs'].get('clip_frac_last_row')}; "
+                f"top 10% = the {round(d['n_samples'] * 0.1)} largest errors.", "", DIAG_NOTE]
     return "\n".join(out) + "\n"
 
 
@@ -120,15 +132,22 @@ def demo(results: Path) -> str:
             continue
         rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
         out += [f"### {title}", "", f"From a fresh clone at commit {commit}, nothing else running. {note}", "",
-                "| step | reward | accuracy | loss | update s | peak / B | gc s | hilore s | speed |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| step | reward | accuracy | resp. len | loss | update s | peak / B | gc s | hilore s | speed |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            out.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['accuracy']:.3f} | {r['loss']:+.5f} | "
+            out.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['accuracy']:.3f} | {r['response_length']:.1f} | "
+                       f"{r['loss']:+.5f} | "
                        f"{r['update_seconds']:.2f} | {r['peak_over_budget_max']:.3f} | {r['compare_gc_seconds']:.2f} | "
                        f"{r['compare_hilore_seconds']:.2f} | x{r['compare_speedup_vs_gc']:.3f} |")
+        peaks = [x for r in rows for c in r.get("coordinator", {}).values() for x in c.get("peaks_over_budget", [])]
+        pred = [p / q for r in rows for c in r.get("coordinator", {}).values()
+                for p, q in zip(c.get("peaks_over_budget", []), c.get("predicted_over_budget", [])) if q]
         gc = sum(r["compare_gc_seconds"] for r in rows)
         hl = sum(r["compare_hilore_seconds"] for r in rows)
         out += ["", f"All steps: gc {gc:.1f} s, hilore {hl:.1f} s (x{gc / hl:.3f}); planning's highest pass "
-                f"{max(r.get('plan_peak_over_budget') or 0 for r in rows):.3f} B. Raw: `benchmarks/results/{name}.metrics.jsonl`"
+                f"{max(r.get('plan_peak_over_budget') or 0 for r in rows):.3f} B. "
+                + (f"The {len(peaks)} microbatches peaked at {min(peaks):.3f}-{max(peaks):.3f} of B (median "
+                   f"{statistics.median(peaks):.3f}; {sum(x > 1 for x in peaks)} over B), measured/predicted "
+                   f"{min(pred):.2f}-{max(pred):.2f}. " if peaks and pred else "") + f"Raw: `benchmarks/results/{name}.metrics.jsonl`"
                 f" and `.log`.", ""]
     return "\n".join(out)
