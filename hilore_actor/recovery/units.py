@@ -81,6 +81,22 @@ def find_decoder_layers(model: nn.Module):
     return best
 
 
+def _innermost(model: nn.Module) -> nn.Module:
+    """The model inside DeepSpeed's (``.module``) and peft's (``.base_model.model``) wrappers, for
+    messages. An HF model's own ``base_model`` is itself or its backbone, which has no ``.model``:
+    the walk stops at the first object that wraps nothing further."""
+    inner, seen = model, set()
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = getattr(inner, "module", None)
+        if not isinstance(nxt, nn.Module):
+            nxt = getattr(getattr(inner, "base_model", None), "model", None)
+        if not isinstance(nxt, nn.Module):
+            break
+        inner = nxt
+    return inner
+
+
 def discover_units(model: nn.Module) -> List[LayerSpec]:
     """Units per decoder layer; whole-layer units (with a warning naming the class) when the
     layer does not have the norm/attention/norm/MLP structure."""
@@ -107,9 +123,7 @@ def discover_units(model: nn.Module) -> List[LayerSpec]:
             spec.units = [UnitSpec(name, "layer", i, [layer])]
         specs.append(spec)
     if fallback:
-        inner = model
-        while hasattr(inner, "module") or hasattr(inner, "base_model"):
-            inner = getattr(inner, "module", None) or inner.base_model.model
+        inner = _innermost(model)
         warnings.warn(
             f"hilore: {type(inner).__name__} decoder layers ({type(layers[0]).__name__}) do not have the "
             "norm/attention/norm/MLP structure the engine understands; falling back to whole-layer units "
