@@ -98,8 +98,8 @@ class RecoveryEngine:
         self._hooks = []
         for layer in self.layer_specs:
             for unit in layer.units:
-                if unit.kind == "attn":
-                    self._watch_attention_core(unit.modules[-1])
+                if unit.attention is not None:
+                    self._watch_attention_core(unit.attention)
         for li, layer in enumerate(self.layer_specs):
             self._hooks.append(layer.module.register_forward_pre_hook(partial(self._layer_pre, li), with_kwargs=True))
             for ui, unit in enumerate(layer.units):

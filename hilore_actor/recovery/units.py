@@ -1,16 +1,24 @@
 """Recovery units of an HF decoder model (docs/DESIGN.md section 3).
 
-Each decoder layer of the Llama family (Llama, Qwen2, Phi3, Mistral, Qwen3, Gemma, ...) has
-``input_layernorm -> self_attn -> (+residual) -> post_attention_layernorm -> mlp -> (+residual)``.
-It yields two units:
+A unit is everything a decoder layer runs between two residual adds, found by tracing the
+layer (``structure.py``); attribute names only label units. For the Llama family (Llama,
+Qwen2, Phi3, Mistral, Qwen3, ...) that gives the familiar two units per layer:
 
 - ``<layer>.self_attn``: the input norm and the attention block (projections, rotary, the
   SDPA / eager / flash core, output projection); checkpoint input: the layer input;
 - ``<layer>.mlp``: the post-attention norm and the MLP; checkpoint input: the residual stream
   after attention.
 
-A unit's bundle is every tensor autograd saves while its modules run. Models whose layers do
-not follow this shape fall back to whole-layer units (plain decoder-layer checkpointing).
+Post-norm layers (OLMo 2: attention, then its norm) and sandwich norms (Gemma 3: a norm before
+and after each block) put each norm in the unit of the block it belongs to. A layer whose
+attention and MLP share one residual add (GPT-J, GPT-NeoX, Cohere) is one unit (kind
+``block``). An MLP unit whose block routes tokens to experts is kind ``moe``: its saved tensors
+are gathered expert rows, not token rows, so token L is not offered on it.
+
+A unit's bundle is every tensor autograd saves while its modules run. When a model cannot be
+traced (no HF config), the attribute-name table below finds the two Llama-family units; a layer
+neither can cut is one whole-layer unit (plain decoder-layer checkpointing), with a warning
+naming its class.
 """
 from __future__ import annotations
 
@@ -29,12 +37,13 @@ WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.")
 
 @dataclass
 class UnitSpec:
-    """One recovery unit: modules run in order, the first one takes the checkpoint input."""
+    """One recovery unit: the layer's child modules it runs, in call order."""
 
     name: str  # stable, e.g. "model.layers.7.mlp"
-    kind: str  # "attn" | "mlp" | "layer"
+    kind: str  # "attn" | "mlp" | "moe" | "block" (attention and MLP on one residual add) | "layer"
     layer: int
     modules: List[nn.Module]
+    attention: Optional[nn.Module] = None  # the attention module whose own code is the core (rules.KEEP_EXACT)
 
     @property
     def token_wise(self) -> bool:
@@ -97,37 +106,80 @@ def _innermost(model: nn.Module) -> nn.Module:
     return inner
 
 
+def _is_attention(name: str, m: nn.Module) -> bool:
+    return name in ATTN_NAMES or "attention" in type(m).__name__.lower()
+
+
+def _is_moe(m: nn.Module) -> bool:
+    """An MLP block that routes tokens to experts (a child or class named for experts / MoE)."""
+    names = [type(x).__name__.lower() for x in m.modules()] + [n.lower() for n, _ in m.named_modules()]
+    return any("expert" in n or "moe" in n or "sparse" in n for n in names)
+
+
+def _is_block(m: nn.Module) -> bool:
+    """A child with weights that is neither a norm nor a dropout (an MLP, MoE or attention block)."""
+    own = any(len(getattr(p, "ds_shape", p.shape)) >= 2 for p in m.parameters())  # ZeRO-3: the full shape
+    return own and "norm" not in type(m).__name__.lower()
+
+
+def _traced_units(name: str, i: int, layer: nn.Module, segs: List[List[str]]) -> Optional[List[UnitSpec]]:
+    """One unit per segment, labelled by its attention or MLP child; None if a child is missing."""
+    units = []
+    for seg in segs:
+        mods = [getattr(layer, n, None) for n in seg]
+        if any(not isinstance(m, nn.Module) for m in mods):
+            return None
+        attn = [(n, m) for n, m in zip(seg, mods) if _is_attention(n, m)]
+        other = [(n, m) for n, m in zip(seg, mods) if _is_block(m) and not _is_attention(n, m)]
+        if attn and other:
+            kind, label = "block", f"{attn[0][0]}+{other[0][0]}"
+        elif attn:
+            kind, label = "attn", attn[0][0]
+        else:
+            kind = "moe" if other and _is_moe(other[0][1]) else "mlp"
+            label = (other or list(zip(seg, mods)))[0][0]
+        units.append(UnitSpec(f"{name}.{label}", kind, i, mods, attn[0][1] if attn else None))
+    return units
+
+
+def _named_units(name: str, i: int, layer: nn.Module) -> Optional[List[UnitSpec]]:
+    """The Llama-family norm/attention/norm/MLP units, found by attribute name (untraceable models)."""
+    parts = [_child(layer, names) for names in (NORM1_NAMES, ATTN_NAMES, NORM2_NAMES, MLP_NAMES)]
+    if any(p is None for p in parts):
+        return None
+    attn_name = next(n for n in ATTN_NAMES if getattr(layer, n, None) is parts[1])
+    mlp_name = next(n for n in MLP_NAMES if getattr(layer, n, None) is parts[3])
+    return [UnitSpec(f"{name}.{attn_name}", "attn", i, [parts[0], parts[1]], parts[1]),
+            UnitSpec(f"{name}.{mlp_name}", "moe" if _is_moe(parts[3]) else "mlp", i, [parts[2], parts[3]])]
+
+
 def discover_units(model: nn.Module) -> List[LayerSpec]:
-    """Units per decoder layer; whole-layer units (with a warning naming the class) when the
-    layer does not have the norm/attention/norm/MLP structure."""
+    """Units per decoder layer: cut at the residual adds (``structure.layer_structure``), else by
+    the name table, else one whole-layer unit (with a warning naming the layer's class)."""
+    from .structure import layer_structure
+
     found = find_decoder_layers(model)
     if found is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (a ModuleList of blocks with an attention child)")
     path, layers = found
     path = stable_name(path)
-    specs = []
-    fallback = False
+    inner = _innermost(model)
+    structure = layer_structure(inner, path, len(layers))
+    specs, fallback = [], []
     for i, layer in enumerate(layers):
         name = f"{path}.{i}"
-        parts = [_child(layer, names) for names in (NORM1_NAMES, ATTN_NAMES, NORM2_NAMES, MLP_NAMES)]
-        spec = LayerSpec(i, name, layer)
-        if all(p is not None for p in parts):
-            attn_name = next(n for n in ATTN_NAMES if getattr(layer, n, None) is parts[1])
-            mlp_name = next(n for n in MLP_NAMES if getattr(layer, n, None) is parts[3])
-            spec.units = [
-                UnitSpec(f"{name}.{attn_name}", "attn", i, [parts[0], parts[1]]),
-                UnitSpec(f"{name}.{mlp_name}", "mlp", i, [parts[2], parts[3]]),
-            ]
-        else:
-            fallback = True
-            spec.units = [UnitSpec(name, "layer", i, [layer])]
-        specs.append(spec)
+        segs = structure[i] if structure is not None else None
+        units = _traced_units(name, i, layer, segs) if segs else None
+        if units is None and structure is None:
+            units = _named_units(name, i, layer)
+        if units is None:
+            fallback.append(i)
+            units = [UnitSpec(name, "layer", i, [layer])]
+        specs.append(LayerSpec(i, name, layer, units))
     if fallback:
-        inner = _innermost(model)
         warnings.warn(
-            f"hilore: {type(inner).__name__} decoder layers ({type(layers[0]).__name__}) do not have the "
-            "norm/attention/norm/MLP structure the engine understands; falling back to whole-layer units "
-            "(plain decoder-layer checkpointing)",
+            f"hilore: {type(inner).__name__} decoder layers {fallback[:8]} ({type(layers[fallback[0]]).__name__}) cannot "
+            "be cut at their residual adds; falling back to whole-layer units (plain decoder-layer checkpointing)",
             stacklevel=2,
         )
     return specs
