@@ -115,17 +115,15 @@ def _model_class(model: nn.Module) -> type:
 
 def trace_events(model: nn.Module, layers_path: str, n_layers: int) -> List[List[Tuple[str, Optional[str]]]]:
     """Events per decoder layer of a shrunken copy of ``model`` (an HF model with a ``config``)."""
-    from .units import find_decoder_layers, stable_name
-
     cfg = shrunk_config(model.config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         skeleton = _model_class(model)(cfg).float().train()
-        found = find_decoder_layers(skeleton)
-        if found is None or stable_name(found[0]) != layers_path or len(found[1]) != n_layers:
+        layers = skeleton.get_submodule(layers_path)  # the same class: its layers sit at the same path
+        if not isinstance(layers, nn.ModuleList) or len(layers) != n_layers:
             raise ValueError("the shrunken copy's decoder layers differ from the model's")
         events: List[list] = [[] for _ in range(n_layers)]
-        hooks, st = _record(found[1], events)
+        hooks, st = _record(layers, events)
 
         def save(t):
             if st["layer"] is not None and st["depth"] == 0:
