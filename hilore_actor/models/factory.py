@@ -7,6 +7,7 @@ directory, a ``config.json`` (random weights of that shape) or a GGUF file.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -79,11 +80,29 @@ def build_model(
 
     if isinstance(config, str):
         config = tiny_config(config)
+    attn_implementation = supported_attention(config, attn_implementation)
     config._attn_implementation = attn_implementation
     if seed is not None:
         torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return apply_lora(model, lora) if lora is not None else model
+
+
+def supported_attention(config, requested: str) -> str:
+    """``requested``, or ``eager`` with a one-line note when the architecture has no SDPA path
+    (transformers refuses SDPA for some, e.g. gpt-oss, whose attention sinks need the eager
+    kernel). Under eager attention the softmax probabilities are saved, and L keeps them exact
+    with the rest of the attention core (``recovery.rules.KEEP_EXACT``)."""
+    import transformers
+
+    if requested != "sdpa":
+        return requested
+    cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is None or getattr(cls, "_supports_sdpa", True):
+        return requested
+    print(f"[hilore] {cls.__name__} has no SDPA attention in transformers {transformers.__version__}; using eager",
+          file=sys.stderr)
+    return "eager"
 
 
 def load_model(
@@ -106,6 +125,12 @@ def load_model(
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist (models are loaded from local paths only)")
     kw = dict(dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
+    if p.is_dir() and (p / "config.json").is_file() and attn_implementation == "sdpa":
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+            kw["attn_implementation"] = supported_attention(cfg, attn_implementation)
+        except (ValueError, KeyError, OSError):
+            pass  # its own loader below says what is wrong with the directory
     if p.is_file() and p.suffix == ".gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, **kw)
     elif p.is_file() or not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):

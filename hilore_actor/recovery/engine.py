@@ -163,7 +163,9 @@ class RecoveryEngine:
             return
         ls = st.layers[li]
         if ls.replay.calls:
-            raise RuntimeError(f"{ls.spec.name} ran twice in one engine step; use one engine.step() per microbatch forward")
+            raise RuntimeError(f"hilore: {ls.spec.name} ran twice in one engine step: use one engine.step() per microbatch "
+                               "forward; a model that runs a layer more than once per forward (shared or recurrent "
+                               "layers) needs gradient checkpointing instead")
         ls.replay = Replay([Call(module, args, _drop_caches(kwargs, li == 0))], _rng_state((args, kwargs)), _autocast_state())
 
     def _module_pre(self, li, ui, k, module, args, kwargs):

@@ -42,20 +42,25 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _CACHE: Dict[str, Optional[List[Optional[List[str]]]]] = {}
 
 
+def _set(cfg, key: str, value) -> None:
+    """Set a config field unless the config derives it (a read-only property, e.g. Falcon's head_dim)."""
+    try:
+        setattr(cfg, key, value)
+    except (AttributeError, TypeError, ValueError):
+        pass
+
+
 def shrunk_config(config):
     """A copy of an HF config with tiny widths and the same layer count and layer types."""
     cfg = copy.deepcopy(config)
-    for k, v in SMALL.items():
-        if isinstance(getattr(cfg, k, None), int):
-            setattr(cfg, k, v)
-    for k, v in AT_MOST.items():
-        cur = getattr(cfg, k, None)
-        if isinstance(cur, int) and cur > v:
-            setattr(cfg, k, v)
+    wanted = {k: v for k, v in SMALL.items() if isinstance(getattr(cfg, k, None), int)}
+    wanted.update({k: v for k, v in AT_MOST.items() if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) > v})
+    for k, v in wanted.items():
+        _set(cfg, k, v)
     for k in TOKEN_IDS:
         ids = getattr(cfg, k, None)
-        if isinstance(ids, int) and ids >= cfg.vocab_size or isinstance(ids, list):
-            setattr(cfg, k, 0)
+        if isinstance(ids, int) and ids >= getattr(cfg, "vocab_size", 0) or isinstance(ids, list):
+            _set(cfg, k, 0)
     if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
         cfg._attn_implementation = "sdpa" if getattr(type(config), "_supports_sdpa", True) else "eager"
     return cfg
@@ -68,6 +73,9 @@ def _record(layers: nn.ModuleList, events: List[List[Tuple[str, Optional[str]]]]
     hooks = []
     for i, layer in enumerate(layers):
         def layer_pre(mod, args, kwargs, i=i):
+            if any(e[0] == "layer" for e in events[i]):
+                events[i].append(("again", None))  # a shared or recurrent layer: runs twice per forward
+            events[i].append(("layer", None))
             st["layer"], st["depth"] = i, 0
             st["stream"] = args[0] if args else kwargs.get("hidden_states")
 
@@ -140,7 +148,9 @@ def trace_events(model: nn.Module, layers_path: str, n_layers: int) -> List[List
 
 
 def segments(events: List[Tuple[str, Optional[str]]]) -> Optional[List[List[str]]]:
-    """The layer's child calls cut at its residual adds, or ``None`` when it cannot be cut."""
+    """The layer's child calls cut at its residual adds, or ``None`` when it cannot be cut.
+    (A layer that ran twice in one forward, a shared or recurrent layer, is refused before this:
+    the engine records each layer's call once per step.)"""
     segs: List[List[str]] = []
     cur: List[str] = []
     saved_since_call = False
@@ -152,7 +162,7 @@ def segments(events: List[Tuple[str, Optional[str]]]) -> Optional[List[List[str]
             saved_since_call = False
         elif kind == "save":
             saved_since_call = True
-        elif cur:
+        elif kind == "add" and cur:
             segs.append(cur)
             cur, saved_since_call = [], False
     if cur:
@@ -170,9 +180,15 @@ def layer_structure(model: nn.Module, layers_path: str, n_layers: int) -> Option
         json.dumps(config.to_dict(), sort_keys=True, default=str)
     if key not in _CACHE:
         try:
-            _CACHE[key] = [segments(ev) for ev in trace_events(model, layers_path, n_layers)]
+            events = trace_events(model, layers_path, n_layers)
         except Exception as e:  # a config the shrunken copy cannot build or run: units by name instead
             warnings.warn(f"hilore: could not trace {type(model).__name__}'s decoder layers on a shrunken copy "
                           f"({type(e).__name__}: {str(e)[:160]}); finding units by name", stacklevel=3)
             _CACHE[key] = None
+            return None
+        if any(kind == "again" for ev in events for kind, _ in ev):
+            raise ValueError(f"hilore: {type(model).__name__} runs a decoder layer more than once per forward (shared or "
+                             "recurrent layers); the recovery engine needs each layer to run once: use gradient "
+                             "checkpointing for this model")
+        _CACHE[key] = [segments(ev) for ev in events]
     return _CACHE[key]

@@ -12,7 +12,8 @@ Qwen2, Phi3, Mistral, Qwen3, ...) that gives the familiar two units per layer:
 Post-norm layers (OLMo 2: attention, then its norm) and sandwich norms (Gemma 3: a norm before
 and after each block) put each norm in the unit of the block it belongs to. A layer whose
 attention and MLP share one residual add (GPT-J, GPT-NeoX, Cohere) is one unit (kind
-``block``). An MLP unit whose block routes tokens to experts is kind ``moe``: its saved tensors
+``block``). A unit with a sequence mixer that is not softmax attention (linear attention, state
+space, convolution: hybrid models) is kind ``mixer``. An MLP unit whose block routes tokens to experts is kind ``moe``: its saved tensors
 are gathered expert rows, not token rows, so token L is not offered on it.
 
 A unit's bundle is every tensor autograd saves while its modules run. When a model cannot be
@@ -22,6 +23,7 @@ naming its class.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -32,6 +34,8 @@ ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 NORM1_NAMES = ("input_layernorm", "ln_1", "attention_norm")
 NORM2_NAMES = ("post_attention_layernorm", "ln_2", "ffn_norm")
+MIXER_WORDS = {"mamba", "mixer", "ssm", "conv", "delta", "deltanet", "recurrent", "rnn", "retention", "lru", "rwkv",
+               "gdn"}
 WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.")
 
 
@@ -40,7 +44,7 @@ class UnitSpec:
     """One recovery unit: the layer's child modules it runs, in call order."""
 
     name: str  # stable, e.g. "model.layers.7.mlp"
-    kind: str  # "attn" | "mlp" | "moe" | "block" (attention and MLP on one residual add) | "layer"
+    kind: str  # "attn" | "mlp" | "moe" | "block" (attention and MLP on one residual add) | "mixer" | "layer"
     layer: int
     modules: List[nn.Module]
     attention: Optional[nn.Module] = None  # the attention module whose own code is the core (rules.KEEP_EXACT)
@@ -80,20 +84,27 @@ def _child(module: nn.Module, names) -> Optional[nn.Module]:
 
 
 def find_decoder_layers(model: nn.Module):
-    """(path, ModuleList) of the model's decoder layers: the largest ModuleList of same-class
-    blocks that hold an attention child."""
+    """(path, ModuleList) of the model's decoder layers: the longest ModuleList of blocks of which
+    at least one mixes tokens (attention, or the linear-attention and state-space layers hybrid
+    models mix with it, under one class or several)."""
     best = None
     for path, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1:
-            if _child(mod[0], ATTN_NAMES) is not None and (best is None or len(mod) > len(best[1])):
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and all(len(list(m.children())) > 1 for m in mod):
+            if any(_holds_attention(m) for m in mod) and (best is None or len(mod) > len(best[1])):
                 best = (path, mod)
     return best
 
 
+def _holds_attention(block: nn.Module) -> bool:
+    """The block mixes tokens: it holds softmax attention or another sequence mixer."""
+    return any(_is_attention(n.rsplit(".", 1)[-1], m) or _is_mixer(n.rsplit(".", 1)[-1], m)
+               for n, m in block.named_modules() if n)
+
+
 def _innermost(model: nn.Module) -> nn.Module:
-    """The model inside DeepSpeed's (``.module``) and peft's (``.base_model.model``) wrappers, for
-    messages. An HF model's own ``base_model`` is itself or its backbone, which has no ``.model``:
-    the walk stops at the first object that wraps nothing further."""
+    """The model inside DeepSpeed's (``.module``) and peft's (``.base_model.model``) wrappers. An
+    HF model's own ``base_model`` is itself or its backbone, which has no ``.model``: the walk
+    stops at the first object that wraps nothing further."""
     inner, seen = model, set()
     while id(inner) not in seen:
         seen.add(id(inner))
@@ -107,7 +118,21 @@ def _innermost(model: nn.Module) -> nn.Module:
 
 
 def _is_attention(name: str, m: nn.Module) -> bool:
-    return name in ATTN_NAMES or "attention" in type(m).__name__.lower()
+    """Softmax attention, whose own code is the core L keeps exact (``rules.KEEP_EXACT``)."""
+    cls = type(m).__name__.lower()
+    return (name in ATTN_NAMES or "attention" in cls) and not _is_mixer(name, m)
+
+
+def _words(name: str, m: nn.Module) -> set:
+    """The words of an attribute name (``linear_attn``) and a class name (``Mamba2Mixer``)."""
+    return {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", f"{name} {type(m).__name__}".replace("_", " "))}
+
+
+def _is_mixer(name: str, m: nn.Module) -> bool:
+    """A sequence mixer that is not softmax attention (linear attention, state space, convolution):
+    its output rows depend on other tokens' rows, so its unit is not token-wise."""
+    words = _words(name, m)
+    return bool(words & MIXER_WORDS) or "linear" in words and bool(words & {"attn", "attention"})
 
 
 def _is_moe(m: nn.Module) -> bool:
@@ -130,8 +155,11 @@ def _traced_units(name: str, i: int, layer: nn.Module, segs: List[List[str]]) ->
         if any(not isinstance(m, nn.Module) for m in mods):
             return None
         attn = [(n, m) for n, m in zip(seg, mods) if _is_attention(n, m)]
-        other = [(n, m) for n, m in zip(seg, mods) if _is_block(m) and not _is_attention(n, m)]
-        if attn and other:
+        mixer = [(n, m) for n, m in zip(seg, mods) if _is_mixer(n, m) and _is_block(m)]
+        other = [(n, m) for n, m in zip(seg, mods) if _is_block(m) and not _is_attention(n, m) and not _is_mixer(n, m)]
+        if mixer:
+            kind, label = "mixer", "+".join(n for n, _ in attn + mixer + other)
+        elif attn and other:
             kind, label = "block", f"{attn[0][0]}+{other[0][0]}"
         elif attn:
             kind, label = "attn", attn[0][0]
@@ -160,7 +188,8 @@ def discover_units(model: nn.Module) -> List[LayerSpec]:
 
     found = find_decoder_layers(model)
     if found is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (a ModuleList of blocks with an attention child)")
+        raise ValueError(f"hilore: {type(model).__name__}: no decoder layers found (a ModuleList of blocks, one of them "
+                         "holding attention or another sequence mixer); the recovery engine cannot cut this model into units")
     path, layers = found
     path = stable_name(path)
     inner = _innermost(model)
