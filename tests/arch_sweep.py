@@ -187,8 +187,13 @@ def markdown(rows) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", help="write the markdown table here")
+    ap.add_argument("--configs", help="only write each architecture's tiny config to DIR/<arch>/config.json")
     ap.add_argument("archs", nargs="*", help="model types (default: every causal LM of the registry)")
     args = ap.parse_args(argv)
+    if args.configs:
+        for a in args.archs or registry():
+            tiny_config(a).save_pretrained(str(Path(args.configs) / a))
+        return 0
     rows = []
     for a in args.archs or registry():
         rows.append(check(a))

@@ -259,8 +259,8 @@ def render(results: Path) -> str:
         data = load(results, run.name)
         if data is not None:
             out.append(run_section(run, data))
-    for part in (results_studies.codecs, results_studies.fidelity, results_studies.diagnostics,
-                 results_studies.knapsack, results_studies.demo):
+    for part in (results_studies.codecs, results_studies.architectures, results_studies.fidelity,
+                 results_studies.diagnostics, results_studies.knapsack, results_studies.demo):
         text = part(results)
         if text:
             out.append(text)

@@ -151,3 +151,24 @@ def demo(results: Path) -> str:
                    f"{min(pred):.2f}-{max(pred):.2f}. " if peaks and pred else "") + f"Raw: `benchmarks/results/{name}.metrics.jsonl`"
                 f" and `.log`.", ""]
     return "\n".join(out)
+
+
+def architectures(results: Path) -> str:
+    """``benchmarks/architectures.sh``: the benchmark's exactness check per architecture."""
+    files = sorted((Path(results) / "architectures").glob("*.json"))
+    if not files:
+        return ""
+    out = ["## Architectures through the benchmark (`bash benchmarks/architectures.sh`)", "",
+           "Per architecture: a tiny random config (`tests/arch_sweep.py`), then `python -m hilore_actor.bench --workload "
+           "cpu-small --model-config <config.json> --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1`; "
+           "gradient error relative to no-gc on one update of 2 microbatches of 1024 tokens (random weights: L's error "
+           "shows that L acts, not its cost on a real model). The sweep over every architecture: "
+           "[`docs/architectures.md`](../docs/architectures.md).", "",
+           "| architecture | gc | all-H | all-R | all-L | commit |", "|---|---|---|---|---|---|"]
+    for f in files:
+        d = json.loads(f.read_text())
+        err = {r["method"]: r.get("grad_rel_err_mean") for r in d["records"]}
+        cell = lambda m: "-" if err.get(m) is None else ("0 (exact)" if err[m] == 0 else f"{err[m]:.4f}")  # noqa: E731
+        out.append(f"| `{f.stem}` | {cell('gc')} | {cell('all-h')} | {cell('all-r')} | {cell('all-l')} | "
+                   f"{d['git_commit'][:7]} |")
+    return "\n".join(out) + "\n"

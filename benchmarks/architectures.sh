@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The benchmark's exactness check on the architectures GRPO users train most: for each, a tiny
+# random config (tests/arch_sweep.py's), then
+#   python -m hilore_actor.bench --workload cpu-small --model-config <config.json>
+#       --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1
+# gc, all-H and all-R must give no-gc's gradient exactly; all-L's error is reported. About 15 s
+# per architecture on 2 cores. Writes benchmarks/results/architectures/<arch>.json.
+# Usage: bash benchmarks/architectures.sh [ARCH ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${OUTDIR:-benchmarks/results/architectures}
+ARCHS=("$@")
+[ ${#ARCHS[@]} -gt 0 ] || ARCHS=(olmo2 gemma3_text qwen3_moe mixtral gpt_oss phi3 qwen3 mistral smollm3 llama qwen2 qwen3_next gptj falcon)
+CFG=$(mktemp -d)
+trap 'rm -rf "$CFG"' EXIT
+mkdir -p "$OUT"
+"$PY" tests/arch_sweep.py --configs "$CFG" "${ARCHS[@]}"
+for a in "${ARCHS[@]}"; do
+  echo "[architectures] $a"
+  "$PY" -m hilore_actor.bench --workload cpu-small --model-config "$CFG/$a/config.json" \
+    --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1 --json "$OUT/$a.json" 2>&1 \
+    | grep -v '^USDT' | tail -7
+done
