@@ -5,7 +5,7 @@
 #       --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1
 # gc, all-H and all-R must give no-gc's gradient exactly; all-L's error is reported. About 15 s
 # per architecture on 2 cores. Writes benchmarks/results/architectures/<arch>.json.
-# Usage: bash benchmarks/architectures.sh [ARCH ...]
+# Usage: [TIMEOUT=seconds] bash benchmarks/architectures.sh [ARCH ...]   (a failure is reported, the rest run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -18,7 +18,8 @@ mkdir -p "$OUT"
 "$PY" tests/arch_sweep.py --configs "$CFG" "${ARCHS[@]}"
 for a in "${ARCHS[@]}"; do
   echo "[architectures] $a"
-  "$PY" -m hilore_actor.bench --workload cpu-small --model-config "$CFG/$a/config.json" \
-    --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1 --json "$OUT/$a.json" 2>&1 \
-    | grep -v '^USDT' | tail -7
+  timeout "${TIMEOUT:-900}" "$PY" -m hilore_actor.bench --workload cpu-small --model-config "$CFG/$a/config.json" \
+    --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1 --json "$OUT/$a.json" > "$CFG/$a.log" 2>&1 \
+    && grep -v '^USDT' "$CFG/$a.log" | tail -7 \
+    || { echo "[architectures] $a FAILED (exit $?):"; grep -v '^USDT' "$CFG/$a.log" | tail -3; }
 done

@@ -93,3 +93,23 @@ def test_partial_savings_within_a_cap_are_measured_on_the_whole_microbatch(setup
             kind = "attn" if n.endswith("self_attn") else "mlp"
             if kind in shares:  # an MLP unit's P may not fit half the room left above all-R
                 assert costs.dtau[n][a] == pytest.approx(shares[kind] * costs.dtau[n]["H"])
+
+
+def test_an_attention_unit_before_an_expert_block_pays_for_the_blocks_input():
+    """Keeping a layer's attention while its expert block is R breaks the layer's joint replay:
+    the block then keeps its own input, which the attention unit's H bytes include (``mixed``),
+    for MoE layers as for dense ones."""
+    from hilore_actor.allocation.profiling import _bytes_at
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = build_model(cfg, seed=0).train()
+    runner = Runner(model)
+    assert [u.kind for u in runner.engine.layer_specs[0].units] == ["attn", "moe"]
+    mb = replayed_microbatches(model, 1, 128, seed=0)[0]
+    mixed = _bytes_at(runner, mb, 1, ("L",))["mixed"]
+    attn = [u.name for layer in runner.engine.layer_specs for u in layer.units if u.kind == "attn"]
+    assert sorted(mixed) == sorted(attn) and all(v >= 64 * 128 * 4 for v in mixed.values())  # one hidden-state tensor

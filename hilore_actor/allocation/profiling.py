@@ -182,7 +182,7 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], parti
     # keeping a layer's attention H or L while its MLP is R breaks the shared layer replay: the
     # MLP then needs its own input kept (one hidden-state tensor)
     mixed = {layer.units[0].name: layer.units[1].name for layer in runner.engine.layer_specs
-             if [u.kind for u in layer.units] == ["attn", "mlp"]}
+             if len(layer.units) == 2 and layer.units[0].kind in ("attn", "mixer")}  # the MLP or expert block after it
     if mixed:
         held = runner.run(mb, {n: ("exact" if n in mixed else "checkpoint") for n in names}).bytes_by_unit
         out["mixed"] = {a: float(held[m]["checkpoint"]) for a, m in mixed.items()}
