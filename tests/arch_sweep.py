@@ -44,6 +44,13 @@ def tiny_config(model_type: str):
                 setattr(cfg, k, v)
             except (AttributeError, TypeError, ValueError):
                 pass
+    n = getattr(cfg, "num_hidden_layers", None)
+    for k, v in list(vars(cfg).items()):  # per-layer lists (mlp_layer_types, ...) to the new layer count
+        if isinstance(v, list) and v and n and len(v) not in (n,) and k.endswith(("_types", "_type")) and k != "layer_types":
+            try:
+                setattr(cfg, k, (v * n)[:n])
+            except (AttributeError, TypeError, ValueError):
+                pass
     for k, v in (("head_dim", getattr(cfg, "qk_rope_head_dim", None)),  # multi-head latent attention: rope dims
                  ("layer_types", (list(getattr(cfg, "layer_types", None) or []) * 4)[: getattr(cfg, "num_hidden_layers", 0)])):
         if v and hasattr(cfg, k):
@@ -192,7 +199,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.configs:
         for a in args.archs or registry():
-            tiny_config(a).save_pretrained(str(Path(args.configs) / a))
+            try:
+                cfg = tiny_config(a)
+                for k in ("max_position_embeddings", "n_positions"):  # the benchmark's microbatches are longer
+                    if hasattr(cfg, k):
+                        setattr(cfg, k, 4096)
+                cfg.save_pretrained(str(Path(args.configs) / a))
+            except Exception as e:  # noqa: BLE001  reported; the caller's run of this architecture then fails
+                print(f"{a}: no config written ({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
         return 0
     rows = []
     for a in args.archs or registry():

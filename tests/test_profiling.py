@@ -113,3 +113,16 @@ def test_an_attention_unit_before_an_expert_block_pays_for_the_blocks_input():
     mixed = _bytes_at(runner, mb, 1, ("L",))["mixed"]
     attn = [u.name for layer in runner.engine.layer_specs for u in layer.units if u.kind == "attn"]
     assert sorted(mixed) == sorted(attn) and all(v >= 64 * 128 * 4 for v in mixed.values())  # one hidden-state tensor
+
+
+def test_a_parameter_without_gradient_counts_as_zeros_in_the_flat_gradient(setup):
+    """A trainable parameter the loss never reaches (BERT's pooler, an unused embedding) is
+    zeros of its size in the runner's flat gradient, not a shape the concatenation refuses."""
+    runner, mb, _ = setup
+    extra = torch.nn.Parameter(torch.ones(3, 5))
+    runner.params.append(extra)
+    try:
+        g = runner.run(mb, "all-r", grads=True).grad
+    finally:
+        runner.params.pop()
+    assert g.shape == (sum(p.numel() for p in runner.params) + 15,) and torch.all(g[-15:] == 0)

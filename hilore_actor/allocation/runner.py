@@ -159,7 +159,7 @@ class Runner:
                 self.watch_phases.append(self._phase)
         if grads:
             res.grad = torch.cat([_whole(p.grad).detach().float().flatten() if p.grad is not None
-                                  else torch.zeros(p.shape, device=self.device) for p in self.params])
+                                  else torch.zeros(p.numel(), device=self.device) for p in self.params])  # unused: 0
         return res
 
 
