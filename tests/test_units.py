@@ -115,11 +115,19 @@ def test_moe_blocks_are_units_without_token_l_and_exact():
     assert kinds == ["attn", "moe"] and not engine.layer_specs[0].units[1].token_wise
 
 
-def test_tracing_leaves_the_random_state_and_the_config_alone():
+def test_tracing_leaves_the_random_state_and_the_config_alone(monkeypatch):
+    """The trace seeds the CPU generator inside a fork only: ``torch.manual_seed`` would also
+    reseed every CUDA generator, which the fork does not restore."""
+    from hilore_actor.recovery import structure
+
+    structure._CACHE.clear()
+    monkeypatch.setattr(torch, "manual_seed", lambda *_: (_ for _ in ()).throw(AssertionError("global reseed")))
     model = transformers.Olmo2ForCausalLM(_tiny("Olmo2Config"))
     before = model.config.to_dict()
     state = torch.get_rng_state()
-    RecoveryEngine(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # traced, not fallen back to names
+        RecoveryEngine(model)
     assert torch.equal(state, torch.get_rng_state()) and model.config.to_dict() == before
     small = shrunk_config(model.config)
     assert small.num_hidden_layers == model.config.num_hidden_layers and small.hidden_size == 64

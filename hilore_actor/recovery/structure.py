@@ -21,7 +21,6 @@ leaves the caller's random state as it was.
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -35,10 +34,11 @@ ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
          "num_attention_heads": 4, "head_dim": 16, "n_embd": 64, "n_head": 4, "n_inner": 96, "rotary_dim": 8,
          "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-         "vocab_size": 128}
+         "vocab_size": 128, "d_model": 64, "n_heads": 4, "ffn_dim": 96}
 AT_MOST = {"num_key_value_heads": 2, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
            "num_experts_per_tok": 2, "n_shared_experts": 1, "topk_group": 1, "n_group": 1}
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+MAX_COPY_PARAMS = 50_000_000  # a config whose widths this table does not reach: units by name instead
 _CACHE: Dict[str, Optional[List[Optional[List[str]]]]] = {}
 
 
@@ -50,9 +50,21 @@ def _set(cfg, key: str, value) -> None:
         pass
 
 
-def shrunk_config(config):
-    """A copy of an HF config with tiny widths and the same layer count and layer types."""
+def shrunk_config(config, model_class=None):
+    """A copy of an HF config with tiny widths and the same layer count and layer types; a
+    composite config (a text model inside a multimodal one) has its sub-configs shrunk too."""
     cfg = copy.deepcopy(config)
+    for sub in {id(c): c for c in [cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg,
+                                   *(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}) or {})]
+                if c is not None and c is not cfg}.values():
+        _shrink(sub)
+    _shrink(cfg)
+    if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
+        cfg._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    return cfg
+
+
+def _shrink(cfg) -> None:
     wanted = {k: v for k, v in SMALL.items() if isinstance(getattr(cfg, k, None), int)}
     wanted.update({k: v for k, v in AT_MOST.items() if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) > v})
     for k, v in wanted.items():
@@ -61,9 +73,6 @@ def shrunk_config(config):
         ids = getattr(cfg, k, None)
         if isinstance(ids, int) and ids >= getattr(cfg, "vocab_size", 0) or isinstance(ids, list):
             _set(cfg, k, 0)
-    if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
-        cfg._attn_implementation = "sdpa" if getattr(type(config), "_supports_sdpa", True) else "eager"
-    return cfg
 
 
 def _record(layers: nn.ModuleList, events: List[List[Tuple[str, Optional[str]]]]):
@@ -106,9 +115,13 @@ class _Adds(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         st = self.st
-        if func in ADDS and st["layer"] is not None and st["depth"] == 0 and any(a is st["stream"] for a in args):
+        if st["layer"] is None or st["depth"] != 0:
+            return out
+        if func in ADDS and any(a is st["stream"] for a in args):
             self.events[st["layer"]].append(("add", None))
             st["stream"] = out
+        elif getattr(func, "__name__", "").endswith("_") or getattr(func, "__name__", "").startswith("__i"):
+            self.events[st["layer"]].append(("save", None))  # an in-place op of the layer's own: not replayed
         return out
 
 
@@ -123,10 +136,15 @@ def _model_class(model: nn.Module) -> type:
 
 def trace_events(model: nn.Module, layers_path: str, n_layers: int) -> List[List[Tuple[str, Optional[str]]]]:
     """Events per decoder layer of a shrunken copy of ``model`` (an HF model with a ``config``)."""
-    cfg = shrunk_config(model.config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        skeleton = _model_class(model)(cfg).float().train()
+    cls = _model_class(model)
+    cfg = shrunk_config(model.config, cls)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls(cfg).parameters())
+    if n > MAX_COPY_PARAMS:
+        raise ValueError(f"the shrunken copy would still hold {n / 1e6:.0f}M parameters")
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.enable_grad(), torch.inference_mode(False):
+        torch.default_generator.manual_seed(0)  # the CPU generator only: fork_rng restores it, CUDA's is untouched
+        skeleton = cls(cfg).float().train()
         layers = skeleton.get_submodule(layers_path)  # the same class: its layers sit at the same path
         if not isinstance(layers, nn.ModuleList) or len(layers) != n_layers:
             raise ValueError("the shrunken copy's decoder layers differ from the model's")
@@ -140,7 +158,8 @@ def trace_events(model: nn.Module, layers_path: str, n_layers: int) -> List[List
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(save, lambda t: t), _Adds(st, events):
-                skeleton(input_ids=torch.randint(1, cfg.vocab_size, (1, 8)), use_cache=False)
+                vocab = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "vocab_size", 128)
+                skeleton(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
         finally:
             for h in hooks:
                 h.remove()
@@ -176,19 +195,25 @@ def layer_structure(model: nn.Module, layers_path: str, n_layers: int) -> Option
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
-    key = f"{type(model).__module__}.{type(model).__qualname__}:{layers_path}:{n_layers}:" + \
-        json.dumps(config.to_dict(), sort_keys=True, default=str)
-    if key not in _CACHE:
+    try:
+        cls = _model_class(model)
+        key = f"{cls.__module__}.{cls.__qualname__}:{layers_path}:{n_layers}:" + config.to_json_string()
+    except (TypeError, ValueError):
+        key = None
+    if key is None or key not in _CACHE:
         try:
             events = trace_events(model, layers_path, n_layers)
         except Exception as e:  # a config the shrunken copy cannot build or run: units by name instead
             warnings.warn(f"hilore: could not trace {type(model).__name__}'s decoder layers on a shrunken copy "
                           f"({type(e).__name__}: {str(e)[:160]}); finding units by name", stacklevel=3)
-            _CACHE[key] = None
+            if key is not None:
+                _CACHE[key] = None
             return None
         if any(kind == "again" for ev in events for kind, _ in ev):
             raise ValueError(f"hilore: {type(model).__name__} runs a decoder layer more than once per forward (shared or "
                              "recurrent layers); the recovery engine needs each layer to run once: use gradient "
                              "checkpointing for this model")
+        if key is None:
+            return [segments(ev) for ev in events]
         _CACHE[key] = [segments(ev) for ev in events]
     return _CACHE[key]

@@ -36,7 +36,8 @@ NORM1_NAMES = ("input_layernorm", "ln_1", "attention_norm")
 NORM2_NAMES = ("post_attention_layernorm", "ln_2", "ffn_norm")
 MIXER_WORDS = {"mamba", "mixer", "ssm", "conv", "delta", "deltanet", "recurrent", "rnn", "retention", "lru", "rwkv",
                "gdn"}
-WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.")
+WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")  # FSDP1, checkpoint_wrapper, compile
 
 
 @dataclass
@@ -89,10 +90,17 @@ def find_decoder_layers(model: nn.Module):
     models mix with it, under one class or several)."""
     best = None
     for path, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and all(len(list(m.children())) > 1 for m in mod):
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and all(len(list(_unwrap(m).children())) > 1 for m in mod):
             if any(_holds_attention(m) for m in mod) and (best is None or len(mod) > len(best[1])):
                 best = (path, mod)
     return best
+
+
+def _unwrap(m: nn.Module) -> nn.Module:
+    """A layer inside FSDP1's, checkpoint_wrapper's or torch.compile's single-child wrapper."""
+    while any(isinstance(getattr(m, w, None), nn.Module) for w in WRAPPED):
+        m = next(getattr(m, w) for w in WRAPPED if isinstance(getattr(m, w, None), nn.Module))
+    return m
 
 
 def _holds_attention(block: nn.Module) -> bool:
@@ -110,6 +118,8 @@ def _innermost(model: nn.Module) -> nn.Module:
         seen.add(id(inner))
         nxt = getattr(inner, "module", None)
         if not isinstance(nxt, nn.Module):
+            nxt = getattr(inner, "_orig_mod", None)  # torch.compile
+        if not isinstance(nxt, nn.Module):
             nxt = getattr(getattr(inner, "base_model", None), "model", None)
         if not isinstance(nxt, nn.Module):
             break
@@ -119,26 +129,34 @@ def _innermost(model: nn.Module) -> nn.Module:
 
 def _is_attention(name: str, m: nn.Module) -> bool:
     """Softmax attention, whose own code is the core L keeps exact (``rules.KEEP_EXACT``)."""
-    cls = type(m).__name__.lower()
-    return (name in ATTN_NAMES or "attention" in cls) and not _is_mixer(name, m)
+    cls = _class_words(m)
+    return (name in ATTN_NAMES or bool(cls & {"attention", "attn"})) and not _is_mixer(name, m)
 
 
-def _words(name: str, m: nn.Module) -> set:
-    """The words of an attribute name (``linear_attn``) and a class name (``Mamba2Mixer``)."""
-    return {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", f"{name} {type(m).__name__}".replace("_", " "))}
+def _class_words(m: nn.Module) -> set:
+    """The words of a module's class name after its first (the model family: ``RecurrentGemma``'s
+    "Recurrent" says nothing about its ``SdpaAttention``)."""
+    words = re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", type(m).__name__)
+    return {w.lower() for w in words[1:]} or {w.lower() for w in words}
 
 
 def _is_mixer(name: str, m: nn.Module) -> bool:
     """A sequence mixer that is not softmax attention (linear attention, state space, convolution):
-    its output rows depend on other tokens' rows, so its unit is not token-wise."""
-    words = _words(name, m)
-    return bool(words & MIXER_WORDS) or "linear" in words and bool(words & {"attn", "attention"})
+    its output rows depend on other tokens' rows, so its unit is not token-wise. The class name
+    decides; the attribute name (Nemotron-H calls every block ``mixer``) only when it says nothing."""
+    cls = _class_words(m)
+    if cls & MIXER_WORDS or "linear" in cls and cls & {"attn", "attention"}:
+        return True
+    if cls & {"attention", "attn", "mlp", "moe", "experts", "feed", "forward", "ffn", "norm"}:
+        return False
+    return bool(set(name.lower().split("_")) & MIXER_WORDS)
 
 
 def _is_moe(m: nn.Module) -> bool:
-    """An MLP block that routes tokens to experts (a child or class named for experts / MoE)."""
-    names = [type(x).__name__.lower() for x in m.modules()] + [n.lower() for n, _ in m.named_modules()]
-    return any("expert" in n or "moe" in n or "sparse" in n for n in names)
+    """An MLP block that routes tokens to experts: it holds an ``experts`` module or an experts
+    class (a dense MLP of an MoE family, ``Qwen3MoeMLP``, is not one)."""
+    return any(n.rsplit(".", 1)[-1] in ("experts", "expert") or "expert" in type(x).__name__.lower()
+               for n, x in m.named_modules() if n)
 
 
 def _is_block(m: nn.Module) -> bool:
@@ -174,6 +192,9 @@ def _named_units(name: str, i: int, layer: nn.Module) -> Optional[List[UnitSpec]
     """The Llama-family norm/attention/norm/MLP units, found by attribute name (untraceable models)."""
     parts = [_child(layer, names) for names in (NORM1_NAMES, ATTN_NAMES, NORM2_NAMES, MLP_NAMES)]
     if any(p is None for p in parts):
+        return None
+    weighted = [c for c in _unwrap(layer).children() if any(True for _ in c.parameters())]
+    if len(weighted) != 4:  # sandwich norms (Gemma 2/3): the names would put a norm in the wrong unit
         return None
     attn_name = next(n for n in ATTN_NAMES if getattr(layer, n, None) is parts[1])
     mlp_name = next(n for n in MLP_NAMES if getattr(layer, n, None) is parts[3])
