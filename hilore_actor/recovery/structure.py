@@ -54,7 +54,7 @@ def shrunk_config(config, model_class=None):
     """A copy of an HF config with tiny widths and the same layer count and layer types; a
     composite config (a text model inside a multimodal one) has its sub-configs shrunk too."""
     cfg = copy.deepcopy(config)
-    for sub in {id(c): c for c in [cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg,
+    for sub in {id(c): c for c in [_text_config(cfg),
                                    *(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}) or {})]
                 if c is not None and c is not cfg}.values():
         _shrink(sub)
@@ -62,6 +62,11 @@ def shrunk_config(config, model_class=None):
     if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
         cfg._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     return cfg
+
+
+def _text_config(cfg):
+    """The language model's config: itself, or the text part of a composite (multimodal) one."""
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def _shrink(cfg) -> None:
@@ -158,7 +163,7 @@ def trace_events(model: nn.Module, layers_path: str, n_layers: int) -> List[List
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(save, lambda t: t), _Adds(st, events):
-                vocab = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "vocab_size", 128)
+                vocab = getattr(_text_config(cfg), "vocab_size", 128)
                 skeleton(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
         finally:
             for h in hooks:
@@ -200,20 +205,20 @@ def layer_structure(model: nn.Module, layers_path: str, n_layers: int) -> Option
         key = f"{cls.__module__}.{cls.__qualname__}:{layers_path}:{n_layers}:" + config.to_json_string()
     except (TypeError, ValueError):
         key = None
-    if key is None or key not in _CACHE:
-        try:
-            events = trace_events(model, layers_path, n_layers)
-        except Exception as e:  # a config the shrunken copy cannot build or run: units by name instead
-            warnings.warn(f"hilore: could not trace {type(model).__name__}'s decoder layers on a shrunken copy "
-                          f"({type(e).__name__}: {str(e)[:160]}); finding units by name", stacklevel=3)
-            if key is not None:
-                _CACHE[key] = None
-            return None
+    if key is not None and key in _CACHE:
+        return _CACHE[key]
+    try:
+        events = trace_events(model, layers_path, n_layers)
+    except Exception as e:  # a config the shrunken copy cannot build or run: units by name instead
+        warnings.warn(f"hilore: could not trace {type(model).__name__}'s decoder layers on a shrunken copy "
+                      f"({type(e).__name__}: {str(e)[:160]}); finding units by name", stacklevel=3)
+        result = None
+    else:
         if any(kind == "again" for ev in events for kind, _ in ev):
             raise ValueError(f"hilore: {type(model).__name__} runs a decoder layer more than once per forward (shared or "
                              "recurrent layers); the recovery engine needs each layer to run once: use gradient "
                              "checkpointing for this model")
-        if key is None:
-            return [segments(ev) for ev in events]
-        _CACHE[key] = [segments(ev) for ev in events]
-    return _CACHE[key]
+        result = [segments(ev) for ev in events]
+    if key is not None:
+        _CACHE[key] = result
+    return result

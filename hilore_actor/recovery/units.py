@@ -91,7 +91,7 @@ def find_decoder_layers(model: nn.Module):
     best = None
     for path, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0 and all(len(list(_unwrap(m).children())) > 1 for m in mod):
-            if any(_holds_attention(m) for m in mod) and (best is None or len(mod) > len(best[1])):
+            if any(_mixes_tokens(m) for m in mod) and (best is None or len(mod) > len(best[1])):
                 best = (path, mod)
     return best
 
@@ -103,7 +103,7 @@ def _unwrap(m: nn.Module) -> nn.Module:
     return m
 
 
-def _holds_attention(block: nn.Module) -> bool:
+def _mixes_tokens(block: nn.Module) -> bool:
     """The block mixes tokens: it holds softmax attention or another sequence mixer."""
     return any(_is_attention(n.rsplit(".", 1)[-1], m) or _is_mixer(n.rsplit(".", 1)[-1], m)
                for n, m in block.named_modules() if n)
