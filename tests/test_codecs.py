@@ -118,3 +118,21 @@ def test_row_split_keeps_its_rows_exact_and_compresses_the_rest(codec):
     assert torch.equal(y[rest], c.decode(c.encode(rows[rest])).reshape(13, 80))
     assert p.nbytes == 5 * 80 * 4 + c.encode(rows[rest]).nbytes
     assert torch.equal(RowSplit.encode(c, x, order, order[:0]).decode(), x)  # every row kept: exact
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_keep_sign_never_decodes_a_nonzero_value_to_zero_or_the_other_sign(name):
+    """Small values next to a large one (a ReLU output: most far below half an int8 quantum):
+    with ``keep_sign`` every nonzero value keeps its sign and zeros stay zero; the error of
+    each value stays within one quantum of its row; without it int8 flushes them to zero."""
+    gen = _seeded()
+    x = torch.randn(16, 96, generator=gen) * 1e-3
+    x[:, 0] = 10.0
+    x[:, 1] = 0.0
+    codec = get_codec(name)
+    y = codec.decode(codec.encode(x, keep_sign=True))
+    assert torch.equal(torch.sign(y), torch.sign(x))
+    quantum = x.abs().amax(-1, keepdim=True) / 127.0
+    assert ((y - x).abs() <= quantum * 1.0001).all()
+    if name == "int8":
+        assert (codec.decode(codec.encode(x)) == 0).float().mean() > 0.9  # round to nearest: the small ones are gone

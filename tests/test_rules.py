@@ -81,3 +81,29 @@ def test_attention_core_stays_exact_under_l(arch):
         else:
             assert b == off, name
     assert out[True][0] < out[False][0]
+
+
+def test_sign_reading_activations_keep_their_signs_under_l(monkeypatch):
+    """OPT's MLP saves a ReLU output whose zero pattern its backward reads: all-L with the
+    sign-keeping rule moves the gradient less than the same engine rounding to nearest there."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import arch_sweep
+
+    import hilore_actor.recovery.engine as engine_mod
+
+    seed = _seed()
+    model = build_model(arch_sweep.tiny_config("opt"), seed=seed).train()
+    ids = torch.randint(3, 128, (2, arch_sweep.SEQ), generator=torch.Generator().manual_seed(seed))
+    ref = arch_sweep._run(model, ids)
+    out = {}
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(engine_mod, "reads_sign", lambda m: False)
+        engine = RecoveryEngine(model, codec="int8")
+        out[on] = arch_sweep._rel(arch_sweep._run(model, ids, engine, "all-l"), ref)
+        engine.detach()
+    print(out)
+    assert 0 < out[True] < out[False] / 2

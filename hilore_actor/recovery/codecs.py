@@ -67,9 +67,10 @@ class RowSplit:
         return self.rest is None or self.rest.finite()
 
     @classmethod
-    def encode(cls, codec: "Codec", x: torch.Tensor, kept: torch.Tensor, rest_rows: torch.Tensor) -> "RowSplit":
+    def encode(cls, codec: "Codec", x: torch.Tensor, kept: torch.Tensor, rest_rows: torch.Tensor,
+               keep_sign: bool = False) -> "RowSplit":
         rows = x.detach().reshape(-1, x.shape[-1])
-        rest = codec.encode(rows.index_select(0, rest_rows)) if rest_rows.numel() else None
+        rest = codec.encode(rows.index_select(0, rest_rows), keep_sign) if rest_rows.numel() else None
         return cls(kept, rest_rows, rows.index_select(0, kept), rest, codec, tuple(x.shape), x.dtype)
 
     def decode(self) -> torch.Tensor:
@@ -95,9 +96,12 @@ def decode(codec: "Codec", p) -> torch.Tensor:
 
 
 class Codec:
+    """``encode(x, keep_sign)``: with ``keep_sign`` no nonzero value of ``x`` decodes to zero or
+    to the other sign (for the activations of ``rules.SIGN_READING_ACTIVATIONS``)."""
+
     name = "base"
 
-    def encode(self, x: torch.Tensor) -> Payload:
+    def encode(self, x: torch.Tensor, keep_sign: bool = False) -> Payload:
         raise NotImplementedError
 
     def decode(self, p: Payload) -> torch.Tensor:
@@ -121,7 +125,7 @@ class AbsmaxCodec(Codec):
     def __init__(self, name: str, qdtype: torch.dtype, qmax: float, rounding: bool, group: Optional[int] = None):
         self.name, self.qdtype, self.qmax, self.rounding, self.group = name, qdtype, qmax, rounding, group
 
-    def encode(self, x: torch.Tensor) -> Payload:
+    def encode(self, x: torch.Tensor, keep_sign: bool = False) -> Payload:
         rows = _rows(x)
         group = self._group(rows.shape[1])
         if group is not None:
@@ -131,8 +135,14 @@ class AbsmaxCodec(Codec):
             rows = rows.reshape(rows.shape[0], -1, group)
         scale = _absmax(rows).float().clamp_(min=1e-30) / self.qmax
         q = rows * scale.reciprocal()  # |q| <= qmax by construction: rounding cannot overflow
-        if self.rounding:
+        if self.rounding and keep_sign:  # below half a quantum: one quantum of the value's sign, not zero
+            r = q.round()
+            q = torch.where(r.eq(0) & q.ne(0), q.sign(), r)
+        elif self.rounding:
             q = q.round_()
+        elif keep_sign:  # a float8 cast flushes values below its subnormals to zero: lift them to its smallest normal
+            tiny = torch.finfo(self.qdtype).tiny
+            q = torch.where(q.ne(0) & q.abs().lt(tiny), q.sign() * tiny, q)
         q = q.to(self.qdtype)
         if group is not None:
             q, scale = q.reshape(q.shape[0], -1), scale.squeeze(-1)
@@ -165,16 +175,16 @@ class OutlierCodec(Codec):
         self.name, self.k = name, k
         self.inner = AbsmaxCodec(name, torch.int8, 127.0, rounding=True)
 
-    def encode(self, x: torch.Tensor) -> Payload:
+    def encode(self, x: torch.Tensor, keep_sign: bool = False) -> Payload:
         rows = _rows(x)
         k = min(self.k, rows.shape[1] - 1)
         if k <= 0:
-            return self.inner.encode(x)
+            return self.inner.encode(x, keep_sign)
         col = torch.maximum(rows.amax(dim=0), rows.amin(dim=0).neg())
         idx = col.topk(k).indices
         kept = rows.index_select(1, idx)
         rest = rows.index_fill(1, idx, 0.0)
-        p = self.inner.encode(rest)
+        p = self.inner.encode(rest, keep_sign)
         return Payload(p.data, p.scale, tuple(x.shape), x.dtype, extra=(idx.to(torch.int32), kept))
 
     def decode(self, p: Payload) -> torch.Tensor:
@@ -192,7 +202,7 @@ class CastCodec(Codec):
     def __init__(self, name: str, qdtype: torch.dtype):
         self.name, self.qdtype = name, qdtype
 
-    def encode(self, x: torch.Tensor) -> Payload:
+    def encode(self, x: torch.Tensor, keep_sign: bool = False) -> Payload:  # a float cast keeps signs
         return Payload(x.detach().to(self.qdtype), torch.empty(0), tuple(x.shape), x.dtype)
 
     def decode(self, p: Payload) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .codecs import DEFAULT_CODECS, get_codec
-from .rules import partial_policy
+from .rules import partial_policy, reads_sign
 from .saved import is_param
 from .state import CHECKPOINT, PARTIAL, P, Call, Link, Replay, UnitState, iter_tensors, map_structure, storage_key
 from .step import Step
@@ -95,11 +95,13 @@ class RecoveryEngine:
         self.attention_core_exact = attention_core_exact
         self._step: Optional["Step"] = None
         self._core_depth = self._child_depth = 0  # inside an attention module / inside one of its children
+        self._sign_depth = 0  # inside a sign-reading activation (rules.SIGN_READING_ACTIVATIONS)
         self._hooks = []
         for layer in self.layer_specs:
             for unit in layer.units:
                 if unit.attention is not None:
                     self._watch_attention_core(unit.attention)
+        self._watch_sign_reading()
         for li, layer in enumerate(self.layer_specs):
             self._hooks.append(layer.module.register_forward_pre_hook(partial(self._layer_pre, li), with_kwargs=True))
             for ui, unit in enumerate(layer.units):
@@ -123,6 +125,21 @@ class RecoveryEngine:
         for child in attn.children():
             self._hooks += [child.register_forward_pre_hook(partial(enter, "_child_depth")),
                             child.register_forward_hook(partial(leave, "_child_depth"))]
+
+    def _watch_sign_reading(self) -> None:
+        """Count when a sign-reading activation runs, so that L's codecs keep the signs of what
+        it saves (rules.SIGN_READING_ACTIVATIONS); each module once, even when layers share it."""
+        seen = set()
+        for layer in self.layer_specs:
+            for unit in layer.units:
+                for sub in (s for m in unit.modules for s in m.modules()):
+                    if reads_sign(sub) and id(sub) not in seen:
+                        seen.add(id(sub))
+                        self._hooks += [sub.register_forward_pre_hook(lambda *_: self._count_sign(1)),
+                                        sub.register_forward_hook(lambda *_: self._count_sign(-1))]
+
+    def _count_sign(self, d: int) -> None:
+        self._sign_depth += d
 
     def detach(self) -> None:
         """Remove the engine's hooks; the model behaves as before attaching."""

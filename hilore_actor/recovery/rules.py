@@ -42,6 +42,25 @@ def exact_reason(t: torch.Tensor, in_attention_core: bool = False) -> Optional[s
     return None
 
 
+# Activations whose backward reads a sign or threshold from what they saved (ReLU's
+# ``result > 0``; xIELU's ``x > 0`` and ``min(x, eps)``; Hardtanh's clip bounds at +-1 sit far
+# from zero but share the form). Round-to-nearest int8 turns every value below half a
+# quantum into zero, which flips those comparisons for the smallest activations and drops
+# their gradient: on tiny random OPT (ReLU) and Apertus (xIELU) all-L's gradient error was
+# above 5% for that alone (tests/test_rules.py compares both roundings). Inside these modules
+# L's codecs keep the sign (``Codec.encode(keep_sign=True)``: a nonzero value decodes to at
+# least one quantum of its sign); elsewhere they round to nearest, because sign-keeping moves
+# each value below half a quantum by up to a whole one, which costs error where nothing reads
+# the sign (SiLU and GELU MLPs).
+SIGN_READING_ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold", "Hardtanh", "Hardswish",
+                            "Hardsigmoid", "ReLUSquaredActivation", "XIELUActivation")
+
+
+def reads_sign(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an activation whose backward reads a sign from its saved tensors."""
+    return type(module).__name__ in SIGN_READING_ACTIVATIONS
+
+
 ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                      "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
                      "_flash_attention_forward", "_efficient_attention_forward")

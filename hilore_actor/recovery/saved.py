@@ -42,6 +42,8 @@ def pack(st, t: torch.Tensor):
     ext = storage_key(t) in u.ext_keys
     if ext:
         u.external.add(idx)
+    if eng._sign_depth > 0:
+        u.signed.add(idx)
     if u.plan in (CHECKPOINT, PARTIAL):
         u.entries[idx] = None
     elif ext:
@@ -51,7 +53,7 @@ def pack(st, t: torch.Tensor):
         u.entries[idx] = st.canonical(t)
         st.kept_keys.add(storage_key(u.entries[idx]))  # the storage held (a shared mask: the first copy's)
     elif u.plan == COMPRESSED:
-        u.entries[idx] = st.compress(t, u)
+        u.entries[idx] = st.compress(t, u, keep_sign=idx in u.signed)
     else:
         u.entries[idx] = st.canonical(t)
     return Handle(u, idx)

@@ -140,6 +140,7 @@ class UnitState:
     external: Set[int] = field(default_factory=set)  # idx of checkpoint-input tensors (kept exact)
     ext_keys: Set[int] = field(default_factory=set)  # storages of the unit's checkpoint inputs
     kept: Set[int] = field(default_factory=set)  # idx that L keeps exact by rule (rules.py: attention core)
+    signed: Set[int] = field(default_factory=set)  # idx saved inside a sign-reading activation (L keeps signs)
     n_saved: int = 0
     replay: Replay = field(default_factory=Replay)
     recomputed: Dict[int, torch.Tensor] = field(default_factory=dict)

@@ -99,7 +99,7 @@ class Step:
         # FSDP2 parameters are DTensors between forwards: their local shard has the storage
         self.param_keys = {storage_key(p.to_local() if hasattr(p, "to_local") else p)
                            for p in self.engine.model.parameters() if p.numel() > 0}
-        self.engine._core_depth = self.engine._child_depth = 0  # a failed forward may have left them set
+        self.engine._core_depth = self.engine._child_depth = self.engine._sign_depth = 0  # a failed forward may have left them set
         self.engine._step = self
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(pack, self), partial(unpack, self))
         self._hooks_ctx.__enter__()
@@ -133,9 +133,10 @@ class Step:
         self._masks.setdefault(key, t)
         return t
 
-    def compress(self, t: torch.Tensor, unit: UnitState):
+    def compress(self, t: torch.Tensor, unit: UnitState, keep_sign: bool = False):
         """The L representation of one saved tensor (``t`` itself when a ``rules.KEEP_EXACT``
-        rule keeps it exact)."""
+        rule keeps it exact); ``keep_sign`` for what a sign-reading activation saved (a tensor
+        saved again later, as the next projection's input, shares that payload)."""
         if exact_reason(t) is not None:
             return t
         if storage_key(t) in self.kept_keys:  # a view of a storage kept exact (the attention core's output): free
@@ -152,7 +153,7 @@ class Step:
         if hit is not None and hit[0]() is base:
             return hit[1]
         t0 = self.clock() if self.profile else 0.0
-        p = codec.encode(t) if keep is None else RowSplit.encode(codec, t, *keep)
+        p = codec.encode(t, keep_sign) if keep is None else RowSplit.encode(codec, t, *keep, keep_sign)
         if self.profile:
             unit.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
@@ -190,7 +191,7 @@ class Step:
                 u.codec = self._codec(label)
                 for idx, v in list(u.entries.items()):
                     if isinstance(v, torch.Tensor) and idx not in u.external and idx not in u.kept:
-                        u.entries[idx] = self.compress(v, u)
+                        u.entries[idx] = self.compress(v, u, keep_sign=idx in u.signed)
         for ls in self.layers:
             ls.joint = all(u.action in RECOMPUTED for u in ls.units)  # P units too, under their cached modes
             if ls.joint:
