@@ -57,6 +57,32 @@ def test_h_r_and_gc_are_bitwise_no_gc(arch, lora):
     assert all(torch.equal(g[n], ref[n]) for n in ref), "gc differs from no-gc"
 
 
+def test_gc_where_transformers_has_none_checkpoints_each_layer():
+    """A model class without HF gradient checkpointing: gc is torch's checkpoint per decoder
+    layer: each layer's forward runs again in backward, gradients bitwise no-gc's; no-gc undoes it."""
+    model = tiny("qwen2", "full")
+    ids, pos = packed_microbatch(96, VOCAB, n_seqs=3)
+    ref, _ = run(model, ids, pos)
+    type(model).supports_gradient_checkpointing = False
+    try:
+        calls = []
+        hooks = [m.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+                 for i, m in enumerate(model.model.layers)]
+        apply_baseline(model, "gc")
+        g, _ = run(model, ids, pos)
+        assert all(torch.equal(g[n], ref[n]) for n in ref), "torch's layer checkpointing differs from no-gc"
+        n = len(model.model.layers)
+        assert len(calls) == 2 * n and sorted(calls[n:]) == list(range(n))  # forward, then each layer again
+        apply_baseline(model, "no-gc")
+        calls.clear()
+        run(model, ids, pos)
+        assert len(calls) == n and not any("forward" in vars(m) for m in model.model.layers)
+        for h in hooks:
+            h.remove()
+    finally:
+        del type(model).supports_gradient_checkpointing
+
+
 def _held(model, engine, ids, pos, plan, shared=False):
     """Bytes each unit holds between forward and backward under ``plan`` (``Step.bytes_by_unit``)."""
     model.zero_grad(set_to_none=True)

@@ -75,3 +75,28 @@ def test_smollm2_answers_arithmetic():
         answers[a + b] = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     for total, text in answers.items():
         assert str(total) in text, answers
+
+
+def test_all_linear_lora_is_peft_s_all_linear_less_layers_peft_cannot_run():
+    import peft
+
+    from hilore_actor.models.factory import all_linear_targets
+
+    class Router(torch.nn.Linear):  # an MoE router: a Linear that returns (scores, logits)
+        def forward(self, x):
+            z = super().forward(x)
+            return z.softmax(-1), z
+
+    same = build_model(tiny_config("qwen2"), seed=0), build_model(tiny_config("qwen2"), seed=0)
+    torch.manual_seed(0)
+    a = peft.get_peft_model(same[0], peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    b = peft.get_peft_model(same[1], peft.LoraConfig(r=4, target_modules=all_linear_targets(same[1]),
+                                                     task_type="CAUSAL_LM"))
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert sorted(pa) == sorted(pb) and all(torch.equal(pa[k], pb[k]) for k in pa)
+    m = build_model(tiny_config("qwen2"), seed=0)
+    m.model.layers[0].mlp.gate_proj = Router(64, m.model.layers[0].mlp.gate_proj.out_features)
+    names = all_linear_targets(m)
+    assert "model.layers.0.mlp.gate_proj" not in names and "model.layers.1.mlp.gate_proj" in names
+    assert "lm_head" not in names

@@ -10,13 +10,51 @@ accumulates the hidden-state (and, when the head trains, weight) gradients. The 
 one more head matmul; the memory freed becomes budget for keeping activations.
 Numerically this is the same computation as the plain head in a different summation order
 (differences at float rounding level, not bitwise).
+
+It applies only where the logits are that linear map of the decoder's last hidden state.
+Architectures that scale, soft-cap or transform the logits (Gemma 2's ``final_logit_softcapping``,
+Cohere's ``logit_scale``, Granite's ``logits_scaling``, BERT-style prediction heads) are not, so
+``head_is_linear`` checks it once per model on a few tokens, and the callers fall back to the
+model's own logits where it fails.
 """
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+_LINEAR_HEAD: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def head_is_linear(model) -> bool:
+    """Whether ``model``'s logits are ``get_output_embeddings()`` applied to ``get_decoder()``'s
+    last hidden state, checked on 8 tokens in eval mode without grad (so no dropout, no RNG),
+    once per model. A model without those accessors, or one whose check raises, is not."""
+    try:
+        key = model.get_output_embeddings()
+        if key in _LINEAR_HEAD:
+            return _LINEAR_HEAD[key]
+        was = model.training
+        ids = (torch.arange(8, device=key.weight.device) % model.config.vocab_size)[None]
+        try:
+            model.eval()
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits.float()
+                z = key(model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state).float()
+        finally:
+            model.train(was)
+        ok = z.shape == logits.shape and bool((z - logits).abs().max() <= 1e-5 * z.abs().max().clamp_min(1e-30))
+    except Exception:  # noqa: BLE001  no decoder/head split to use: the model's own logits
+        return False
+    if not ok:
+        print(f"[hilore] {type(model).__name__}'s logits are not its head applied to the decoder's last hidden "
+              "state (logit scaling, soft-capping or a prediction head): using its own logits, not the chunked head",
+              file=sys.stderr)
+    _LINEAR_HEAD[key] = ok
+    return ok
 
 
 def default_chunk(vocab: int, target_bytes: int = 32 * 2**20) -> int:
@@ -87,7 +125,13 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 def chunked_token_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                          chunk: Optional[int] = None) -> torch.Tensor:
     """``[B, T-1]`` log-probs of ``input_ids[:, 1:]``, like ``sequence_log_probs`` but through
-    the decoder and a chunked head (``model`` is an HF causal LM, peft-wrapped or not)."""
+    the decoder and a chunked head (``model`` is an HF causal LM, peft-wrapped or not); through
+    the model's own logits where ``head_is_linear`` fails."""
+    if not head_is_linear(model):
+        from .logprobs import token_log_probs
+
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return token_log_probs(logits[:, :-1], input_ids[:, 1:])
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     B, T, H = hidden.shape

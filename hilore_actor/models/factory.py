@@ -19,7 +19,8 @@ ARCHS = ("qwen2", "llama", "phi3")
 
 @dataclass
 class LoraSpec:
-    """peft LoRA settings. ``targets="all-linear"`` adapts every linear layer but the LM head."""
+    """peft LoRA settings. ``targets="all-linear"`` adapts every linear layer but the LM head
+    (``all_linear_targets``: peft's rule less the layers peft cannot wrap)."""
 
     rank: int = 16
     alpha: float = 32.0
@@ -154,11 +155,35 @@ def apply_lora(model, lora: LoraSpec):
     """Wrap ``model`` in a peft LoRA model; only the adapters train."""
     import peft
 
-    targets = lora.targets if isinstance(lora.targets, str) else list(lora.targets)
+    targets = all_linear_targets(model) if lora.targets == "all-linear" else (
+        lora.targets if isinstance(lora.targets, str) else list(lora.targets))
     cfg = peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )
     return peft.get_peft_model(model, cfg)
+
+
+# peft's _check_lora_target_modules_mamba refuses LoRA on these modules of these model types,
+# although its own "all-linear" selects them (peft/tuners/tuners_utils.py).
+_MAMBA_TYPES, _MAMBA_REFUSED = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}, {"out_proj", "conv1d"}
+
+
+def all_linear_targets(model) -> list:
+    """The full names of the layers peft's ``"all-linear"`` would adapt (every ``nn.Linear`` and
+    GPT-2 ``Conv1D`` but the output head), less two kinds peft wraps but cannot run: a Linear
+    subclass with its own ``forward`` (an MoE router returning ``(scores, logits)``: peft's
+    wrapper calls the base layer and adds a tensor to the tuple) and the modules peft refuses on
+    Mamba models. Same modules as peft's on every other model, so the same adapters."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    mamba = getattr(model.config, "model_type", None) in _MAMBA_TYPES
+    out = [name for name, m in model.named_modules()
+           if type(m).forward in (torch.nn.Linear.forward, Conv1D.forward) and m is not head
+           and not (mamba and name.rsplit(".", 1)[-1] in _MAMBA_REFUSED)]
+    if not out:
+        raise ValueError(f"{type(model).__name__} has no linear layer for LoRA to adapt (lora targets: all-linear)")
+    return out
 
 
 def init_lora_b(model, std: float, seed: int) -> None:

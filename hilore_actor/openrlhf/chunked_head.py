@@ -14,7 +14,8 @@ engine, whose ``forward`` hooks the outputs to run ZeRO's backward prologue (Dee
 wrapped module's ``forward`` is swapped for the duration of the call only.
 
 Falls back to OpenRLHF's own forward where the chunked head does not apply: no action mask
-(logits wanted), ring attention, multimodal inputs, MoE auxiliary loss (``output.aux_loss``).
+(logits wanted), ring attention, multimodal inputs, MoE auxiliary loss (``output.aux_loss``), and
+logits that are not the head applied to the last hidden state (``head_is_linear``).
 Packed samples use OpenRLHF's own unpad/pad helpers (they need flash-attn, as packing does).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..models.chunked_head import ChunkedTokenLogProbs, default_chunk
+from ..models.chunked_head import ChunkedTokenLogProbs, default_chunk, head_is_linear
 
 
 def _inner(model):
@@ -35,7 +36,8 @@ def _inner(model):
 def _falls_back(actor, action_mask, ring_attn_group, allgather_logits, mm_inputs) -> bool:
     cfg = getattr(_inner(actor.model), "config", None)
     return (action_mask is None or ring_attn_group is not None or allgather_logits or bool(mm_inputs)
-            or getattr(actor, "is_vlm", False) or bool(getattr(cfg, "output_router_logits", False)))
+            or getattr(actor, "is_vlm", False) or bool(getattr(cfg, "output_router_logits", False))
+            or not head_is_linear(_inner(actor.model)))
 
 
 def _head_pass(actor, ids, attention_mask, position_ids, labels, entropy: bool, chunk: Optional[int]):

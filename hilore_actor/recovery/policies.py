@@ -1,7 +1,7 @@
 """Named policies and how they map to pre-forward plans and post-forward actions.
 
 ``no-gc`` (store everything, no engine) and ``gc`` (HF decoder-layer checkpointing, what
-OpenRLHF runs) are baselines applied to the model itself; ``all-h``, ``all-l``, ``all-r`` and
+OpenRLHF runs; torch's per layer where HF has none) are baselines applied to the model itself; ``all-h``, ``all-l``, ``all-r`` and
 explicit maps run through the engine.
 """
 from __future__ import annotations
@@ -89,19 +89,42 @@ def resolve_actions(actions: Union[str, Dict[str, str], None], plans: Dict[str, 
 
 def apply_baseline(model, name: str) -> None:
     """``gc``: HF gradient checkpointing on every decoder layer (non-reentrant, as OpenRLHF
-    uses it); ``no-gc``: off."""
+    uses it), or, for an architecture transformers has none for, ``torch.utils.checkpoint``
+    around each decoder layer's forward (the same mechanism); ``no-gc``: off."""
     # transformers >= 5.2x renamed the methods (activation_checkpointing_*); 5.15 (OpenRLHF
     # 0.11.2's pin) has gradient_checkpointing_*. Same mechanism either way.
     kwargs = {"use_reentrant": False}
-    if name == "gc":
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")
+    if not getattr(model, "supports_gradient_checkpointing", True):
+        _checkpoint_layers(model, name == "gc")
+    elif name == "gc":
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    elif name == "no-gc":
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     else:
-        raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+def _checkpoint_layers(model, on: bool) -> None:
+    """``gc`` where transformers has none: each decoder layer's ``forward`` (the engine's
+    ``find_decoder_layers``) under non-reentrant ``torch.utils.checkpoint``, as HF's
+    ``GradientCheckpointingLayer`` does it; ``on=False`` restores the class's forward."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from .units import find_decoder_layers
+
+    found = find_decoder_layers(model)
+    if found is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found to checkpoint")
+    for layer in found[1]:
+        if on and "forward" not in vars(layer):
+            layer.forward = functools.partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
+        elif not on and "forward" in vars(layer):
+            del layer.forward
 
 
 def stores_nothing(plan: Dict[str, str]) -> bool:
