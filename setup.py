@@ -10,7 +10,9 @@ ROOT = Path(__file__).parent
 # torch would pull a multi-GB CUDA build onto CPU machines.
 INSTALL_REQUIRES = [
     "torch==2.13.0",
-    "transformers>=5.15.0,<6",  # admits OpenRLHF 0.11.2's pin (5.15.0)
+    # >=5.15.0 admits OpenRLHF 0.11.2's pin; 5.25 turns hub kernels on by default in from_pretrained,
+    # which fails on the meta device verl builds non-zero ranks on (kernels: "Unsupported device type 'meta'").
+    "transformers>=5.15.0,<5.25",
     "peft>=0.17",
     "accelerate>=1.0",
     "deepspeed>=0.19.6,<0.20",  # admits OpenRLHF 0.11.2's pin (0.19.6)
