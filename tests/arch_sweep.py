@@ -28,37 +28,50 @@ SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "nu
          "shared_expert_intermediate_size": 32, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_inner": 96,
          "n_positions": 256, "rotary_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1, "kv_lora_rank": 16,
          "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
-         "sliding_window": 16, "num_layers": 4, "d_model": 64, "ffn_dim": 96}
+         "sliding_window": 16, "num_layers": 4, "d_model": 64, "ffn_dim": 96, "n_group": 1, "topk_group": 1}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 SEQ = 32
 MAX_PARAMS = 20_000_000
 
 
 def tiny_config(model_type: str):
+    """The architecture's default config at the sweep's sizes: built through the config class (so
+    its own checks and derived fields see them), per-layer lists resized to the new layer count,
+    multi-head latent attention with as many key/value heads as query heads (as real MLA configs
+    have); where the class refuses the sizes as arguments, they are set one by one instead."""
     import transformers
 
+    base = transformers.AutoConfig.for_model(model_type)
+    kw = {k: v for k, v in {**SIZES, **TOKEN_IDS}.items() if hasattr(base, k)}
+    if "num_experts_per_tok" in kw and getattr(base, "num_experts_per_tok", 0) == 1:
+        kw["num_experts_per_tok"] = 1  # top-1 routers (and their checks) stay top-1
+    if getattr(base, "kv_lora_rank", None):
+        kw["num_key_value_heads"] = SIZES["num_attention_heads"]
+        kw["head_dim"] = SIZES["qk_rope_head_dim"]
+    n0 = next((getattr(base, k) for k in ("num_hidden_layers", "num_layers", "n_layer") if hasattr(base, k)), None)
+    n = kw.get("num_hidden_layers") or kw.get("num_layers") or kw.get("n_layer")
+    for k, v in vars(base).items():  # per-layer lists (layer_types, mlp_layer_types, ...) to n entries
+        if isinstance(v, list) and v and n and k not in kw and (len(v) == n0 or k.endswith(("_types", "_type"))):
+            kw[k] = (v * n)[:n]
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kw)
+    except Exception:  # noqa: BLE001  a class that derives and checks fields its own way: set one by one
+        pass
     cfg = transformers.AutoConfig.for_model(model_type)
-    for k, v in {**SIZES, **TOKEN_IDS}.items():
-        if hasattr(cfg, k):
-            try:
-                setattr(cfg, k, v)
-            except (AttributeError, TypeError, ValueError):
-                pass
-    n = getattr(cfg, "num_hidden_layers", None)
-    for k, v in list(vars(cfg).items()):  # per-layer lists (mlp_layer_types, ...) to the new layer count
-        if isinstance(v, list) and v and n and len(v) not in (n,) and k.endswith(("_types", "_type")) and k != "layer_types":
-            try:
-                setattr(cfg, k, (v * n)[:n])
-            except (AttributeError, TypeError, ValueError):
-                pass
-    for k, v in (("head_dim", getattr(cfg, "qk_rope_head_dim", None)),  # multi-head latent attention: rope dims
-                 ("layer_types", (list(getattr(cfg, "layer_types", None) or []) * 4)[: getattr(cfg, "num_hidden_layers", 0)])):
-        if v and hasattr(cfg, k):
-            try:
-                setattr(cfg, k, v)
-            except (AttributeError, TypeError, ValueError):
-                pass
+    for k, v in kw.items():
+        try:
+            setattr(cfg, k, v)
+        except (AttributeError, TypeError, ValueError):
+            pass
     return cfg
+
+
+def _finite(v):
+    """A config value with infinities as the largest float32 (config.json cannot hold inf, and a
+    clamp at that bound is the same clamp)."""
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return torch.finfo(torch.float32).max * (1 if v > 0 else -1)
+    return type(v)(_finite(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _loss(model, ids):
@@ -141,16 +154,14 @@ def check(model_type: str) -> dict:
 
 
 def _gc_error(model, ids, ref):
-    """gc's error, or None when transformers has no gradient checkpointing for the architecture."""
+    """gc's error: HF's layer checkpointing, or torch's per layer where HF has none."""
     from hilore_actor.recovery import apply_baseline
 
+    apply_baseline(model, "gc")
     try:
-        apply_baseline(model, "gc")
-    except ValueError as e:
-        if "does not support" in str(e):
-            return None
-        raise
-    return _rel(_run(model, ids), ref)
+        return _rel(_run(model, ids), ref)
+    finally:
+        apply_baseline(model, "no-gc")
 
 
 def registry():
@@ -173,16 +184,15 @@ def markdown(rows) -> str:
            "gc bitwise equal to no-gc. Random tiny weights: the all-L error shows that L acts, not what it costs on "
            "a real model.", "",
            f"{len(done)} architectures run, {sum(r['status'] == 'refused' for r in rows)} refused by the engine with one "
-           f"message, {sum(r['status'] == 'skipped' for r in rows)} skipped. gc: `n/a` where transformers has no gradient "
-           "checkpointing for the architecture.", "",
+           f"message, {sum(r['status'] == 'skipped' for r in rows)} skipped. gc: where transformers has no gradient "
+           "checkpointing for the architecture: gc is then `torch.utils.checkpoint` around each decoder layer.", "",
            "| architecture | decoder layer | units per layer | attention | H / R / gc | all-L error |",
            "|---|---|---|---|---|---|"]
     for r in done:
         if "all_l" not in r:
             out.append(f"| `{r['arch']}` | - | - | - | {r['status']} | - |")
             continue
-        gc = "" if r["errors"]["gc"] is not None else " (gc n/a)"
-        out.append(f"| `{r['arch']}` | {r['layer']} | {r['units']} | {r['attention']} | {r['status']}{gc} | "
+        out.append(f"| `{r['arch']}` | {r['layer']} | {r['units']} | {r['attention']} | {r['status']} | "
                    f"{r['all_l']:.2e} |")
     out += ["", "## Refused by the engine, with its message", "", "| architecture | message |", "|---|---|"]
     out += [f"| `{r['arch']}` | {r['why'].replace('|', '/')} |" for r in rows if r["status"] == "refused"]
@@ -204,6 +214,9 @@ def main(argv=None) -> int:
                 for k in ("max_position_embeddings", "n_positions"):  # the benchmark's microbatches are longer
                     if hasattr(cfg, k):
                         setattr(cfg, k, 4096)
+                for k, v in list(vars(cfg).items()):
+                    if _finite(v) != v:
+                        setattr(cfg, k, _finite(v))
                 cfg.save_pretrained(str(Path(args.configs) / a))
             except Exception as e:  # noqa: BLE001  reported; the caller's run of this architecture then fails
                 print(f"{a}: no config written ({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
