@@ -196,8 +196,14 @@ def header(args, argv, wl, device, budget, inputs, git: Tuple[Optional[str], Opt
     import torch
 
     commit, dirty = git
+    workload = wl.describe()
+    if args.model_config:  # the model is the config file's, not the workload's shape: record it
+        import json
+
+        cfg = json.loads(Path(args.model_config).read_text())
+        workload.update(arch=cfg.get("model_type"), model=cfg)
     return {
-        "workload": wl.describe(), "torch": torch.__version__, "git_commit": commit, "git_dirty": dirty,
+        "workload": workload, "torch": torch.__version__, "git_commit": commit, "git_dirty": dirty,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "head": args.head, "budget_from": budget.base_run, "budget_scope": budget.scope,
