@@ -26,8 +26,16 @@ class Handle:
 
 
 def is_param(t: torch.Tensor, st) -> bool:
-    """Parameters (and views of their storage) pass through untouched: never copied, never counted."""
-    return isinstance(t, torch.nn.Parameter) or storage_key(t) in st.param_keys
+    """Parameters and their views pass through untouched: never copied, never counted.
+
+    ``param_keys`` holds the storages of the model's parameters as the step began. FSDP2 and
+    ZeRO-3 substitute other parameters while a module runs (FSDP2's unsharded parameter, a view
+    of its all-gather buffer; ZeRO-3's gathered ``.data``), and ``F.linear`` saves a transposed
+    view of them, whose storage is in no such set. The view's ``_base`` names the parameter;
+    keeping it (not a copy) also lets FSDP2 free that storage after forward and refill it for
+    backward, as plain autograd would."""
+    return (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+            or storage_key(t) in st.param_keys)
 
 
 def pack(st, t: torch.Tensor):

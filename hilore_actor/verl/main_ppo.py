@@ -12,20 +12,23 @@ and runs ``verl.trainer.main_ppo.main`` with:
   ``+ray_kwargs.ray_init.runtime_env.env_vars``, in every Ray worker, beside
   ``VERL_USE_EXTERNAL_MODULES=hilore_actor.verl.register``.
 
-Without ``enable=true`` verl runs unchanged. A bad override, a missing verl, or an actor
-strategy other than FSDP (``--config-name ppo_megatron_trainer``: Megatron) stops here with one
-message; a worker without CUDA stops in the worker (``engine.py``).
+A recipe's own ``actor_rollout_ref.actor.strategy=fsdp|fsdp2`` is kept as the FSDP version
+HiLoRe's engine wraps with (``fsdp_version``). Without ``enable=true`` verl runs unchanged. A
+bad override, a missing verl, or an actor strategy other than FSDP (``strategy=megatron``,
+``--config-name ppo_megatron_trainer``) stops here with one message; a worker without CUDA stops
+in the worker (``engine.py``).
 """
 from __future__ import annotations
 
 import importlib
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .settings import CONFIG_ENV, PREFIX, parse, split_overrides, to_env
 
 REGISTER = "hilore_actor.verl.register"
+STRATEGY = "actor_rollout_ref.actor.strategy"
 KL_ESTIMATORS = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
 
 
@@ -76,15 +79,33 @@ def job_facts(cfg) -> Dict:
                              "kl_estimator": KL_ESTIMATORS.get(str(actor.kl_loss_type), "k3")}}
 
 
+def fsdp_version(rest: List[str], chosen: Optional[str]) -> Tuple[List[str], str]:
+    """(``rest`` without its actor strategy, the FSDP version HiLoRe wraps with). A recipe's
+    ``actor_rollout_ref.actor.strategy=fsdp|fsdp2`` names that version (the launcher itself sets
+    the strategy to ``hilore``), as ``+...hilore.fsdp`` does; unset, fsdp2. ``ValueError`` when the
+    two disagree or the strategy is not FSDP."""
+    keep, strategy = [], None
+    for arg in rest:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == STRATEGY:
+            strategy = value
+        else:
+            keep.append(arg)
+    if strategy is not None and strategy not in ("fsdp", "fsdp2"):
+        raise ValueError(f"HiLoRe runs as verl's FSDP actor engine; {STRATEGY}={strategy} is not supported "
+                         f"(Megatron is not supported yet): set {STRATEGY}=fsdp2 or fsdp, or drop +{PREFIX}enable=true")
+    if strategy is not None and chosen is not None and strategy != chosen:
+        raise ValueError(f"{STRATEGY}={strategy} and +{PREFIX}fsdp={chosen} disagree; give one FSDP version")
+    return keep, strategy or chosen or "fsdp2"
+
+
 def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     """(verl's overrides, environment to set) for ``argv``; ``ValueError`` on a bad override."""
     rest, ours = split_overrides(argv)
     enabled, settings, verl_only = parse(ours)
     if not enabled:
         return rest, {}
-    if any(a.lstrip("+").startswith("actor_rollout_ref.actor.strategy=") for a in rest):
-        raise ValueError(f"+{PREFIX}enable=true sets actor_rollout_ref.actor.strategy=hilore; choose FSDP1 or FSDP2 "
-                         f"with +{PREFIX}fsdp=fsdp|fsdp2 instead of actor_rollout_ref.actor.strategy")
+    rest, verl_only["fsdp"] = fsdp_version(rest, verl_only["fsdp"])
     cfg = compose(rest)
     strategy = str(cfg.actor_rollout_ref.actor.strategy)
     if strategy not in ("fsdp", "fsdp2"):
@@ -93,7 +114,7 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     facts = job_facts(cfg)
     value = to_env(settings, {**facts, **verl_only})
     env = {CONFIG_ENV: value, "VERL_USE_EXTERNAL_MODULES": REGISTER}
-    extra = ["actor_rollout_ref.actor.strategy=hilore"] + [
+    extra = [f"{STRATEGY}=hilore"] + [
         f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env.items()]
     return rest + extra, env
 

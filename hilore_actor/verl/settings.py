@@ -21,7 +21,8 @@ CONFIG_ENV = "HILORE_VERL_CONFIG"
 PREFIX = "actor_rollout_ref.actor.hilore."
 # verl-only keys beside the shared --hilore.* settings
 VERL_KEYS = {"enable": "turn HiLoRe on (true) or run verl unchanged (false, the default)",
-             "fsdp": "FSDP version under HiLoRe's engine: fsdp2 (default) or fsdp"}
+             "fsdp": "FSDP version under HiLoRe's engine: fsdp2 (default) or fsdp; "
+                     "actor_rollout_ref.actor.strategy=fsdp|fsdp2 says the same"}
 
 
 def split_overrides(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
@@ -49,8 +50,8 @@ def parse(raw: Dict[str, str]) -> Tuple[bool, Dict, Dict]:
         enabled = boolean(verl.pop("enable", "false"))
     except ValueError as e:
         raise ValueError(f"+{PREFIX}enable: {e}") from None
-    fsdp = verl.get("fsdp", "fsdp2")
-    if fsdp not in ("fsdp", "fsdp2"):
+    fsdp = verl.get("fsdp")  # None: the recipe's strategy, else fsdp2 (main_ppo.fsdp_version)
+    if fsdp not in (None, "fsdp", "fsdp2"):
         raise ValueError(f"+{PREFIX}fsdp={fsdp}: choose fsdp2 or fsdp")
     try:
         settings = parse_hilore(raw)
