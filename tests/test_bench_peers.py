@@ -34,6 +34,7 @@ def test_tune_sac_layers_takes_the_most_layers_that_fit():
     assert layers == every_kth(12, 3)  # 4 layers: 140 <= 145; every 2nd (6 layers) would be 160
 
 
+@pytest.mark.slow  # torch.compile: 75 s on 2 cores (pytest -m slow)
 @pytest.mark.filterwarnings("ignore")
 def test_compiled_peer_uses_the_chunked_head_and_compile_budget_fits(setup):
     """Default suite, so few compiles: the full head's compiled peak sets the room, and

@@ -39,7 +39,8 @@ def replay(h, runner, mbs, budget, reference):
     return float((g - g_ex).norm() / g_ex.norm()), taken
 
 
-@pytest.mark.parametrize("mode", ["hilore", "hilore-hr", "hilore-static"])
+@pytest.mark.parametrize("mode", ["hilore", pytest.param("hilore-hr", marks=pytest.mark.slow),
+                                  pytest.param("hilore-static", marks=pytest.mark.slow)])  # 50 s each on 2 cores
 def test_replay_within_budget_and_tolerance(setup, mode):
     runner, cal, mbs, budget = setup
     h = HiLoRe(runner, budget, cal, mode=mode, loo=False, log=lambda *_: None)  # ms-level LOO is noise here
@@ -72,6 +73,7 @@ def test_prepare_keeps_the_candidate_that_saves_most(setup):
     assert cands[sp.report["plan_risk_scale"]] == max(cands.values())
 
 
+@pytest.mark.slow  # 45 s on 2 cores (pytest -m slow)
 def test_two_l_levels_replay_within_budget_and_tolerance(setup):
     """Two L levels (the engine's default, int8-g64, and bf16): each unit's knapsack sees R, H and both L
     options with their own bytes and calibrated risk; the replay stays within B and within

@@ -49,6 +49,7 @@ def test_resume_reproduces_step_three(uninterrupted, tmp_path):
         assert resumed[2][key] == ref[2][key], key
 
 
+@pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
 def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(tmp_path):
     """Mode hilore: the first step runs H/R, then L's risk is calibrated once for the job on
     that step's real microbatches (both ranks' shares pooled), every rank re-plans with it,
@@ -73,6 +74,7 @@ def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(t
     assert again["calibration"] == saved[0]["calibration"]
 
 
+@pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
 def test_a_dead_learner_fails_cleanly_and_a_damaged_checkpoint_is_skipped_on_resume(uninterrupted, tmp_path):
     """Rank 1 dies in step 3: exit 1, one message naming the last checkpoint (step 2), metrics
     of steps 1-2. Then that checkpoint is damaged (its largest file cut short), so --resume
@@ -107,6 +109,7 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_0(tmp_path):
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not (tmp_path / "final").exists()
 
 
+@pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
 def test_too_many_non_finite_updates_in_a_row_stop_the_job(tmp_path):
     """NaN on rank 1 in every step with a limit of 2 in a row: both updates are skipped and
     counted, then exit 1 after step 2 with one message naming the last checkpoint."""
@@ -119,6 +122,7 @@ def test_too_many_non_finite_updates_in_a_row_stop_the_job(tmp_path):
     assert CheckpointDir(tmp_path / "checkpoints").resumable(log=print) == (tmp_path / "checkpoints" / "step_1", [])
 
 
+@pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
 def test_faults_a_run_survives(uninterrupted, tmp_path):
     """Four faults in one five-step run, one per step, with one metrics row per step:
     step 1: the rollout worker dies in generate: Ray restarts it, it gets the current weights,
