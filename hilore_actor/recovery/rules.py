@@ -64,6 +64,18 @@ def reads_sign(module: torch.nn.Module) -> bool:
 ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                      "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
                      "_flash_attention_forward", "_efficient_attention_forward")
+# Other libraries' attention kernels, ``namespace::op``: what transformers' flash_attention_2 path
+# (verl and OpenRLHF with remove-padding / packing: ``flash_attn_varlen_func``) and FA3 run.
+# flash-attn 2.8.3 (flash_attn/flash_attn_interface.py) registers its forward kernels with
+# ``torch.library.custom_op``; each returns (out, softmax_lse, S_dmask, rng_state), and its
+# autograd Functions save q, k, v, out, softmax_lse (, cu_seqlens) and rng_state for backward.
+# FA3 (hopper/flash_api.cpp) defines ``flash_attn_3::fwd`` -> (out, softmax_lse, out_accum,
+# softmax_lse_accum). Selective checkpointing keeps an op's whole output tuple, so the replayed
+# call returns the same out, log-sum-exp and RNG state, and q, k, v come from the projections'
+# replay. Looked up when a partial unit runs: an op not registered then (the package not
+# installed or not yet imported) is skipped.
+LIBRARY_ATTENTION_KERNELS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
+                             "flash_attn_3::fwd")
 # What each P level keeps (the action "P:core", plan "partial:core"; "P": the default level).
 PARTIAL_LEVELS: Dict[Optional[str], str] = {
     None: "the outputs of the unit's matmuls and attention kernels",
@@ -75,14 +87,28 @@ PARTIAL_LEVELS: Dict[Optional[str], str] = {
 
 def partial_saves(level: Optional[str] = None):
     """The ops whose outputs a partial unit (P) keeps (``PARTIAL_LEVELS``): the matmuls and
-    attention kernels, where a unit's recompute time is, or (``"core"``) the attention kernels
-    alone; everything else (norms, activations, rotary, casts, and under ``core`` the
-    projections) is recomputed from them, as torch's selective activation checkpointing does."""
+    attention kernels (torch's and ``library_kernels``), where a unit's recompute time is, or
+    (``"core"``) the attention kernels alone; everything else (norms, activations, rotary,
+    casts, and under ``core`` the projections) is recomputed from them, as torch's selective
+    activation checkpointing does."""
     if level not in PARTIAL_LEVELS:
         raise ValueError(f"unknown P level {level!r}; levels: {sorted(k for k in PARTIAL_LEVELS if k)} or none")
     aten = torch.ops.aten
     names = ATTENTION_KERNELS + (() if level == "core" else ("mm", "addmm", "bmm", "baddbmm"))
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)} | library_kernels()
+
+
+def library_kernels(names=None) -> set:
+    """Every overload of the ``LIBRARY_ATTENTION_KERNELS`` (or ``names``) registered now."""
+    out = set()
+    for qualified in LIBRARY_ATTENTION_KERNELS if names is None else names:
+        namespace, _, name = qualified.partition("::")
+        try:
+            packet = getattr(getattr(torch.ops, namespace), name)
+        except (AttributeError, RuntimeError):
+            continue
+        out.update(getattr(packet, o) for o in packet.overloads())
+    return out
 
 
 CHEAP_MATMUL = 8  # a matmul whose inner size is below 1/8 of its output width is recomputed under P

@@ -14,9 +14,10 @@ and runs ``verl.trainer.main_ppo.main`` with:
 
 A recipe's own ``actor_rollout_ref.actor.strategy=fsdp|fsdp2`` is kept as the FSDP version
 HiLoRe's engine wraps with (``fsdp_version``). Without ``enable=true`` verl runs unchanged. A
-bad override, a missing verl, or an actor strategy other than FSDP (``strategy=megatron``,
-``--config-name ppo_megatron_trainer``) stops here with one message; a worker without CUDA stops
-in the worker (``engine.py``).
+bad override, a missing verl, an actor strategy other than FSDP (``strategy=megatron``,
+``--config-name ppo_megatron_trainer``), or an actor option the engine cannot run with
+(``UNSUPPORTED``: activation offload, fused kernels) stops here with one message; a worker
+without CUDA stops in the worker (``engine.py``).
 """
 from __future__ import annotations
 
@@ -99,6 +100,31 @@ def fsdp_version(rest: List[str], chosen: Optional[str]) -> Tuple[List[str], str
     return keep, strategy or chosen or "fsdp2"
 
 
+# Actor options HiLoRe's engine cannot run with: (config keys, why), checked on the composed config.
+UNSUPPORTED = (
+    (("actor_rollout_ref.model.enable_activation_offload",),
+     "verl's activation offload pushes its own saved-tensor hooks around every decoder layer "
+     "(verl/utils/activation_offload.py), which take the saved tensors from HiLoRe's, and under gradient "
+     "checkpointing wraps each layer in torch's reentrant checkpoint; HiLoRe's plan decides what each unit keeps"),
+    (("actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels"),
+     "verl's fused head returns log-probs without logits and refuses a call without return_dict=True "
+     "(verl/models/transformers/dense_common.py), and HiLoRe's planning passes read the logits "
+     "(its planning loss and the synthetic old log-probs)"),
+)
+
+
+def unsupported(cfg) -> List[str]:
+    """``KEY=true (why)`` for each ``UNSUPPORTED`` option the composed config turns on."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for keys, why in UNSUPPORTED:
+        on = [k for k in keys if bool(OmegaConf.select(cfg, k, default=False))]
+        if on:
+            out.append(f"{on[0]}=true ({why})")
+    return out
+
+
 def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     """(verl's overrides, environment to set) for ``argv``; ``ValueError`` on a bad override."""
     rest, ours = split_overrides(argv)
@@ -111,6 +137,10 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     if strategy not in ("fsdp", "fsdp2"):
         raise ValueError(f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
                          f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true")
+    problems = unsupported(cfg)
+    if problems:
+        raise ValueError("HiLoRe's verl engine does not support " + "; ".join(problems)
+                         + f" yet: turn them off or drop +{PREFIX}enable=true")
     facts = job_facts(cfg)
     value = to_env(settings, {**facts, **verl_only})
     env = {CONFIG_ENV: value, "VERL_USE_EXTERNAL_MODULES": REGISTER}
