@@ -219,18 +219,29 @@ def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(tmp_path):
     assert r0["hilore"]["rel"] <= 0.015 and r1["hilore"]["rel"] <= 0.015
 
 
-def test_unsupported_settings_stop_with_one_message(verl_env, monkeypatch):
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-
-    from hilore_actor.verl.engine import HiLoReFSDPEngine
+def test_with_param_offload_planning_runs_in_verls_train_mode(verl_env, monkeypatch):
+    """``fsdp_config.param_offload=True``: verl's ``initialize`` leaves parameters and optimizer on
+    the CPU and loads them in ``train_mode()``; HiLoRe plans inside it, so planning's passes and
+    resident bytes are on the training device (on a CPU both devices are the CPU: this shows
+    where planning runs, not the move)."""
+    import hilore_actor.verl.attach as attach_mod
 
     path, seed = verl_env
-    _hilore(monkeypatch)
-    mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
-    ec = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=2)
-    with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
-        HiLoReFSDPEngine(mc, ec, FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+    real, seen = attach_mod.attach, []
+
+    def spy(fsdp_engine):
+        seen.append((fsdp_engine.mode, fsdp_engine.module.training))
+        return real(fsdp_engine)
+
+    monkeypatch.setattr(attach_mod, "attach", spy)
+    from hilore_actor.verl.settings import CONFIG_ENV
+
+    try:
+        engine = verify.build_engine("hilore-hr", path, seed, settings=SETTINGS, job=JOB, param_offload=True)
+    finally:
+        os.environ.pop(CONFIG_ENV, None)
+    assert seen == [("train", True)] and engine.mode is None  # verl's context closed after planning
+    assert engine.hilore is not None and engine.engine_config.param_offload
 
 
 def test_a_worker_without_cuda_stops_with_one_message(verl_env, monkeypatch):

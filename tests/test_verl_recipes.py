@@ -106,7 +106,6 @@ OFFLOAD_7B = [
     "trainer.experiment_name=qwen2_7b_function_rm", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
     "trainer.save_freq=-1", "trainer.test_freq=5", "trainer.total_epochs=15"]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
-FUSED_OFF = ["actor_rollout_ref.model.use_fused_kernels=False"]
 
 # (name, overrides, what the composed config must still say, the job facts the workers get)
 ACCEPTED = [
@@ -118,8 +117,8 @@ ACCEPTED = [
     ("fsdp2-offload-7b", OFFLOAD_7B + FSDP2,
      {"actor.fsdp_config.param_offload": True, "actor.fsdp_config.optimizer_offload": True},
      {"fsdp": "fsdp2", "plan_tokens": 16 * 2048, "group_size": 5}),
-    ("seed-oss-36b-without-fused-kernels", SEED_OSS_36B + FUSED_OFF,
-     {"actor.use_dynamic_bsz": True, "actor.fsdp_config.param_offload": True, "model.use_fused_kernels": False},
+    ("seed-oss-36b-fused-kernels", SEED_OSS_36B,
+     {"actor.use_dynamic_bsz": True, "actor.fsdp_config.param_offload": True, "model.use_fused_kernels": True},
      {"fsdp": "fsdp2", "group_size": 2}),
 ]
 
@@ -158,18 +157,16 @@ def test_verls_recipes_pass_the_launcher_and_verls_validation(monkeypatch, vllm_
     assert launch_args(recipe) == (recipe, {})
 
 
-@pytest.mark.parametrize("recipe,key", [(SEED_OSS_36B, "use_fused_kernels"),
-                                        (LORA_3B + ["actor_rollout_ref.actor.use_fused_kernels=True"], "use_fused_kernels"),
-                                        (LORA_3B + ["actor_rollout_ref.model.enable_activation_offload=True"],
+@pytest.mark.parametrize("recipe,key", [(LORA_3B + ["actor_rollout_ref.model.enable_activation_offload=True"],
                                          "enable_activation_offload")])
-def test_fused_kernels_and_activation_offload_stop_the_launcher_with_one_message(capsys, recipe, key):
+def test_activation_offload_stops_the_launcher_with_one_message(capsys, recipe, key):
     """What HiLoRe's engine cannot run with (``main_ppo.UNSUPPORTED``) stops the launcher: exit
     code 2, one line naming the option and why."""
     from hilore_actor.verl.main_ppo import main
 
     assert main(recipe + [ENABLE]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and key in err and ("saved-tensor hooks" in err or "logits" in err)
+    assert err.startswith("error: ") and key in err and "saved-tensor hooks" in err
     assert len(err.splitlines()) == 1
 
 
@@ -201,15 +198,17 @@ def _fused_loss(model, ids, pos, seed=0):
     return loss, logp
 
 
-def test_under_verls_fused_head_planning_cannot_run_but_the_plan_and_omega_apply(monkeypatch):
-    """verl's fused head (``use_fused_kernels=True``): HiLoRe's planning passes fail on it (the
-    reason the launcher refuses it); its log-probs are the full-logits head's; the units are the
-    same (the shrunken-copy trace fails on the patched class, and the name table finds them);
+def test_under_verls_fused_head_planning_runs_and_the_plan_and_omega_apply(monkeypatch):
+    """verl's fused head (``use_fused_kernels=True``) returns log-probs and no logits: HiLoRe's
+    planning passes read them (``models.logprobs.output_log_probs``) and equal the full-logits
+    head's; the units are the same (the shrunken copy is traced through the patched class);
     gradients under H/R plans are bitwise plain autograd's on the same head, and omega is the
     autograd of the loss w.r.t. those log-probs."""
+    import warnings
+
     from conftest import grads, packed_microbatch
     from hilore_actor.grpo.microbatch import microbatch_loss
-    from hilore_actor.models.logprobs import token_log_probs
+    from hilore_actor.models.logprobs import sequence_log_probs, token_log_probs
     from hilore_actor.recovery import RecoveryEngine, structure
     from hilore_actor.workloads import replayed_microbatches
 
@@ -221,16 +220,19 @@ def test_under_verls_fused_head_planning_cannot_run_but_the_plan_and_omega_apply
     mb = replayed_microbatches(model, 1, 64, group_size=2, mean_len=16, seed=seed)[0]
     with torch.no_grad():
         full = token_log_probs(model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1], ids[:, 1:])
+        full_loss = microbatch_loss(model, mb).loss
     units = RecoveryEngine(model).unit_names
     fuse()
-    for call in (lambda: microbatch_loss(model, mb), lambda: replayed_microbatches(model, 1, 64, group_size=2)):
-        with pytest.raises(NotImplementedError, match="return_dict"):
-            call()
     with torch.no_grad():
+        assert torch.allclose(sequence_log_probs(model, ids, pos), full, atol=1e-5)
+        assert torch.allclose(microbatch_loss(model, mb).loss, full_loss, atol=1e-5)
+        assert replayed_microbatches(model, 1, 64, group_size=2)  # the synthetic old log-probs
         assert torch.allclose(_fused_loss(model, ids, pos)[1], full, atol=1e-5)
     monkeypatch.setattr(structure, "_CACHE", {})
-    with pytest.warns(UserWarning, match="could not trace"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         engine = RecoveryEngine(model)
+    assert not [w for w in seen if "could not trace" in str(w.message)]  # traced, not the name table's
     assert engine.unit_names == units
     model.zero_grad(set_to_none=True)
     loss, logp = _fused_loss(model, ids, pos)

@@ -64,10 +64,10 @@ def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False) -> LossOu
 
         logp = chunked_token_log_probs(model, mb.input_ids, mb.position_ids)
     else:
-        from ..models.logprobs import token_log_probs
+        from ..models.logprobs import output_log_probs
 
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-        logp = token_log_probs(out.logits[:, :-1], mb.input_ids[:, 1:])
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, return_dict=True)
+        logp = output_log_probs(out, mb.input_ids)
     inp = prepare_loss_inputs(logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options)
     loss, stats = loss_from(inp)  # Eq. 1
     return LossOutput(loss, coefficients_from(inp), mb.action_mask, stats)  # Eq. 4, from the same prepared inputs

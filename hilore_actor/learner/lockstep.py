@@ -19,6 +19,10 @@ a collective every rank joins, so rank 0's gradient errors cover every shard. Ca
 runs on rank 0's passes (not ``plan.shared_calibration``, whose gather only the planning
 ranks would join). Messages travel by ``torch.distributed.broadcast_object_list``, tensors
 on the CPU (a CUDA tensor would unpickle onto rank 0's device).
+
+``agree_object`` and ``agree_max`` make one decision per process group, for the ranks of a
+Ulysses sequence-parallel group (``verl/attach.py``), which must take the same action for every
+unit on every microbatch.
 """
 from __future__ import annotations
 
@@ -73,3 +77,24 @@ def follow(runner: Runner) -> Dict:
         if chooses:
             actions = lambda step, out: _receive()  # noqa: E731  (rank 0's choice for this pass)
         runner.run(mb.to(runner.device), method, actions, **options)
+
+
+# ---- one decision per process group (Ulysses sequence parallelism) ----------------------------
+# The ranks of a sequence-parallel group run collectives inside a unit (verl's all-to-all in
+# attention), so a unit recomputed on one rank and stored on another hangs the first in a
+# collective the second never joins: per microbatch, the group must decide as one rank.
+
+
+def agree_object(obj, group):
+    """``obj`` as the group's first rank has it, on every rank of ``group``."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def agree_max(values, group, device) -> list:
+    """Element-wise maximum over ``group`` of a list of integers (on ``device``: NCCL's tensors
+    live on the GPU)."""
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]

@@ -23,5 +23,16 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int 
 def sequence_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None) -> torch.Tensor:
     """``[B, L-1]`` log-probs of ``input_ids[:, 1:]`` given their prefixes (packed rows: pass
     ``position_ids`` that restart at 0 for each sequence)."""
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
+                return_dict=True)
+    return output_log_probs(out, input_ids)
+
+
+def output_log_probs(out, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]`` log-probs of ``input_ids[:, 1:]`` from a model's output: from its logits, or,
+    where a fused head returns log-probs and no logits (verl's ``use_fused_kernels``:
+    ``CausalLMOutputForPPO.log_probs``, element t the log-prob of token t + 1, the last one of a
+    wrapped-around label), from those."""
+    if getattr(out, "logits", None) is None and getattr(out, "log_probs", None) is not None:
+        return out.log_probs[:, :-1].float()
     return token_log_probs(out.logits[:, :-1], input_ids[:, 1:])

@@ -164,7 +164,7 @@ def trace_events(model: nn.Module, layers_path: str, n_layers: int) -> List[List
         try:
             with torch.autograd.graph.saved_tensors_hooks(save, lambda t: t), _Adds(st, events):
                 vocab = getattr(_text_config(cfg), "vocab_size", 128)
-                skeleton(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
+                skeleton(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False, return_dict=True)
         finally:
             for h in hooks:
                 h.remove()

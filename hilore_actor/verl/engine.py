@@ -11,7 +11,8 @@ verl picks the actor's engine from ``EngineRegistry`` by ``actor_rollout_ref.act
 3. after verl has built and wrapped the model: B and the plan (``learner/plan.py``, on the
    wrapped model, rank 0 leading the others: ``learner/lockstep.py``), the recovery engine on
    it, and the budget
-   coordinator (a named Ray actor, when Ray runs the worker);
+   coordinator (a named Ray actor, when Ray runs the worker); under Ulysses sequence
+   parallelism every rank of an SP group takes one action per unit per micro-batch (``attach.py``);
 4. ``forward_backward_batch`` and ``forward_step`` as verl's, each micro-batch inside a learner
    microbatch (``microbatches.py``) that opens in ``forward_step`` and closes as verl's
    per-micro-batch gradient-sync context exits, i.e. after its backward and after the
@@ -38,16 +39,6 @@ from .settings import PREFIX, from_env
 BACKEND = "hilore"
 
 
-def _refuse(engine_config) -> None:
-    """Settings HiLoRe cannot run yet: one clear message, in the worker."""
-    problems = []
-    if int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1) > 1:
-        problems.append("Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)")
-    if problems:
-        raise ValueError("actor_rollout_ref.actor.strategy=hilore does not support " + "; ".join(problems)
-                         + f" yet; run without +{PREFIX}enable=true")
-
-
 def _need_device() -> None:
     """In the worker (the driver may have no GPU): verl falls back to "cuda" when it finds no
     accelerator, and its FSDP engine would then fail deep inside model building."""
@@ -65,8 +56,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.hilore_cfg, self.hilore_job = from_env()
         self.hilore = None  # the training engine's Microbatches, once initialized
         _need_device()
-        if not engine_config.forward_only:
-            _refuse(engine_config)
         object.__setattr__(engine_config, "strategy", self.hilore_job.get("fsdp", "fsdp2"))
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
@@ -81,7 +70,11 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if not self.engine_config.forward_only:
             from .attach import attach
 
-            self.hilore = attach(self)
+            # As verl trains: with param_offload, verl's initialize leaves the parameters (and
+            # optimizer) on the CPU and train_mode() loads them, so planning's passes, gathers and
+            # resident bytes are the device's; on exit verl zeroes the grads and offloads again.
+            with self.train_mode():
+                self.hilore = attach(self)
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if forward_only or self.hilore is None:

@@ -16,7 +16,7 @@ A recipe's own ``actor_rollout_ref.actor.strategy=fsdp|fsdp2`` is kept as the FS
 HiLoRe's engine wraps with (``fsdp_version``). Without ``enable=true`` verl runs unchanged. A
 bad override, a missing verl, an actor strategy other than FSDP (``strategy=megatron``,
 ``--config-name ppo_megatron_trainer``), or an actor option the engine cannot run with
-(``UNSUPPORTED``: activation offload, fused kernels) stops here with one message; a worker
+(``UNSUPPORTED``: activation offload) stops here with one message; a worker
 without CUDA stops in the worker (``engine.py``).
 """
 from __future__ import annotations
@@ -106,10 +106,6 @@ UNSUPPORTED = (
      "verl's activation offload pushes its own saved-tensor hooks around every decoder layer "
      "(verl/utils/activation_offload.py), which take the saved tensors from HiLoRe's, and under gradient "
      "checkpointing wraps each layer in torch's reentrant checkpoint; HiLoRe's plan decides what each unit keeps"),
-    (("actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.use_fused_kernels"),
-     "verl's fused head returns log-probs without logits and refuses a call without return_dict=True "
-     "(verl/models/transformers/dense_common.py), and HiLoRe's planning passes read the logits "
-     "(its planning loss and the synthetic old log-probs)"),
 )
 
 

@@ -54,12 +54,16 @@ class Microbatches:
     def open(self, micro_batch) -> None:
         """Called by the engine's ``forward_step`` before verl's forward."""
         self.close()
-        ids = micro_batch["input_ids"]
-        tokens = ids.values().numel() if ids.is_nested else ids.numel()
+        tokens = self.tokens(micro_batch)
         resident = self.resident() if self.plan.scope == "device" else 0
         stack = contextlib.ExitStack()
         rec = stack.enter_context(run_microbatch(self.plan, self.engine, self.device, tokens, resident))
         self._open, self._metrics = (stack, rec), None
+
+    def tokens(self, micro_batch) -> int:
+        """The micro-batch's tokens on this rank (the plan is sized to them)."""
+        ids = micro_batch["input_ids"]
+        return ids.values().numel() if ids.is_nested else ids.numel()
 
     def close(self) -> None:
         if self._open is None:

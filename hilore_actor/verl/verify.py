@@ -28,7 +28,8 @@ KINDS = ("verl", "hilore-hr", "hilore")
 
 
 def build_engine(kind: str, path: str, seed: int, *, remove_padding: bool = True, micro_batch: int = 2,
-                 attn: str = "sdpa", mixed: bool = False, settings: Dict = None, job: Dict = None):
+                 attn: str = "sdpa", mixed: bool = False, settings: Dict = None, job: Dict = None,
+                 param_offload: bool = False):
     """``kind`` ``verl`` (verl's engine, its gradient checkpointing on) or a HiLoRe mode (HiLoRe's
     engine under that mode), on the HF model at ``path`` with LoRA r16 (B drawn not zero)."""
     from verl.trainer.config import CheckpointConfig
@@ -42,7 +43,8 @@ def build_engine(kind: str, path: str, seed: int, *, remove_padding: bool = True
     mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": attn},
                        lora_rank=16, lora_alpha=32, enable_gradient_checkpointing=True, use_remove_padding=remove_padding)
     ec = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", mixed_precision=prec, use_torch_compile=False,
-                          micro_batch_size_per_gpu=micro_batch, seed=seed)
+                          micro_batch_size_per_gpu=micro_batch, seed=seed, param_offload=param_offload,
+                          optimizer_offload=param_offload)
     cls = FSDPEngineWithLMHead
     if kind != "verl":
         cls = HiLoReFSDPEngine
