@@ -44,10 +44,19 @@ def main():
             engine_ds.backward(grpo_loss(engine_ds, ids, pos))
         else:
             rec = RecoveryEngine(engine_ds)
-            plan = method if method != "mixed" else {n: "HR"[i % 2] for i, n in enumerate(rec.unit_names)}
-            with rec.step(plan):
-                engine_ds.backward(grpo_loss(engine_ds, ids, pos))
+            plan = {"mixed": {n: "HR"[i % 2] for i, n in enumerate(rec.unit_names)}, "h-to-l": "all-h"}.get(method, method)
+            weights = watch_weights(engine_ds.module) if method in ("all-l", "h-to-l") else None
+            if weights is not None:
+                spy_compress(weights, spied := {"weights": [], "activations": 0})
+            with rec.step(plan) as step:
+                loss = grpo_loss(engine_ds, ids, pos)
+                if method == "h-to-l":
+                    step.set_actions("all-l")  # the online chooser's path: exact in forward, L after it
+                engine_ds.backward(loss)
             rec.detach()
+            if weights is not None:
+                unspy_compress()
+                results[method + ":spied"] = spied
             results["units"] = rec.unit_names
         grads = {n: safe_get_full_grad(p) for n, p in engine_ds.module.named_parameters() if p.requires_grad}
         results[method] = {n: g.float() for n, g in grads.items() if g is not None}
@@ -56,11 +65,55 @@ def main():
     out["n_grads"] = len(ref)
     for m in methods[1:]:
         out[m] = all(torch.equal(results[m][n], ref[n]) for n in ref) and set(results[m]) == set(ref)
+        if m + ":spied" in results:  # L: the relative error and what was compressed
+            num = torch.cat([(results[m][n] - ref[n]).flatten() for n in ref]).norm()
+            out[m + ":rel"] = float(num / torch.cat([r.flatten() for r in ref.values()]).norm())
+            out[m + ":spied"] = results[m + ":spied"]
     out["grad_norm"] = float(torch.cat([g.flatten() for g in ref.values()]).norm())
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # orderly shutdown: an implicit one at exit can abort
+
+
+def watch_weights(module) -> set:
+    """The storages of every parameter's data as each module runs: under ZeRO-3, the gathered
+    full weights DeepSpeed's pre-forward hooks (registered first, so run first) put there."""
+    seen = set()
+
+    def pre(m, args):
+        seen.update(p.data.untyped_storage()._cdata for p in m.parameters(recurse=False))
+
+    for m in module.modules():
+        m.register_forward_pre_hook(pre)
+    return seen
+
+
+_COMPRESS = []
+
+
+def spy_compress(weights: set, log: dict) -> None:
+    """Wrap ``Step.compress``: count what it encodes, and record (not encode) any weight or any
+    tensor whose storage is already freed (a released ZeRO-3 gather)."""
+    from hilore_actor.recovery.step import Step
+
+    orig = Step.compress
+    _COMPRESS.append(orig)
+
+    def compress(self, t, unit, keep_sign=False):
+        if isinstance(t, torch.nn.Parameter) or t.untyped_storage()._cdata in weights or t.untyped_storage().nbytes() == 0:
+            log["weights"].append(f"{unit.name} {tuple(t.shape)}")
+            return t
+        log["activations"] += 1
+        return orig(self, t, unit, keep_sign)
+
+    Step.compress = compress
+
+
+def unspy_compress() -> None:
+    from hilore_actor.recovery.step import Step
+
+    Step.compress = _COMPRESS.pop()
 
 
 if __name__ == "__main__":
