@@ -9,6 +9,7 @@ from conftest import grads, grpo_loss, packed_microbatch, rel_err
 from hilore_actor.models import ARCHS, LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine, apply_baseline
 from hilore_actor.recovery.state import iter_tensors
+from hilore_actor.recovery.step import Step
 from hilore_actor.runtime import MemoryMeter
 
 LORAS = {"full": None, "lora": LoraSpec(rank=4, alpha=8, dropout=0.0), "lora-dropout": LoraSpec(rank=4, alpha=8, dropout=0.1)}
@@ -507,3 +508,82 @@ def test_token_l_spans_h_to_whole_unit_l(arch):
         with pytest.raises(ValueError, match="not available"):
             st.set_actions({mlps[0]: "L"})  # the rows were chosen in forward: no other split after it
 
+
+
+def _attend(q, k, v, bias, scale):
+    return torch.softmax((q @ k.transpose(-1, -2)) * scale + bias, dim=-1) @ v
+
+
+class _EfficientLike(torch.autograd.Function):
+    """Stands in for aten's ``_scaled_dot_product_efficient_attention``: it saves the bias it
+    was given (derivatives.yaml: its backward takes ``attn_bias``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        ctx.save_for_backward(q, k, v, bias)
+        ctx.scale = scale
+        return _attend(q, k, v, bias, scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, bias = ctx.saved_tensors
+        with torch.enable_grad():
+            x = [t.detach().requires_grad_() for t in (q, k, v)]
+            return (*torch.autograd.grad(_attend(*x, bias, ctx.scale), x, g), None, None)
+
+
+def cuda_like_sdpa(materialised):
+    """SDPA as aten dispatches it on CUDA with a boolean mask: a fresh additive mask per call
+    (``convert_boolean_attn_mask``), padded to an aligned last dimension and expanded over
+    the heads (``preprocess_mask``: a stride-0 view; older torch expanded first and padded,
+    which materialises ``[B, H, T, S]``), then the efficient kernel saves that bias."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if attn_mask is None:  # no packed mask (the engine's structure trace): the kernel as it is
+            return real(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kw)
+        assert attn_mask.dtype == torch.bool and not is_causal and not kw
+        bias = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill_(attn_mask.logical_not(), float("-inf"))
+        B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        pad = (-S) % 8
+        if materialised:
+            bias = F.pad(bias.expand(B, H, T, S), (0, pad))[..., :S]
+        else:
+            bias = F.pad(bias, (0, pad))[..., :S].expand(B, H, T, S)
+        return _EfficientLike.apply(q, k, v, bias, scale if scale is not None else q.shape[-1] ** -0.5)
+
+    return sdpa
+
+
+@pytest.mark.parametrize("materialised, total", [(False, 96), (False, 90), (True, 90)])
+def test_a_mask_expanded_in_every_layer_is_stored_once(materialised, total, monkeypatch):
+    """CUDA's SDPA saves each layer's own expansion of the packed-sequence mask; the engine
+    keeps one copy for all layers (bytes counted), and gradients stay bitwise."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_like_sdpa(materialised))
+    model = tiny("qwen2", "lora", layers=3)
+    ids, pos = packed_microbatch(total, VOCAB, n_seqs=3, seed=seed)
+    ref, _ = run(model, ids, pos)
+    engine = RecoveryEngine(model)
+
+    def stored(dedup):
+        if not dedup:
+            monkeypatch.setattr(Step, "canonical", lambda self, t: t)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)
+        with engine.step("all-h") as step:
+            loss = grpo_loss(model, ids, pos)
+            masks = {id(t.untyped_storage()): t.untyped_storage().nbytes() for u in step.units for t in u.entries.values()
+                     if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() and t.isinf().any()}
+            held = sum(b["exact"] for b in step.bytes_by_unit().values())
+            loss.backward()
+        assert all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters() if n in ref)
+        return masks, held
+
+    shared, held = stored(True)
+    apart, held_apart = stored(False)
+    assert len(shared) == 1 and len(apart) == 3
+    assert held_apart - held == 2 * next(iter(shared.values()))

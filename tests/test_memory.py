@@ -141,3 +141,103 @@ def test_profiler_data_is_freed_when_the_meter_exits():
         prof = weakref.ref(m._prof)
         torch.randn(256, 256).sum()
     assert prof() is None
+
+
+class FakeCudaAllocator:
+    """The caching allocator's counters as ``torch._C`` exposes them (nested stats with a
+    peak per stat and pool; a reset sets each peak to its current value)."""
+
+    STATS = ("allocated_bytes", "reserved_bytes")
+
+    def __init__(self):
+        self.current = dict.fromkeys(self.STATS, 0)
+        self.peak = dict.fromkeys(self.STATS, 0)
+        self.resets = 0
+
+    def alloc(self, n):
+        self.current["allocated_bytes"] += n
+        self.current["reserved_bytes"] = max(self.current["reserved_bytes"], self.current["allocated_bytes"])
+        for k in self.STATS:
+            self.peak[k] = max(self.peak[k], self.current[k])
+
+    def free(self, n, release=False):
+        self.current["allocated_bytes"] -= n
+        if release:  # empty_cache
+            self.current["reserved_bytes"] = self.current["allocated_bytes"]
+
+    def stats(self, device):
+        assert device == 0
+        one = {k: {"current": self.current[k], "peak": self.peak[k], "allocated": 0, "freed": 0} for k in self.STATS}
+        return {k: {"all": dict(v), "large_pool": dict(v)} for k, v in one.items()} | {"num_ooms": 0}
+
+    def reset(self, device):
+        assert device == 0
+        self.resets += 1
+        self.peak = dict(self.current)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    a = FakeCudaAllocator()
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", a.stats, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", a.reset, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "is_initialized", lambda: True)  # its own import of it
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return a
+
+
+def test_cuda_meter_keeps_the_hosts_peak_readings(fake_cuda):
+    """The meter restarts the allocator's peak counter for its region, yet a host that reads
+    ``max_memory_allocated`` / ``max_memory_reserved`` for its own metrics (verl after its
+    update) still reads the peak since its own last reset; the host's reset still resets."""
+    a = fake_cuda
+    a.alloc(10 * MB)
+    a.free(8 * MB)  # the host's peak so far: 10 MB; 2 MB live
+    with MemoryMeter("cuda:0") as m:
+        a.alloc(3 * MB)
+        a.free(3 * MB)
+    assert a.resets >= 1
+    assert m.peak_bytes == 3 * MB and m.report.max_allocated_bytes == 5 * MB
+    assert m.report.max_reserved_bytes == 10 * MB  # the cache still holds the first 10 MB
+    assert torch.cuda.max_memory_allocated(0) == 10 * MB
+    assert torch.cuda.max_memory_reserved(0) == 10 * MB
+    assert torch.cuda.memory_stats(0)["allocated_bytes.large_pool.peak"] == 10 * MB
+    torch.cuda.reset_peak_memory_stats(0)
+    assert torch.cuda.max_memory_allocated(0) == 2 * MB
+
+
+def test_cuda_meters_nest_and_survive_a_host_reset(fake_cuda):
+    """An outer region (a whole trainer step) around an inner one (its microbatch, with a
+    mark): each keeps its own peak, also across a reset the host makes in between."""
+    a = fake_cuda
+    a.alloc(1 * MB)
+    with MemoryMeter("cuda:0") as outer:
+        a.alloc(6 * MB)
+        a.free(6 * MB)
+        with MemoryMeter("cuda:0") as inner:
+            a.alloc(2 * MB)
+            inner.mark("end")
+            torch.cuda.reset_peak_memory_stats(0)  # e.g. DeepSpeed's see_memory_usage
+            a.alloc(1 * MB)
+            a.free(3 * MB)
+        a.alloc(4 * MB)
+    assert inner.peak_bytes == 3 * MB
+    assert inner.report.peak_before["end"] == 2 * MB and inner.report.peak_since["end"] == 3 * MB
+    assert outer.peak_bytes == 6 * MB and outer.report.net_bytes == 4 * MB
+    assert torch.cuda.max_memory_allocated(0) == 5 * MB  # since the host's reset: 3 + 1 + 4 - 3
+
+
+def test_default_allocator_settings(monkeypatch):
+    from hilore_actor.runtime.memory import DEFAULT_ALLOC_CONF, default_allocator_settings
+
+    env = {}
+    assert default_allocator_settings(env) == DEFAULT_ALLOC_CONF == env["PYTORCH_CUDA_ALLOC_CONF"]
+    for mine in ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_ALLOC_CONF": "backend:native"}):
+        before = dict(mine)
+        assert default_allocator_settings(mine) is None and mine == before
+    applied = []  # CUDA already running: torch's runtime setter applies it to new segments
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
+    assert default_allocator_settings({}) == DEFAULT_ALLOC_CONF and applied == [DEFAULT_ALLOC_CONF]

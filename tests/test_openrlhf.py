@@ -628,3 +628,85 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     HiLoReTrainingStep(holder["plan"], RecoveryEngine(actor.model)).install(trainer)
     trainer.training_step(exp, 0.01, 0, loss_batch_info(exp))  # gradients not cleared
     assert torch.equal(_grads(actor), g_gc)
+
+
+def test_the_actor_reads_its_gpu_after_openrlhf_sets_it(orl, monkeypatch):
+    """``init_model_from_pretrained`` must not read the current CUDA device before OpenRLHF's
+    ``setup_distributed`` (inside the base class's ``init_model_from_pretrained``) has called
+    ``torch.cuda.set_device(LOCAL_RANK)``: before it, every actor reads device 0. Planning
+    and the attached engine both get the device OpenRLHF set (here 3)."""
+    from types import SimpleNamespace as NS
+
+    import hilore_actor.learner.plan as plan_mod
+    from hilore_actor.openrlhf import policy_actor as pa
+
+    chosen = {}
+
+    def current_device():
+        if "device" not in chosen:
+            raise AssertionError("the CUDA device was read before OpenRLHF's setup_distributed set it")
+        return chosen["device"]
+
+    class OnDevice(torch.nn.Linear):  # stands in for the HF model: records where it was moved
+        def to(self, *a, **k):
+            self.moved_to = a[0]
+            return self
+
+    def base_init(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        chosen["device"] = 3  # OpenRLHF: strategy.setup_distributed() -> torch.cuda.set_device(LOCAL_RANK)
+        strategy.prepare((NS(model=model), None))
+
+    model, planned, attached = OnDevice(4, 4), [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(plan_mod, "plan_before_wrapping", lambda m, hcfg, **kw: planned.append(kw["device"]) or "the plan")
+    monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained", base_init)
+    monkeypatch.setattr(pa._HiLoRePolicyModelActor, "_attach", lambda self, st, hcfg, plan, device: attached.append((plan, device)))
+    st = _strategy_stub([])
+    st.args.actor.gradient_checkpointing_enable = False
+    actor = object.__new__(pa._HiLoRePolicyModelActor)
+    actor.init_model_from_pretrained(st, "/models/any")
+    cuda3 = torch.device("cuda", 3)
+    assert planned == [cuda3] and model.moved_to == cuda3 and attached == [("the plan", cuda3)]
+
+
+def test_memory_watch_rebases_after_the_first_step_and_logs_reserved(orl, monkeypatch):
+    """ZeRO-2 allocates its gradient buckets in the first backward: resident bytes measured
+    before it miss them. After the first step the plan is rebased on a new measurement (once),
+    a changed B is registered, and each step's maximum allocated and reserved bytes are in its
+    metrics."""
+    from types import SimpleNamespace as NS
+
+    from test_memory import FakeCudaAllocator
+
+    from hilore_actor.openrlhf.policy_actor import watch_memory
+
+    a = FakeCudaAllocator()
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", a.stats, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", a.reset, raising=False)
+    for mod in (torch.cuda, torch.cuda.memory):
+        monkeypatch.setattr(mod, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    MB = 2**20
+    a.alloc(100 * MB)  # weights and optimizer partitions
+
+    first = [True]
+
+    def step(*args):
+        if first.pop() if first else False:
+            a.alloc(8 * MB)  # ZeRO-2's reduce bucket, kept from the first backward on
+        a.alloc(30 * MB)
+        a.free(30 * MB)
+        return {"metrics": {}, "weights": {}}
+
+    rebased, registered = [], []
+    plan = NS(budget=200 * MB, rebase=lambda resident: rebased.append(resident) or True)
+    trainer = NS(training_step=step)
+    watch_memory(trainer, plan, torch.device("cuda", 0), model=None, register=registered.append)
+    out = trainer.training_step("experience")
+    trainer.training_step("experience")
+    assert rebased == [108 * MB] and registered == [200 * MB]
+    assert out["metrics"]["hilore_max_allocated_gb"] == 138 * MB / 2**30
+    assert out["metrics"]["hilore_max_reserved_gb"] == 138 * MB / 2**30 and "hilore_max_reserved_gb" in out["weights"]

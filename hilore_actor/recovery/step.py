@@ -121,16 +121,25 @@ class Step:
 
     def canonical(self, t: torch.Tensor) -> torch.Tensor:
         """One shared copy of equal attention masks. SDPA turns the boolean (packed-sequence)
-        mask into an additive float ``[B, 1, T, T]`` mask in every layer and saves it; the
-        copies are equal, so every layer can keep the first one (exact: same values). Only
-        mask-shaped tensors are compared."""
-        if t.dim() != 4 or t.shape[1] != 1 or t.shape[-1] != t.shape[-2] or not t.is_floating_point():
+        mask into a fresh additive float mask in every layer (aten's ``convert_boolean_attn_mask``)
+        and the kernel saves it for backward: ``[B, 1, T, T]`` on CPU; on CUDA the efficient
+        kernel saves ``attn_bias`` expanded to ``[B, H, T, T]``, a stride-0 view over the heads
+        of that fresh mask (padded first when ``T`` is not aligned), or, in older torch, a
+        materialised expansion. The copies are equal, so every layer keeps the first layer's
+        (exact: same values, same layout); the later layers' allocations are freed with their
+        kernel call. Compared: square 4-D float tensors whose heads are all alike; the first of
+        a layout is checked once (``_mask_like``), the rest by value on one head."""
+        if t.dim() != 4 or t.shape[-1] != t.shape[-2] or not t.is_floating_point():
             return t
         key = (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-        first = self._masks.get(key)
-        if first is not None and torch.equal(first, t):
+        if key not in self._masks:
+            self._masks[key] = t if _mask_like(t) else None
+            return t
+        first = self._masks[key]
+        if first is None:
+            return t
+        if first.data_ptr() == t.data_ptr() or torch.equal(_one_head(first), _one_head(t)):
             return first
-        self._masks.setdefault(key, t)
         return t
 
     def compress(self, t: torch.Tensor, unit: UnitState, keep_sign: bool = False):
@@ -239,3 +248,18 @@ class Step:
     def actions(self, labels: bool = False) -> Dict[str, str]:
         """H/L/R per unit; ``labels``: as chosen, L with its codec when one was named (``L:bf16``)."""
         return {u.name: (u.label if labels else u.action) for u in self.units}
+
+
+def _one_head(t: torch.Tensor) -> torch.Tensor:
+    """Head 0 of a ``[B, H, T, S]`` tensor whose heads are alike (all of them when they are
+    views of one, stride 0): what an equality test of two such masks needs to read."""
+    return t[:, :1] if t.shape[1] > 1 and t.stride(1) == 0 else t
+
+
+def _mask_like(t: torch.Tensor) -> bool:
+    """Whether a 4-D float tensor can be an attention mask broadcast over heads: one head, a
+    stride-0 head dimension, or heads that are all equal (a materialised expansion; one full
+    read, once per layout and step). Attention probabilities (eager attention) differ by head."""
+    if t.shape[1] == 1 or t.stride(1) == 0:
+        return True
+    return bool(torch.equal(t[:, :1].expand_as(t), t))

@@ -3,8 +3,16 @@
 Budgets in this package are a few percent wide, so the meter must count what the allocator
 hands out, not process RSS and not a model of it:
 
-- CUDA: the caching allocator's own counters (``torch.cuda.reset_peak_memory_stats`` then
-  ``max_memory_allocated``).
+- CUDA: the caching allocator's own counters. Its peak counter is process-wide and only
+  ``reset_peak_memory_stats`` restarts it, so a region's exact peak needs a restart; host
+  frameworks read the same counter for their own metrics (verl's ``perf/max_memory_*`` after
+  its update, DeepSpeed's ``see_memory_usage``). ``_PeakLedger`` keeps both right: before
+  each restart it folds the counter's peaks into every open region and into a ledger that
+  ``torch.cuda.memory_stats`` (hence ``max_memory_allocated``/``max_memory_reserved``) folds
+  back in, so a host reads the peak since *its own* last reset as if the meter had never
+  restarted the counter. A host's reset clears the ledger (the open regions keep theirs).
+  The report carries the region's maximum reserved bytes too: B bounds allocated bytes, an
+  OOM follows reserved ones (allocated + the cache's fragmentation).
 - CPU: the profiler's ``[memory]`` events, which carry the signed byte count of every tensor
   allocation and free in time order; the running sum's maximum is the peak. Only frees of
   addresses allocated inside the region count (see ``cpu_peak_from_events``), so the CPU
@@ -15,12 +23,16 @@ The profiler slows CPU code down, so measure peaks and times in separate passes.
 a meter outside every ``torch.profiler.record_function`` scope that began after it: a scope
 that began under the profiler and ends after it stopped writes into the freed profiler (heap
 corruption, seen as later segfaults; verl opens one per micro-batch: ``verl/engine.py``).
+
+``default_allocator_settings``: ``expandable_segments:True`` for processes that train, unless
+the user chose allocator settings (fewer bytes reserved beyond those allocated).
 """
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, TypeVar, Union
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -35,13 +47,16 @@ class MemoryReport:
     net_bytes: int  # live bytes at the end minus at the start (allocated in the region)
     peak_since: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes after it (above the start)
     peak_before: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes before it (above the start)
+    max_allocated_bytes: int = 0  # CUDA: the region's maximum allocated bytes, absolute (0 on CPU)
+    max_reserved_bytes: int = 0  # CUDA: the region's maximum reserved bytes, absolute: what an OOM follows
 
     def __str__(self) -> str:
         return f"peak {self.peak_bytes / 2**20:.2f} MiB above start on {self.device} (net {self.net_bytes / 2**20:+.2f} MiB)"
 
 
 class MemoryMeter:
-    """Context manager: ``with MemoryMeter(device) as m: ...``; then ``m.report``."""
+    """Context manager: ``with MemoryMeter(device) as m: ...``; then ``m.report``. CUDA meters
+    may nest (each region keeps its own peak)."""
 
     def __init__(self, device: Union[str, torch.device, None] = None):
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -50,15 +65,16 @@ class MemoryMeter:
         self.device = device
         self.report: Optional[MemoryReport] = None
         self._prof = None
-        self._cuda_peaks: Dict[str, int] = {}
-        self._cuda_overall = 0  # CUDA: the peak before the last mark reset the counter
-        self._cuda_before: Dict[str, int] = {}
+        self._window: Optional[_Window] = None  # CUDA: the region
+        self._marks: Dict[str, _Window] = {}  # CUDA: mark -> the window after it
+        self._before: Dict[str, int] = {}
 
     def __enter__(self) -> "MemoryMeter":
+        self._before = {}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.synchronize(idx)
+            self._window = LEDGER.open(idx)
         else:
             if torch.autograd.profiler._is_profiler_enabled:
                 raise RuntimeError("MemoryMeter on CPU uses the torch profiler, and another profiler is already running")
@@ -71,26 +87,18 @@ class MemoryMeter:
         and ``peak_before[name]`` the peak up to it (both above the region's start), e.g. the
         backward after a downgrade, or a step without its optimizer step."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._cuda_overall = max(self._cuda_overall, torch.cuda.max_memory_allocated(self.device))
-            self._cuda_before[name] = self._cuda_overall - self._start
-            for k in self._cuda_peaks:
-                self._cuda_peaks[k] = max(self._cuda_peaks[k], torch.cuda.max_memory_allocated(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._cuda_peaks[name] = torch.cuda.memory_allocated(self.device)
+            w = self._window
+            torch.cuda.synchronize(w.idx)
+            self._before[name] = w.peak() - w.start
+            self._marks[name] = LEDGER.open(w.idx)
         else:
             with torch.profiler.record_function(MARK_PREFIX + name):
                 pass
 
     def __exit__(self, *exc) -> None:
-        since: Dict[str, int] = {}
-        before: Dict[str, int] = dict(self._cuda_before)
+        top = reserved = 0
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            now_peak = torch.cuda.max_memory_allocated(self.device)
-            peak = max(self._cuda_overall, now_peak) - self._start
-            since = {k: max(v, now_peak) - self._start for k, v in self._cuda_peaks.items()}
-            net = torch.cuda.memory_allocated(self.device) - self._start
+            peak, net, since, before, top, reserved = self._cuda_exit()
         else:
             self._prof.__exit__(*exc)
             peak, net, since, before = cpu_peak_from_events(self._prof)
@@ -103,13 +111,153 @@ class MemoryMeter:
             # slows the region far more than one collection; a CPU training job pays both).
             gc.collect()
         self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()},
-                                   {k: int(max(v, 0)) for k, v in before.items()})
+                                   {k: int(max(v, 0)) for k, v in before.items()}, int(top), int(reserved))
+
+    def _cuda_exit(self):
+        """(peak, net, since, before, max allocated, max reserved) of the region; closes its windows."""
+        w = self._window
+        try:
+            torch.cuda.synchronize(w.idx)
+            top, reserved = w.peak(), w.peak(RESERVED)
+            since = {k: m.peak() - w.start for k, m in self._marks.items()}
+            return top - w.start, LEDGER.current(w.idx) - w.start, since, dict(self._before), top, reserved
+        finally:
+            for m in [w, *self._marks.values()]:
+                LEDGER.close(m)
+            self._window, self._marks = None, {}
 
     @property
     def peak_bytes(self) -> int:
         if self.report is None:
             raise RuntimeError("the meter has not finished measuring yet")
         return self.report.peak_bytes
+
+
+# ---- CUDA: region peaks that leave the host's peak counters as the host sees them ----------
+ALLOCATED, RESERVED = ("allocated_bytes", "all"), ("reserved_bytes", "all")
+
+
+def _peaks(stats: Dict) -> Dict[tuple, int]:
+    """``{(stat, pool): peak}`` from torch's nested allocator stats (pool None for a stat
+    without pools, e.g. ``oversize_allocations``)."""
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, dict):
+            out.update({(k, pool): int(d["peak"]) for pool, d in v.items() if isinstance(d, dict) and "peak" in d})
+            if "peak" in v and not isinstance(v["peak"], dict):
+                out[(k, None)] = int(v["peak"])
+    return out
+
+
+def _with_peaks(stats: Dict, peaks: Dict[tuple, int]) -> Dict:
+    """``stats`` with every peak raised to at least ``peaks``' (a copy)."""
+    def up(k, pool, d):
+        return dict(d, peak=max(d["peak"], peaks.get((k, pool), 0)))
+
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, dict):
+            v = {pool: up(k, pool, d) if isinstance(d, dict) and "peak" in d else d for pool, d in v.items()}
+            if "peak" in v and not isinstance(v["peak"], dict):
+                v = up(k, None, v)
+        out[k] = v
+    return out
+
+
+def _fold(into: Dict[tuple, int], peaks: Dict[tuple, int]) -> None:
+    for k, v in peaks.items():
+        if v > into.get(k, 0):
+            into[k] = v
+
+
+class _Window:
+    """An open region on one device: its allocated bytes at the start and the peaks folded
+    in at each restart of the counter since."""
+
+    def __init__(self, idx: int, start: int):
+        self.idx, self.start, self.peaks = idx, start, {}
+
+    def peak(self, key: tuple = ALLOCATED) -> int:
+        return max(self.peaks.get(key, 0), _peaks(LEDGER.raw_stats(self.idx)).get(key, 0))
+
+
+class _PeakLedger:
+    """Wraps ``torch._C._cuda_memoryStats`` and ``_cuda_resetPeakMemoryStats`` (what every
+    ``torch.cuda`` memory reader and ``reset_peak_memory_stats`` call) the first time a CUDA
+    meter opens, so that the meter's restarts of the peak counter are invisible to the host."""
+
+    def __init__(self):
+        self.raw: Dict[str, Callable] = {}
+        self.windows: Dict[int, List[_Window]] = {}
+        self.erased: Dict[int, Dict[tuple, int]] = {}  # device -> peaks our restarts hid from the host
+        self._wrappers = (self.host_stats, self.host_reset)  # bound once: installed iff these are torch's
+
+    def install(self) -> None:
+        C = torch._C
+        if getattr(C, "_cuda_memoryStats", None) is self._wrappers[0]:
+            return
+        self.raw = {"stats": C._cuda_memoryStats, "reset": C._cuda_resetPeakMemoryStats}
+        self.windows, self.erased = {}, {}
+        C._cuda_memoryStats, C._cuda_resetPeakMemoryStats = self._wrappers
+
+    def raw_stats(self, idx: int) -> Dict:
+        return self.raw["stats"](idx)
+
+    def current(self, idx: int) -> int:
+        return int(self.raw_stats(idx)["allocated_bytes"]["all"]["current"])
+
+    def _keep(self, idx: int) -> Dict[tuple, int]:
+        """Fold the counter's peaks into every open window (before a restart); return them."""
+        peaks = _peaks(self.raw_stats(idx))
+        for w in self.windows.get(idx, []):
+            _fold(w.peaks, peaks)
+        return peaks
+
+    def open(self, idx: int) -> _Window:
+        """A new window on device ``idx``: the counter restarts, what it held is kept."""
+        self.install()
+        _fold(self.erased.setdefault(idx, {}), self._keep(idx))
+        self.raw["reset"](idx)
+        w = _Window(idx, self.current(idx))
+        self.windows.setdefault(idx, []).append(w)
+        return w
+
+    def close(self, w: _Window) -> None:
+        if w in self.windows.get(w.idx, []):
+            self.windows[w.idx].remove(w)
+
+    def host_stats(self, device=None):
+        stats = self.raw["stats"](device)
+        erased = self.erased.get(device)
+        return _with_peaks(stats, erased) if erased and isinstance(stats, dict) else stats
+
+    def host_reset(self, device=None):
+        self._keep(device)  # open windows keep what they saw
+        self.erased.pop(device, None)
+        return self.raw["reset"](device)
+
+
+LEDGER = _PeakLedger()
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+
+def default_allocator_settings(environ=None) -> Optional[str]:
+    """``expandable_segments:True`` unless the user set ``PYTORCH_CUDA_ALLOC_CONF`` (or torch's
+    newer ``PYTORCH_ALLOC_CONF``); returns what it set, or None. Why: B bounds allocated
+    bytes, while an OOM happens when reserved bytes reach the device; fixed-size cached
+    segments leave free holes that a later, larger block cannot use, and expandable segments
+    grow one mapping instead. Call it in a training process before CUDA starts (the variable
+    is read when the allocator initialises); if CUDA already runs, torch's runtime setter
+    applies it to segments made from then on. The variable also reaches child processes."""
+    env = os.environ if environ is None else environ
+    if any(k in env for k in ALLOC_CONF_VARS):
+        return None
+    env[ALLOC_CONF_VARS[0]] = DEFAULT_ALLOC_CONF
+    if torch.cuda.is_initialized():
+        torch._C._accelerator_setAllocatorSettings(DEFAULT_ALLOC_CONF)
+    return DEFAULT_ALLOC_CONF
 
 
 def _cpu_events(prof) -> Tuple[list, list]:

@@ -2,8 +2,9 @@
 
 - ``HFRolloutWorker``: HF ``generate`` (CPU, or GPU without vLLM); holds the same peft model
   as the learner and receives the adapter (or full weights) after every update.
-- ``VLLMRolloutWorker``: a vLLM engine (GPU); receives merged weights. vLLM is imported here,
-  when the worker starts, never at module level.
+- ``VLLMRolloutWorker``: a vLLM engine (GPU); receives merged weights through a vLLM worker
+  extension, in bounded chunks (``vllm_sync.py``). vLLM is imported here, when the worker
+  starts, never at module level.
 - ``ReferenceWorker``: the frozen base model; reference log-probs for the KL term.
 """
 from __future__ import annotations
@@ -65,8 +66,11 @@ class HFRolloutWorker:
 
 
 class VLLMRolloutWorker:
-    """A vLLM engine. Weight sync loads merged HF-named tensors into the engine's model.
-    Not exercised on CPU (vLLM's kernels are CUDA-only); see docs/testing.md, "What is tested where"."""
+    """A vLLM engine. Weight sync loads merged HF-named tensors into the engine's model by
+    name through ``vllm_sync.WeightSyncExtension`` (no pickled function, no message over
+    ``vllm_sync.CHUNK_BYTES`` per tensor group). The engine is not exercised on CPU (vLLM's
+    kernels are CUDA-only; see docs/testing.md, "What is tested where"); the sync is, against
+    a stand-in engine (tests/test_vllm_sync.py)."""
 
     def __init__(self, flat_cfg: Dict, index: int):
         try:
@@ -74,22 +78,25 @@ class VLLMRolloutWorker:
         except ImportError as e:
             raise RuntimeError(f"--vllm.num_engines > 0 needs vllm (pip install 'hilore-actor[gpu]'): {e}") from None
         from ..models.smollm2 import convert_smollm2
+        from .vllm_sync import EXTENSION
 
         self.cfg = hierarchize(flat_cfg)
         spec = self.cfg.actor.model_name_or_path
         path = str(convert_smollm2()) if spec == "smollm2" else spec
         self.llm = vllm.LLM(model=path, tensor_parallel_size=self.cfg.vllm.tensor_parallel_size, seed=self.cfg.train.seed,
                             gpu_memory_utilization=self.cfg.vllm.gpu_memory_utilization, dtype="bfloat16"
-                            if self.cfg.ds.param_dtype == "bf16" else "auto", enable_prefix_caching=True)
+                            if self.cfg.ds.param_dtype == "bf16" else "auto", enable_prefix_caching=True,
+                            worker_extension_cls=EXTENSION)
         self.tok = self.llm.get_tokenizer()
 
     def weight_kind(self) -> str:
         return "merged" if self.cfg.ds.lora.rank > 0 else "full"
 
     def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
-        items = list(weights.items())
-        self.llm.apply_model(lambda model: model.load_weights(items))
-        self.llm.reset_prefix_cache()
+        from .vllm_sync import sync_weights
+
+        sync_weights(self.llm, weights)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def generate(self, prompts: Sequence[str], seed: int, step: int = -1) -> Dict:
         import vllm
