@@ -163,12 +163,16 @@ def architectures(results: Path) -> str:
            "cpu-small --model-config <config.json> --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1`; "
            "gradient error relative to no-gc on one update of 2 microbatches of 1024 tokens (random weights: L's error "
            "shows that L acts, not its cost on a real model). The sweep over every architecture: "
-           "[`docs/architectures.md`](../docs/architectures.md).", "",
+           "[`docs/architectures.md`](../docs/architectures.md). *stale*: a JSON that does not record its config "
+           "(`workload.model.model_type`) was measured before the sweep built configs through the config class and "
+           "before the chunked head was checked to be the model's own logits (soft-capped, scaled and prediction-head "
+           "logits now use the model's); its figures may differ from a re-run's.", "",
            "| architecture | gc | all-H | all-R | all-L | commit |", "|---|---|---|---|---|---|"]
     for f in files:
         d = json.loads(f.read_text())
         err = {r["method"]: r.get("grad_rel_err_mean") for r in d["records"]}
         cell = lambda m: "-" if err.get(m) is None else ("0 (exact)" if err[m] == 0 else f"{err[m]:.4f}")  # noqa: E731
-        out.append(f"| `{f.stem}` | {cell('gc')} | {cell('all-h')} | {cell('all-r')} | {cell('all-l')} | "
+        stale = "" if d["workload"].get("model", {}).get("model_type") else " *stale*"
+        out.append(f"| `{f.stem}`{stale} | {cell('gc')} | {cell('all-h')} | {cell('all-r')} | {cell('all-l')} | "
                    f"{d['git_commit'][:7]} |")
     return "\n".join(out) + "\n"
