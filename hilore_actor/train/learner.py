@@ -53,6 +53,9 @@ class Learner:
         self.oom_reruns, self._oom_injected = 0, False  # microbatches rerun all-R after running out of memory
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        from ..runtime.memory import default_allocator_settings
+
+        default_allocator_settings()  # expandable segments unless the user chose; before CUDA starts
         self.device = worker_device()
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
@@ -115,6 +118,18 @@ class Learner:
             # L's risk is calibrated on the first step's real rollouts (Learner.calibration_share); under
             # ZeRO-3 passes outside DeepSpeed's gradient path are not possible, so synthetic ones before it
             calibrate_later=cfg.ds.zero_stage < 3, log=self._log)
+
+    def _rebase_after_warm_up(self) -> None:
+        """Once, after the first microbatch and optimizer step: ZeRO-2/3 allocate their reduce
+        buckets and gradient partitions in the first backward and AdamW its state in the first
+        step, after B's resident bytes were measured; measure again and raise B if they grew."""
+        if getattr(self, "_warmed_up", False):
+            return
+        self._warmed_up = True
+        if self.plan.rebase(self._resident()):
+            self.budget = self.plan.budget
+            if self.coordinator is not None:
+                call(self.coordinator.register, self.rank, self.budget)
 
     def _resident(self) -> int:
         """What the rank holds between microbatches, when B's scope counts it (device)."""
@@ -197,6 +212,7 @@ class Learner:
             for k, v in dict(out.stats, loss=out.loss.detach()).items():
                 stats.setdefault(k, []).append(float(v))
             report(self.plan, self.coordinator, self.rank, step, i + u * self.gas, rec)
+            self._rebase_after_warm_up()
         seconds = time.perf_counter() - t0
         grad_norm = self.ds.get_global_grad_norm()
         total = max(1, sum(counts.values()))
