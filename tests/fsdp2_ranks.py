@@ -10,16 +10,14 @@ shard against plain FSDP2's, and every tensor ``Step.compress`` received whose s
 of those buffers: such a tensor is a weight, which L must never copy (after forward, for an
 H -> L switch, its storage is already freed, so it is recorded, not compressed).
 """
-import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 # plan, then the actions set after forward (None: the plan's own); "online" is the chooser's
 # path: every unit stored exact in forward, then L, H or R per unit
@@ -117,21 +115,11 @@ def rank_main(rank: int, world: int, port: int, seed: int, out: str) -> None:
         seen[name] = {"equal": set(g) == set(ref) and all(torch.equal(g[n], ref[n]) for n in ref),
                       "rel": float(num / torch.cat([r.flatten() for r in ref.values()]).norm()),
                       "weights": log["weights"], "activations": log["activations"]}
-    parts = [None] * world
-    dist.all_gather_object(parts, seen)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ranks": parts}, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_ranks(seen, out, world)
 
 
 def main(argv) -> None:
-    seed, out = int(argv[0]), argv[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(2, port, seed, out), nprocs=2, join=True)
+    spawn_two(rank_main, int(argv[0]), argv[1])
 
 
 if __name__ == "__main__":

@@ -11,17 +11,15 @@ then in mode hilore (rank 0 plans, rank 1 replays: ``learner/lockstep.py``); one
 gradient; then hilore-hr again with rank 1 forced all-R while rank 0 keeps its H/R plan, so
 the ranks take different actions in the same step.
 """
-import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import verl_cpu  # noqa: E402
+from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
 JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
@@ -66,22 +64,11 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
                 mb._choose = lambda rec, loss, held, data: {n: "R" for n in rec.sp.plan}
             g2 = verify.batch_gradient(engine, td.clone(), loss_fn)
             seen["divergent"] = {"equal": bool(torch.equal(g2, ref)), "counts": mb.last["counts"]}
-    parts = [None] * world
-    dist.all_gather_object(parts, seen)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ranks": parts, "ref_norm": float(ref.norm())}, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_ranks(seen, out, world, ref_norm=float(ref.norm()))
 
 
 def main(argv) -> None:
-    path, seed, out = argv[0], int(argv[1]), argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.set_num_threads(1)
-    mp.spawn(rank_main, args=(2, port, path, seed, out), nprocs=2, join=True)
+    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
 
 
 if __name__ == "__main__":

@@ -22,17 +22,15 @@ hilore; one ``forward_backward_batch`` each (two micro-batches); the whole LoRA 
 plan, the actions taken on each micro-batch and the all-to-alls run.
 """
 import contextlib
-import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import verl_cpu  # noqa: E402
+from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 ATTN = "hilore_cpu_varlen"
 SP = 2
@@ -187,22 +185,11 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
     td = verify.grpo_batch(seed + 100, vocab=verl_cpu.TINY["vocab_size"])  # one DP rank: the same batch on both
     seen = run_kinds(path, seed, td, verify.ppo_loss_fn(), rank)
     seen["packed_tokens"] = int(td["input_ids"].values().numel())
-    parts = [None] * world
-    dist.all_gather_object(parts, seen)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ranks": parts}, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_ranks(seen, out, world)
 
 
 def main(argv) -> None:
-    path, seed, out = argv[0], int(argv[1]), argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.set_num_threads(1)
-    mp.spawn(rank_main, args=(2, port, path, seed, out), nprocs=2, join=True)
+    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
 
 
 if __name__ == "__main__":
