@@ -194,12 +194,11 @@ def test_plugin_without_gpu_fails_with_a_message(orl, capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("ds, message", [({"zero_stage": 3}, "ZeRO-3 partitions the model at load"),
-                                         ({"ring_attn_size": 2}, "ring attention puts collectives"),
+@pytest.mark.parametrize("ds, message", [({"ring_attn_size": 2}, "ring attention puts collectives"),
                                          ({"tensor_parallel_size": 2}, "AutoTP puts collectives")])
 def test_unsupported_parallelism_stops_with_one_message(ds, message):
-    """Ring attention (OpenRLHF's sequence parallelism), AutoTP and ZeRO-3 are refused before
-    Ray starts, each with the reason."""
+    """Ring attention (OpenRLHF's sequence parallelism) and AutoTP are refused before Ray
+    starts, each with the reason (ZeRO-3 runs: ``test_openrlhf_zero3.py``)."""
     from types import SimpleNamespace
 
     from hilore_actor.openrlhf.train_ppo_ray import use_hilore
@@ -554,36 +553,34 @@ def _strategy_stub(calls):
     return st
 
 
-def test_planning_sees_the_model_on_the_strategys_device(orl, monkeypatch):
-    """The drop-in plans inside ``strategy.prepare``, after moving the model where DeepSpeed
-    trains it: here the ``meta`` device stands for the GPU; planning that ran before the move
-    would see CPU weights. ZeRO-2's reduce bucket is the trainable parameter count; a later
-    ``prepare`` (EMA, reference) passes through unplanned."""
+def test_prepare_sizes_the_reduce_bucket_and_does_not_plan(orl, monkeypatch):
+    """``strategy.prepare`` under the drop-in only sizes ZeRO's reduce bucket to the actor's
+    trainable parameters (ZeRO-3's partitioned ones by ``ds_numel``); planning waits for the
+    first ``fit``. A later ``prepare`` (EMA, reference) passes through."""
     from types import SimpleNamespace as NS
 
     import hilore_actor.learner.plan as plan_mod
-    from hilore_actor.learner.settings import hilore_settings
-    from hilore_actor.openrlhf.policy_actor import planning_prepare
+    from hilore_actor.openrlhf.policy_actor import bucket_prepare
 
-    seen = []
-    monkeypatch.setattr(plan_mod, "plan_before_wrapping", lambda model, hcfg, **kw: seen.append(
-        (next(model.parameters()).device, kw["device"])) or "the plan")
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 1)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(plan_mod, "plan_in_lockstep", lambda *a, **k: pytest.fail("planned inside prepare"))
     model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    calls, holder = [], {}
+    calls = []
     st = _strategy_stub(calls)
-    prepare = planning_prepare(st, hilore_settings(), torch.device("meta"), holder)
+    prepare = bucket_prepare(st)
     prepare((NS(model=model), {}))
-    assert seen == [(torch.device("meta"), torch.device("meta"))] and holder["plan"] == "the plan"
     assert calls == [max(trainable, 2**20)]
     prepare(NS(model=model))
-    assert len(seen) == 1 and calls[-1] == "auto"
+    assert calls[-1] == "auto"
+    big = torch.nn.Linear(4, 4)
+    big.weight.ds_numel = 3 * 2**20  # a ZeRO-3 partition: numel() 16, the whole weight 3M elements
+    calls.clear()
+    bucket_prepare(_strategy_stub(calls))((NS(model=big), {}))
+    assert calls == [3 * 2**20 + 4]
 
 
 def test_first_update_has_no_leftover_planning_gradient(orl):
-    """Real planning through ``planning_prepare`` (CPU), then OpenRLHF's ``training_step`` under
+    """Real planning through ``plan_wrapped`` (CPU), then OpenRLHF's ``training_step`` under
     the drop-in without clearing gradients: bitwise OpenRLHF's own gradient-checkpointing
     gradient (a planning gradient left on the LoRA weights would be added to it)."""
     from types import SimpleNamespace as NS
@@ -591,7 +588,7 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     from openrlhf.models import Actor
 
     from hilore_actor.learner.settings import hilore_settings
-    from hilore_actor.openrlhf.policy_actor import planning_prepare
+    from hilore_actor.openrlhf.policy_actor import plan_wrapped
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.openrlhf.verify import loss_batch_info
@@ -613,63 +610,77 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     g_gc = _grads(actor)
 
     model, actor = fresh()
-    holder = {}
     import torch.distributed as dist
 
     orig = dist.get_world_size, dist.get_rank
     dist.get_world_size, dist.get_rank = (lambda *a: 1), (lambda *a: 0)
-    try:
-        planning_prepare(_strategy_stub([]), hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1,
-                                                             chunked_head=False),
-                         torch.device("cpu"), holder)((NS(model=model), {}))
+    try:  # the drop-in's planning on the wrapped model (here a stand-in engine: the module, no optimizer)
+        plan = plan_wrapped(NS(model=NS(module=model, optimizer=None)), _strategy_stub([]),
+                            hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1, chunked_head=False),
+                            torch.device("cpu"))
     finally:
         dist.get_world_size, dist.get_rank = orig
     trainer = _trainer(orl, actor)
-    HiLoReTrainingStep(holder["plan"], RecoveryEngine(actor.model)).install(trainer)
+    HiLoReTrainingStep(plan, RecoveryEngine(actor.model)).install(trainer)
     trainer.training_step(exp, 0.01, 0, loss_batch_info(exp))  # gradients not cleared
     assert torch.equal(_grads(actor), g_gc)
 
 
-def test_the_actor_reads_its_gpu_after_openrlhf_sets_it(orl, monkeypatch):
-    """``init_model_from_pretrained`` must not read the current CUDA device before OpenRLHF's
-    ``setup_distributed`` (inside the base class's ``init_model_from_pretrained``) has called
-    ``torch.cuda.set_device(LOCAL_RANK)``: before it, every actor reads device 0. Planning
-    and the attached engine both get the device OpenRLHF set (here 3)."""
+def test_the_actor_plans_at_its_first_fit_on_the_gpu_openrlhf_set(orl, monkeypatch):
+    """``init_model_from_pretrained`` plans nothing: under ZeRO-3 the model is partitioned at
+    load and with ``--ds.enable_sleep`` its states leave the GPU before it returns. The first
+    ``fit`` (OpenRLHF's ``ppo_train`` reloaded the states, vLLM sleeps) plans, on the device
+    OpenRLHF's ``setup_distributed`` set (here 3; read before it, every actor reads device 0),
+    before OpenRLHF's own ``fit`` runs, and only once; the random state training draws from
+    is the one it had before planning."""
     from types import SimpleNamespace as NS
 
-    import hilore_actor.learner.plan as plan_mod
     from hilore_actor.openrlhf import policy_actor as pa
 
-    chosen = {}
+    chosen, events = {}, []
 
     def current_device():
         if "device" not in chosen:
             raise AssertionError("the CUDA device was read before OpenRLHF's setup_distributed set it")
         return chosen["device"]
 
-    class OnDevice(torch.nn.Linear):  # stands in for the HF model: records where it was moved
-        def to(self, *a, **k):
-            self.moved_to = a[0]
-            return self
-
     def base_init(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         chosen["device"] = 3  # OpenRLHF: strategy.setup_distributed() -> torch.cuda.set_device(LOCAL_RANK)
-        strategy.prepare((NS(model=model), None))
+        self.strategy, self.actor = strategy, NS(train=lambda: None)
+        strategy.prepare((NS(model=torch.nn.Linear(4, 4)), None))
+        events.append("init (offload under --ds.enable_sleep)")
 
-    model, planned, attached = OnDevice(4, 4), [], []
+    def planned(actor, strategy, hcfg, device):
+        torch.rand(3)  # planning draws random numbers
+        events.append(("plan", device))
+        return "the plan"
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", current_device)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 1)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
-    monkeypatch.setattr(plan_mod, "plan_before_wrapping", lambda m, hcfg, **kw: planned.append(kw["device"]) or "the plan")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.random, "fork_rng", _cpu_fork_rng(torch.random.fork_rng))
+    monkeypatch.setattr(pa, "plan_wrapped", planned)
     monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained", base_init)
-    monkeypatch.setattr(pa._HiLoRePolicyModelActor, "_attach", lambda self, st, hcfg, plan, device: attached.append((plan, device)))
+    monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "fit",
+                        lambda self, kl_ctl=0: events.append(("fit", torch.rand(1).item())) or {"ok": 1})
+    monkeypatch.setattr(pa._HiLoRePolicyModelActor, "_attach",
+                        lambda self, st, hcfg, plan, device: setattr(self, "hilore", plan) or events.append("attach"))
     st = _strategy_stub([])
     st.args.actor.gradient_checkpointing_enable = False
     actor = object.__new__(pa._HiLoRePolicyModelActor)
     actor.init_model_from_pretrained(st, "/models/any")
+    assert events == ["init (offload under --ds.enable_sleep)"] and actor.hilore is None
+    torch.manual_seed(5)
+    want = torch.rand(1).item()
+    torch.manual_seed(5)
+    assert actor.fit(0.01) == {"ok": 1} and actor.fit(0.01) == {"ok": 1}
     cuda3 = torch.device("cuda", 3)
-    assert planned == [cuda3] and model.moved_to == cuda3 and attached == [("the plan", cuda3)]
+    assert events[1:4] == [("plan", cuda3), "attach", ("fit", want)] and len(events) == 5
+
+
+def _cpu_fork_rng(real):
+    """``fork_rng`` on a CPU-only build, where the test's ``cuda:3`` has no random state."""
+    return lambda devices=None, **k: real(devices=[], **k)
 
 
 def test_memory_watch_rebases_after_the_first_step_and_logs_reserved(orl, monkeypatch):
@@ -710,3 +721,57 @@ def test_memory_watch_rebases_after_the_first_step_and_logs_reserved(orl, monkey
     assert rebased == [108 * MB] and registered == [200 * MB]
     assert out["metrics"]["hilore_max_allocated_gb"] == 138 * MB / 2**30
     assert out["metrics"]["hilore_max_reserved_gb"] == 138 * MB / 2**30 and "hilore_max_reserved_gb" in out["weights"]
+
+
+# OpenRLHF's documented RL command (its README, "PPO/REINFORCE++ with Ray and vLLM", as of the
+# v0.11.0 snapshot, the newest available), with GRPO's estimator and 8 samples per prompt (its
+# GRPO variant). Two of the README's flags are gone from 0.11.2's parser, which would exit 2 on
+# them: --prompt_max_len/--generate_max_len are --data.max_len/--rollout.max_new_tokens there.
+DOCUMENTED_RL = (
+    "--ref.num_nodes 1 --ref.num_gpus_per_node 8 --reward.num_nodes 1 --reward.num_gpus_per_node 8 "
+    "--critic.num_nodes 1 --critic.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8 "
+    "--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.5 "
+    "--actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture --reward.model_name_or_path OpenRLHF/Llama-3-8b-rm-700k "
+    "--ckpt.output_dir /openrlhf/final/llama3-8b-rlhf --ckpt.path /openrlhf/ckpt/llama3-8b-rlhf --ckpt.save_hf "
+    "--train.batch_size 128 --rollout.batch_size 1024 --train.dynamic_batch_enable --rollout.n_samples_per_prompt 8 "
+    "--train.max_epochs 1 --data.max_len 2048 --data.max_samples 100000 --rollout.max_new_tokens 1024 "
+    "--ds.zero_stage 3 --ds.param_dtype bf16 --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 "
+    "--data.prompt_dataset OpenRLHF/prompt-collection-v0.1 --data.input_key context_messages --data.apply_chat_template "
+    "--reward.normalize_enable --actor.gradient_checkpointing_enable --ds.packing_samples --vllm.sync_backend nccl "
+    "--vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep --algo.advantage.estimator group_norm"
+).split()
+# A LoRA GRPO command on ZeRO-2 (OpenRLHF documents LoRA flags but no LoRA RL command):
+# colocated actor and reference, the KL as a loss, as GRPO recipes write it.
+LORA_ZERO2_GRPO = (
+    "--ref.num_nodes 1 --ref.num_gpus_per_node 4 --actor.num_nodes 1 --actor.num_gpus_per_node 4 "
+    "--vllm.num_engines 2 --vllm.tensor_parallel_size 1 --train.colocate_actor_ref "
+    "--actor.model_name_or_path Qwen/Qwen2.5-3B-Instruct --data.prompt_dataset /data/math.jsonl --data.input_key prompt "
+    "--data.apply_chat_template --ds.zero_stage 2 --ds.param_dtype bf16 --ds.lora.rank 16 --ds.lora.alpha 32 "
+    "--ds.lora.target_modules all-linear --rollout.n_samples_per_prompt 8 --algo.advantage.estimator group_norm "
+    "--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 0.001 --train.batch_size 128 --rollout.batch_size 128 "
+    "--train.micro_batch_size 4 --rollout.micro_batch_size 8 --data.max_len 4096 --rollout.max_new_tokens 3072 "
+    "--actor.adam.lr 1e-6 --ds.packing_samples --actor.gradient_checkpointing_enable --vllm.enable_sleep --ds.enable_sleep"
+).split()
+
+
+@pytest.mark.parametrize("recipe", [DOCUMENTED_RL, LORA_ZERO2_GRPO], ids=["documented-rl-zero3", "lora-zero2-grpo"])
+def test_documented_recipes_reach_the_gpu_check(orl, recipe, capsys):
+    """OpenRLHF's documented RL command (ZeRO-3, colocated models with sleep, packing) and a
+    LoRA ZeRO-2 GRPO command, with ``--actor_backend hilore``: OpenRLHF's parser and
+    validation accept them and the launcher refuses none of their settings; on this CPU
+    machine it stops where the Ray cluster is checked for GPUs, exit 2, one message."""
+    assert main(recipe + ["--actor_backend", "hilore"]) == 2
+    err = capsys.readouterr().err
+    assert "needs CUDA GPUs" in err and "cannot run with" not in err and "Traceback" not in err, err
+
+
+def test_planning_sizes_the_microbatch_as_the_recipe_trains():
+    """Fixed microbatches: sequences x max length; dynamic batching: OpenRLHF's token cap."""
+    from types import SimpleNamespace as NS
+
+    from hilore_actor.openrlhf.policy_actor import microbatch_shape
+
+    fixed = NS(train=NS(micro_batch_size=4, dynamic_batch_enable=False, max_tokens_per_gpu=16192), data=NS(max_len=2048))
+    assert microbatch_shape(fixed) == (8192, 4)
+    dynamic = NS(train=NS(micro_batch_size=1, dynamic_batch_enable=True, max_tokens_per_gpu=16192), data=NS(max_len=2048))
+    assert microbatch_shape(dynamic) == (16192, 7)

@@ -92,6 +92,7 @@ def test_two_l_levels_replay_within_budget_and_tolerance(setup):
     assert err <= 0.015
 
 
+@pytest.mark.slow  # 35 s on 2 cores; token L itself (L@f) is checked in the default suite by test_engine
 def test_token_l_replay_within_budget_and_tolerance(setup):
     """P and token L offered (MLP units may keep 10% or 25% of their rows exact): the plan is
     profiled, fitted and validated as before; the replay stays within B and the tolerance."""

@@ -49,8 +49,11 @@ class RunResult:
 class Runner:
     def __init__(self, model, engine: Optional[RecoveryEngine] = None, loss_fn=microbatch_loss, backward=None):
         """``backward(loss)`` replaces ``loss.backward()``, e.g. ``torch.autograd.grad`` for
-        timing passes that must not reach an optimizer's gradient hooks (DeepSpeed ZeRO)."""
+        timing passes that must not reach an optimizer's gradient hooks (DeepSpeed ZeRO). It
+        may return the trainable parameters' gradients (in order, None where unused) instead
+        of leaving them in ``.grad``: a ZeRO-3 parameter, partitioned, cannot hold a full one."""
         self.model = model
+        self._returned: Optional[List[Optional[torch.Tensor]]] = None  # gradients ``backward`` returned
         self.backward = backward or (lambda loss: loss.backward())
         self.engine = engine if engine is not None else RecoveryEngine(model)
         self.loss_fn = loss_fn
@@ -109,6 +112,7 @@ class Runner:
         loss_fn = loss_fn or self.loss_fn
         measure_peak = measure_peak or (self.watch is not None and not (profile or timed))
         if not accumulate:
+            self._returned = None
             for p in self.params:
                 p.grad = None
         torch.manual_seed(seed)
@@ -119,12 +123,12 @@ class Runner:
         with meter if meter is not None else contextlib.nullcontext():
             if method == "as-is":
                 out = loss_fn(self.model, mb)
-                self.backward(out.loss)
+                self._backward(out.loss, grads or accumulate)
             elif isinstance(method, str) and method in BASELINES:
                 apply_baseline(self.model, method)
                 try:
                     out = loss_fn(self.model, mb)
-                    self.backward(out.loss)
+                    self._backward(out.loss, grads or accumulate)
                 finally:
                     if method == "gc":
                         apply_baseline(self.model, "no-gc")
@@ -145,7 +149,7 @@ class Runner:
                     info["bytes_alone"] = step.bytes_by_unit(shared=False)
                     info["saved_counts"] = step.saved_counts()
                     info["token_norms"] = step.token_norms()
-                    self.backward(out.loss)
+                    self._backward(out.loss, grads or accumulate)
                     info["actions"], info["labels"] = step.actions(), step.actions(labels=True)
                     info["unit_seconds"] = step.unit_seconds()
                     info["reconstruction"] = step.reconstruction_errors()
@@ -158,10 +162,18 @@ class Runner:
                 self.watch.append(res.peak_bytes)
                 self.watch_phases.append(self._phase)
         if grads:
-            res.grad = torch.cat([_whole(p.grad).detach().float().flatten() if p.grad is not None
-                                  else torch.zeros(p.numel(), device=self.device) for p in self.params])  # unused: 0
+            held = self._returned if self._returned is not None else [p.grad for p in self.params]
+            res.grad = torch.cat([_whole(g).detach().float().flatten() if g is not None  # unused: 0
+                                  else torch.zeros(_numel(p), device=self.device) for p, g in zip(self.params, held)])
         return res
 
+    def _backward(self, loss, keep: bool) -> None:
+        """``self.backward``; with ``keep``, gradients it returns are kept (summed over
+        ``accumulate`` runs) for ``RunResult.grad``; else they go at once, as ``.grad`` would."""
+        got = self.backward(loss)
+        if keep and isinstance(got, (list, tuple)):
+            old = self._returned or [None] * len(got)
+            self._returned = [g if o is None else o if g is None else o + g for o, g in zip(old, got)]
 
 
 def token_scores(mb) -> Optional[torch.Tensor]:
@@ -170,6 +182,11 @@ def token_scores(mb) -> Optional[torch.Tensor]:
     for a microbatch that is not a ``Microbatch`` (an integration's own): the norms alone."""
     adv, mask = getattr(mb, "advantages", None), getattr(mb, "action_mask", None)
     return adv.abs() * mask if isinstance(adv, torch.Tensor) and isinstance(mask, torch.Tensor) else None
+
+
+def _numel(p: torch.Tensor) -> int:
+    """A parameter's element count, also when ZeRO-3 has partitioned it (``ds_numel``)."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

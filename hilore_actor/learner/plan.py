@@ -253,7 +253,7 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
 def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_microbatch: int, group_size: int,
                          loss_options: Dict, loss_fn, std_loss_fn, device, seed: int, resident: Optional[int] = None,
                          write_calibration: bool = True, calibrate_later: bool = False, runner_cls=None,
-                         log=print) -> RankPlan:
+                         backward=None, log=print) -> RankPlan:
     """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
     ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``
     for its DeepSpeed setup), which the device scope counts; None: one rank with a plain AdamW. ``calibrate_later``: a mode with L and no saved calibration
@@ -261,7 +261,8 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     rollouts (``RankPlan.adopt_calibration``); else calibration runs here on synthetic
     microbatches. ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope,
     over B. ``runner_cls``: ``lockstep.Leader`` when other ranks replay the passes
-    (``plan_in_lockstep``); calibration then runs on this rank alone."""
+    (``plan_in_lockstep``); calibration then runs on this rank alone. ``backward``: the runner's
+    (``Runner``), e.g. outside ZeRO-3's gradient path on a wrapped model (``openrlhf/policy_actor.py``)."""
     from ..allocation import Runner
 
     runner_cls = runner_cls or Runner
@@ -271,7 +272,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     n_cal = _planning_count(hcfg, backend, calibrate_later) - 1
     dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
                                 group_size=group_size, seed=seed, loss_options=loss_options, device=device)
-    runner = runner_cls(model, _engine(model, hcfg), loss_fn=loss_fn)
+    runner = runner_cls(model, _engine(model, hcfg), loss_fn=loss_fn, backward=backward)
     if resident is None:
         from .scope import estimate_resident
 
@@ -314,7 +315,7 @@ def _planning_count(hcfg, backend: str, calibrate_later: bool) -> int:
 
 
 def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> RankPlan:
-    """``plan_before_wrapping`` for a model whose passes are collectives (FSDP): rank 0 plans,
+    """``plan_before_wrapping`` for a model whose passes are collectives (FSDP, ZeRO-3): rank 0 plans,
     the others replay its passes and adopt its plan (``lockstep.py``). One rank: plain. Every
     rank makes the synthetic microbatches (their old log-probs are forward passes too)."""
     from ..allocation import Runner
@@ -331,7 +332,7 @@ def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> 
         return plan
     planning_microbatches(model, count[0], **{k: kw[k] for k in ("tokens", "seqs_per_microbatch", "group_size", "seed",
                                                                    "loss_options", "device")})
-    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
+    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn, backward=kw.get("backward"))
     state = follow(runner)
     runner.engine.detach()
     for p in model.parameters():

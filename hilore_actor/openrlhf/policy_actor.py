@@ -1,39 +1,50 @@
 """HiLoRe's policy actor for OpenRLHF 0.11.2: a subclass of its ``PolicyModelActor``.
 
 ``PolicyModelActor`` is a Ray actor class; the subclass derives from the plain class under it
-(``__ray_actor_class__``) and is made a Ray actor again with the same options. In
-``init_model_from_pretrained`` it
+(``__ray_actor_class__``) and is made a Ray actor again with the same options.
 
-1. turns OpenRLHF's gradient checkpointing off (the recovery engine decides per unit);
-2. plans on the bare model just before OpenRLHF's ``strategy.prepare`` wraps it in
-   DeepSpeed (``learner/plan.py``; ZeRO-2 only for now: under ZeRO-3 the model is
-   partitioned at load), after moving it to the GPU (DeepSpeed's ``module.to`` would do it
-   inside ``initialize``; OpenRLHF loads it on the CPU), and sizes ZeRO-2's reduce bucket to
-   the trainable parameters (OpenRLHF's ``auto`` leaves DeepSpeed's 5e8 elements). The GPU
-   is read there, not before: OpenRLHF's ``setup_distributed`` (inside its
-   ``init_model_from_pretrained``) calls ``torch.cuda.set_device(LOCAL_RANK)`` first, and
-   ``LOCAL_RANK`` is Ray's GPU id when ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is set;
-3. lets OpenRLHF build everything else unchanged, then attaches the recovery engine to the
-   DeepSpeed module and wraps the trainer's ``training_step`` (``training_step.py``), with
-   peaks going to the shared budget coordinator (a named Ray actor);
-4. with ``--hilore.chunked_head`` (default), gives the ``Actor`` a forward that never builds
-   the full logits (``chunked_head.py``);
-5. watches memory around each training step (``watch_memory``): after the first one, the
-   resident bytes are measured again (ZeRO-2's gradient buckets and partitions and the
-   optimizer state exist from the first backward and step on) and the plan rebased; each
-   step's maximum allocated and reserved bytes go into OpenRLHF's metrics. The actor's process
-   gets ``expandable_segments:True`` unless the user set allocator settings
-   (``runtime.memory.default_allocator_settings``).
+In ``init_model_from_pretrained`` it turns OpenRLHF's gradient checkpointing off (the recovery
+engine decides per unit) and sizes ZeRO's reduce bucket to the trainable parameters inside
+``strategy.prepare`` (OpenRLHF's ``auto`` leaves DeepSpeed's 5e8 elements, 1 GB in bf16 in
+every backward). Everything else OpenRLHF builds unchanged: under ZeRO-3 the model is
+partitioned at load (``HfDeepSpeedConfig``), and with ``--ds.enable_sleep`` its DeepSpeed
+states go to the CPU before this method returns.
+
+So HiLoRe plans at the first ``fit`` (``plan_wrapped``), on the DeepSpeed-wrapped model, where
+training will run: OpenRLHF's ``ppo_train`` has reloaded the states it offloaded, a colocated
+vLLM sleeps (``samples_generator``: wake, generate, sleep), the critic is offloaded, and every
+rank enters ``fit`` together. Planning then runs
+
+- on ``engine.module`` (ZeRO-3's gather hooks live on the module; calling the engine would
+  start DeepSpeed's backward bookkeeping, so the first real microbatch would accumulate into
+  a stale gradient partition), with every rank in lockstep (``learner/lockstep.py``: rank 0
+  decides, the others replay each pass, so ZeRO-3's all-gathers match), one budget and plan;
+- with ``torch.autograd.grad`` as its backward: DeepSpeed's gradient reduction hooks are
+  post-accumulate hooks, which it never fires, so no planning gradient reaches an update;
+  the gradients it returns are the trainable parameters' whole ones (a planning pass holds
+  them at the end of its backward, where ZeRO would have reduce-scattered them: with LoRA a
+  few MB; with full fine-tuning, B and the plan are conservative by that much);
+- with B counting what the rank holds now (``resident_now``: on CUDA the allocator's count),
+  and ``--hilore.budget auto`` reading the device's free memory while vLLM sleeps.
+
+Then the recovery engine is attached to the DeepSpeed module and the trainer's
+``training_step`` wrapped (``training_step.py``), peaks going to the shared budget
+coordinator (a named Ray actor). With ``--hilore.chunked_head`` (default; not under ZeRO-3,
+whose head weight is partitioned outside the head's own forward) the ``Actor`` gets a forward
+that never builds the full logits (``chunked_head.py``). ``watch_memory`` rebases B once after
+the first step (ZeRO's buckets and partitions exist from the first backward on) and puts each
+step's maximum allocated and reserved bytes into OpenRLHF's metrics. The actor's process gets
+``expandable_segments:True`` unless the user set allocator settings.
 
 Runs only where OpenRLHF's trainer runs: on CUDA (``DeepspeedStrategy`` calls ``torch.cuda``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from functools import partial
 from types import SimpleNamespace
-from typing import Optional
 
 import ray
 import torch
@@ -57,40 +68,28 @@ def current_cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def planning_prepare(strategy, hcfg, device: Optional[torch.device], holder: dict):
-    """``strategy.prepare`` that first plans the actor (its first model) on ``device``, the one
-    DeepSpeed trains on (its ``module.to`` in ``initialize``; OpenRLHF loads on the CPU), and
-    sizes ZeRO-2's reduce bucket to the trainable parameters (OpenRLHF's ``auto`` leaves
-    DeepSpeed's 5e8 elements, 1 GB in bf16 in every backward). Later calls (the EMA or
-    reference models) pass through. ``device`` None: the current CUDA device, read when
-    ``prepare`` runs (after OpenRLHF set it). The plan lands in ``holder["plan"]``, the device
-    in ``holder["device"]``."""
-    from ..grpo.microbatch import microbatch_loss
-    from ..learner.plan import plan_before_wrapping
-    from ..learner.scope import estimate_resident
+def has_cuda() -> bool:
+    """Whether this worker has a CUDA device (the tests' CPU ranks stand in for one)."""
+    return torch.cuda.is_available()
 
-    args, real_prepare, given = strategy.args, strategy.prepare, device
+
+def trainable_count(model) -> int:
+    """Trainable elements, also of ZeRO-3-partitioned parameters (``ds_numel``)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+
+
+def bucket_prepare(strategy):
+    """``strategy.prepare`` that sizes ZeRO's reduce bucket to the actor's trainable parameters
+    (its first call; OpenRLHF's ``auto`` leaves DeepSpeed's 5e8 elements, 1 GB in bf16 in every
+    backward). Later calls (EMA, reference) pass through."""
+    real_prepare, done = strategy.prepare, []
 
     def prepare(*models, **kwargs):
-        first = models[0][0] if isinstance(models[0], tuple) else models[0]
-        if "plan" in holder:
+        if done:
             return real_prepare(*models, **kwargs)
-        device = holder["device"] = given if given is not None else current_cuda_device()
-        first.model.to(device)
-        holder["plan"] = plan_before_wrapping(
-            first.model, hcfg, backend="hilore", tokens=args.train.micro_batch_size * args.data.max_len,
-            seqs_per_microbatch=args.train.micro_batch_size, group_size=args.rollout.n_samples_per_prompt,
-            loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
-                              kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
-                              kl_estimator=args.algo.kl.estimator),
-            # B from gc as OpenRLHF runs it (full logits); the plan for the head the actor will run
-            loss_fn=partial(microbatch_loss, chunked_head=hcfg.chunked_head), std_loss_fn=microbatch_loss,
-            device=device, seed=args.train.seed,
-            resident=estimate_resident(first.model, world=torch.distributed.get_world_size(),
-                                       zero_stage=args.ds.zero_stage, mixed_precision=True),  # bf16/fp16 weights
-            write_calibration=torch.distributed.get_rank() == 0, log=strategy.print)
-        trainable = sum(p.numel() for p in first.model.parameters() if p.requires_grad)
-        real_config = strategy.get_ds_train_config
+        done.append(True)
+        first = models[0][0] if isinstance(models[0], tuple) else models[0]
+        trainable, real_config = trainable_count(first.model), strategy.get_ds_train_config
 
         def train_config(*a, **k):
             cfg = real_config(*a, **k)
@@ -101,6 +100,48 @@ def planning_prepare(strategy, hcfg, device: Optional[torch.device], holder: dic
             return real_prepare(*models, **kwargs)
 
     return prepare
+
+
+def microbatch_shape(args):
+    """(tokens, sequences) of the largest microbatch the recipe trains on: with
+    ``--train.dynamic_batch_enable`` OpenRLHF fills microbatches up to
+    ``--train.max_tokens_per_gpu`` tokens, else ``--train.micro_batch_size`` sequences of up to
+    ``--data.max_len``."""
+    if getattr(args.train, "dynamic_batch_enable", False):
+        tokens = int(args.train.max_tokens_per_gpu)
+        return tokens, max(1, tokens // int(args.data.max_len))
+    return args.train.micro_batch_size * args.data.max_len, args.train.micro_batch_size
+
+
+def plan_wrapped(actor, strategy, hcfg, device):
+    """Plan on the DeepSpeed-wrapped ``actor`` (OpenRLHF's ``Actor``, its ``model`` the engine),
+    every rank in lockstep (see the module docstring). Returns the ``RankPlan``."""
+    from ..grpo.microbatch import microbatch_loss
+    from ..learner.plan import plan_in_lockstep
+    from ..learner.scope import resident_now
+
+    args, engine = strategy.args, actor.model
+    module = engine.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    zero3 = args.ds.zero_stage == 3
+    tokens, seqs = microbatch_shape(args)
+    plan = plan_in_lockstep(
+        module, hcfg, backend="hilore", tokens=tokens, seqs_per_microbatch=seqs, group_size=args.rollout.n_samples_per_prompt,
+        loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
+                          kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
+                          kl_estimator=args.algo.kl.estimator),
+        # B from gc as OpenRLHF runs it (full logits); the plan for the head the actor will run
+        loss_fn=partial(microbatch_loss, chunked_head=hcfg.chunked_head and not zero3), std_loss_fn=microbatch_loss,
+        device=device, seed=args.train.seed, resident=resident_now(device, module, engine.optimizer),
+        write_calibration=torch.distributed.get_rank() == 0, log=strategy.print,
+        backward=lambda loss: torch.autograd.grad(loss, params, allow_unused=True))
+    if zero3:  # weights gathered for modules without a gradient input stay gathered until an epilogue
+        engine.optimizer.parameter_offload.release_backward_leftovers()
+        engine.empty_partition_cache()
+        # an MoE leaf module's full backward hook reduces even under autograd.grad: the first
+        # real microbatch then writes its gradient partitions afresh (micro_step_id 0)
+        engine.optimizer.zero_grad(set_to_none=True)
+    return plan
 
 
 def watch_memory(trainer, plan, device, model, register=None) -> None:
@@ -118,14 +159,17 @@ def watch_memory(trainer, plan, device, model, register=None) -> None:
     inner, state = trainer.training_step, {"warm": False}
 
     def training_step(*args, **kwargs):
-        with MemoryMeter(device) as meter:
+        # on the CPU (tests) the meter is the torch profiler, which the microbatch's own meter
+        # (learner/step.py) already runs: no outer one there
+        meter = MemoryMeter(device) if torch.device(device).type == "cuda" else None
+        with meter if meter is not None else contextlib.nullcontext():
             result = inner(*args, **kwargs)
         if not state["warm"]:
             state["warm"] = True
             if plan.rebase(resident_now(device, model)) and register is not None:
                 register(plan.budget)
-        r = meter.report
-        if isinstance(result, dict) and isinstance(result.get("metrics"), dict):
+        r = meter.report if meter is not None else None
+        if r is not None and isinstance(result, dict) and isinstance(result.get("metrics"), dict):
             for k, v in (("hilore_max_allocated_gb", r.max_allocated_bytes), ("hilore_max_reserved_gb", r.max_reserved_bytes)):
                 result["metrics"][k] = v / 2**30
                 if isinstance(result.get("weights"), dict):
@@ -143,42 +187,61 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         super().__init__(*args, **kwargs)
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
-        args, hcfg = strategy.args, hilore_settings()
-        if not torch.cuda.is_available():  # checked here, on the worker: the driver may be a CPU-only head node
+        args = strategy.args
+        if not has_cuda():  # checked here, on the worker: the driver may be a CPU-only head node
             raise RuntimeError("--actor_backend hilore: this OpenRLHF actor has no CUDA device")
-        if args.ds.zero_stage == 3:
-            raise ValueError("--actor_backend hilore with OpenRLHF supports --ds.zero_stage 0-2 for now "
-                             "(ZeRO-3 partitions the model at load, before HiLoRe can plan on it)")
         if args.actor.gradient_checkpointing_enable:
             strategy.print("[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute")
             args.actor.gradient_checkpointing_enable = False
-        holder = {}  # the device is read inside prepare: OpenRLHF's setup_distributed sets it first
-        with shadowed(strategy, prepare=planning_prepare(strategy, hcfg, None, holder)):
+        with shadowed(strategy, prepare=bucket_prepare(strategy)):
             super().init_model_from_pretrained(strategy, pretrain, max_steps, vllm_engines)
-        self._attach(strategy, hcfg, holder["plan"], holder["device"])
+        self.hilore = None  # planned at the first fit (module docstring)
+
+    def fit(self, kl_ctl: float = 0):
+        self.plan_and_attach()
+        return super().fit(kl_ctl)
+
+    def plan_and_attach(self) -> None:
+        """Plan on the wrapped model and attach HiLoRe, once; every rank calls it together
+        (the first ``fit`` does, see the module docstring)."""
+        if self.hilore is not None:
+            return
+        torch.cuda.empty_cache()  # what the experience pass left, as OpenRLHF's fit does first
+        self.actor.train()
+        hcfg, device = hilore_settings(), current_cuda_device()  # after OpenRLHF's set_device
+        # planning seeds its passes; the training that follows keeps its own random state
+        # (ppo_train's shuffle draws from it)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            plan = plan_wrapped(self.actor, self.strategy, hcfg, device)
+        self._attach(self.strategy, hcfg, plan, device)
 
     def _attach(self, strategy, hcfg, plan, device) -> None:
         """The recovery engine, the coordinator and the step wrappers, once OpenRLHF built the trainer."""
+        from ..learner.coordinator import call
         from ..recovery import RecoveryEngine
         from ..recovery.state import codec_levels
-        from ..learner.coordinator import BudgetCoordinator
-        from ..learner.scope import resident_now
         from .training_step import HiLoReTrainingStep
 
-        plan.rebase(resident_now(device, self.actor.model))
         engine = RecoveryEngine(self.actor.model, codec=codec_levels(hcfg.codec)[0])
-        coordinator = ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
+        coordinator = self._coordinator()
         rank = torch.distributed.get_rank()
-        ray.get(coordinator.register.remote(rank, plan.budget))
+        call(coordinator.register, rank, plan.budget)
         self.hilore = HiLoReTrainingStep(plan, engine, coordinator, rank, device=device)
         self.hilore.install(self.trainer)
         watch_memory(self.trainer, plan, device, self.actor.model,
-                     register=lambda b: ray.get(coordinator.register.remote(rank, b)))
-        if hcfg.chunked_head:
+                     register=lambda b: call(coordinator.register, rank, b))
+        if hcfg.chunked_head and strategy.args.ds.zero_stage < 3:
             from .chunked_head import install
 
             install(self.actor)
         strategy.print(f"[hilore] rank {rank}: B = {plan.budget / 2**30:.2f} GiB, plan {plan.info.get('plan')}")
+
+    @staticmethod
+    def _coordinator():
+        """The budget coordinator every rank shares (a named Ray actor)."""
+        from ..learner.coordinator import BudgetCoordinator
+
+        return ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
 
 
 HiLoRePolicyModelActor = ray.remote(num_gpus=1)(_HiLoRePolicyModelActor)

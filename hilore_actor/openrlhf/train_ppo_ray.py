@@ -111,8 +111,6 @@ def unsupported(args) -> List[str]:
     """OpenRLHF settings the drop-in cannot run yet, each with the reason."""
     ds = getattr(args, "ds", None)
     out = []
-    if getattr(ds, "zero_stage", 2) == 3:
-        out.append("--ds.zero_stage 3: ZeRO-3 partitions the model at load, before HiLoRe can plan on it; use 0-2")
     if (getattr(ds, "ring_attn_size", 1) or 1) > 1:
         out.append("--ds.ring_attn_size > 1: ring attention puts collectives inside the recovery units, and ranks "
                    "recomputing different units would deadlock")

@@ -193,7 +193,9 @@ def _gpu_builder(args, pretrain: str):
         cls = (HiLoRePolicyModelActor if hilore else PolicyModelActor).__ray_actor_class__
         actor = cls(1, 0, "127.0.0.1", port)
         actor.init_model_from_pretrained(get_strategy(ns), pretrain, max_steps=64)
-        _lora_b_not_zero(actor.actor)  # after planning: the plan is the one the drop-in made
+        _lora_b_not_zero(actor.actor)  # before planning (the drop-in plans at the first fit): every method's weights
+        if hilore:
+            actor.plan_and_attach()
         torch.cuda.empty_cache()
         return actor.trainer, getattr(actor, "hilore", None)
 

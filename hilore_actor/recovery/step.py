@@ -96,9 +96,12 @@ class Step:
     def __enter__(self) -> "Step":
         if self.engine._step is not None:
             raise RuntimeError("hilore: an engine step is already active; steps do not nest")
-        # FSDP2 parameters are DTensors between forwards: their local shard has the storage
+        # FSDP2 parameters are DTensors between forwards: their local shard has the storage.
+        # ZeRO-3's (``ds_id``) are left out: a weight still gathered now is released during the
+        # step and its storage reused by activations, which would then pass for weights (a
+        # gathered weight is saved as the Parameter or a view of it: ``is_param``).
         self.param_keys = {storage_key(p.to_local() if hasattr(p, "to_local") else p)
-                           for p in self.engine.model.parameters() if p.numel() > 0}
+                           for p in self.engine.model.parameters() if p.numel() > 0 and not hasattr(p, "ds_id")}
         self.engine._core_depth = self.engine._child_depth = self.engine._sign_depth = 0  # a failed forward may have left them set
         self.engine._step = self
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(pack, self), partial(unpack, self))
