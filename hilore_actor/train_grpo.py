@@ -59,7 +59,8 @@ def step_prompts(task, cfg, step: int):
 
 
 def shard_rows(seqs, cfg) -> List[List[Dict]]:
-    """Sequences -> per rank, the packed rows of every update of the step, in update order."""
+    """Sequences -> per rank, the packed rows of every update of the step, in update order;
+    each row names its sequences (``seq_index``, indices into ``seqs``)."""
     from hilore_actor.rollout.packing import pack_row
 
     world, tb, micro = world_size(cfg), cfg.train.batch_size, cfg.train.micro_batch_size
@@ -67,8 +68,9 @@ def shard_rows(seqs, cfg) -> List[List[Dict]]:
     ranks: List[List[Dict]] = [[] for _ in range(world)]
     for u in range(len(seqs) // tb):
         for r in range(world):
-            mine = seqs[u * tb + r * per_rank: u * tb + (r + 1) * per_rank]
-            ranks[r].extend(pack_row(mine[i:i + micro]) for i in range(0, len(mine), micro))
+            first = u * tb + r * per_rank
+            for i in range(first, first + per_rank, micro):
+                ranks[r].append(dict(pack_row(seqs[i:i + micro]), seq_index=list(range(i, i + micro))))
     return ranks
 
 
@@ -132,9 +134,14 @@ def run(cfg) -> int:
     job.sync_weights()
     stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
     restarts_before = call(job.coordinator.restart_count)
+    buffer = replay_buffer(cfg, resume_dir)
     for step in bar:
-        rewards, out, per_update, rollout_s, ref_s = train_step(job, task, cfg, step, info["updates_per_step"], stop)
+        rewards, out, per_update, rollout_s, ref_s, replayed = train_step(job, task, cfg, step, stop, buffer)
         m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
+        if buffer is not None:
+            from hilore_actor.rollout.replay import stats
+
+            m.update(stats(replayed, buffer, step))
         m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info.get("budget_scope", "activations")
         m["coordinator_restarts"] = call(job.coordinator.restart_count)
         _say_recoveries(m, step + 1, restarts_before)
@@ -154,7 +161,7 @@ def run(cfg) -> int:
         tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
         if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps \
                 or stop.requested:
-            saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num)
+            saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num, buffer)
         if stop.requested and step + 1 < cfg.max_steps:
             break
     stop.__exit__()
@@ -170,10 +177,11 @@ def run(cfg) -> int:
     return 0
 
 
-def train_step(job, task, cfg, step: int, updates: int, stop):
-    """One GRPO step: rollouts -> rewards -> group advantages -> packed rows per rank ->
-    reference log-probs -> the learners' updates (weights to the rollout workers after each).
-    Returns (rewards, rollouts, per update every rank's metrics, rollout s, reference s)."""
+def train_step(job, task, cfg, step: int, stop, buffer=None):
+    """One GRPO step: rollouts -> rewards -> group advantages (+ replayed rollouts) -> packed
+    rows per rank -> reference log-probs -> the learners' updates (weights to the rollout
+    workers after each). Returns (rewards, rollouts, per update every rank's metrics,
+    rollout s, reference s, the replayed rollouts)."""
     from hilore_actor.grpo import group_advantages
 
     G = cfg.rollout.n_samples_per_prompt
@@ -184,28 +192,82 @@ def train_step(job, task, cfg, step: int, updates: int, stop):
     rollout_s = time.perf_counter() - t
     rewards = torch.tensor([task.score(txt, examples[i // G]) for i, txt in enumerate(out["texts"])], dtype=torch.float32)
     adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
-    ranks = shard_rows([(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)], cfg)
+    seqs = [(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)]
+    replayed = draw_replay(buffer, cfg, step)
+    seqs += [(it.ids, it.prompt_len, it.advantage, it.old_log_probs, it.ref_log_probs) for it in replayed]
+    ranks = shard_rows(seqs, cfg)  # fresh rollouts first: every fresh rollout is in the step's batch
     all_rows = [r for rows in ranks for r in rows]
     t = time.perf_counter()
     for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
-        r["ref_log_probs"] = ref
+        r["ref_log_probs"] = torch.where(r["given_mask"], r["given_ref_log_probs"], ref) if "given_mask" in r else ref
     ref_s = time.perf_counter() - t
-    job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
+    olds = job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
+    if buffer is not None:
+        store_fresh(buffer, seqs[:len(out["seqs"])], ranks, olds, step)
     per_update = []
-    for u in range(updates):
+    for u in range(len(seqs) // cfg.train.batch_size):
         side = job.get([l.gradient_error.remote(u) for l in job.learners]) if cfg.measure_grad_error else [{}] * len(job.learners)
         per_update.append([dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)])
         job.sync_weights()
-    return rewards, out, per_update, rollout_s, ref_s
+    return rewards, out, per_update, rollout_s, ref_s, replayed
 
 
-def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int):
-    """Every rank's state, the coordinator's, then the atomic commit (``train/checkpoint.py``)."""
+def replay_buffer(cfg, resume_dir):
+    """``--replay.enable``'s buffer, restored from the checkpoint on ``--resume``; else None."""
+    if not cfg.replay.enable:
+        return None
+    from hilore_actor.rollout.replay import ReplayBuffer
+
+    r = cfg.replay
+    buffer = ReplayBuffer(r.capacity, r.max_age, r.priority, r.alpha, seed=cfg.train.seed)
+    saved = os.path.join(resume_dir, "replay.pt") if resume_dir else None
+    if saved and os.path.isfile(saved):
+        buffer.load_state_dict(torch.load(saved, weights_only=False))
+        print(f"[train] replay buffer restored: {len(buffer)} rollouts", flush=True)
+    elif saved:
+        print("[train] the checkpoint holds no replay buffer (saved without --replay.enable): it starts empty", flush=True)
+    return buffer
+
+
+def draw_replay(buffer, cfg, step: int):
+    """The step's replayed rollouts: old ones evicted, then ``--replay.ratio`` x the fresh
+    ones, as many whole updates of them as the buffer holds (``config.replay_sequences``)."""
+    if buffer is None:
+        return []
+    from hilore_actor.train.config import replay_sequences
+
+    buffer.evict(step)
+    tb = cfg.train.batch_size
+    return buffer.sample(min(replay_sequences(cfg), len(buffer)) // tb * tb, step)
+
+
+def store_fresh(buffer, fresh, ranks, olds, step: int) -> None:
+    """The step's fresh rollouts into the buffer, each with its old log-probs (the learners'
+    ``set_batch``) and reference log-probs, cut out of the packed rows."""
+    from hilore_actor.rollout.replay import ReplayItem, split_row
+
+    items = {}
+    for rows, row_olds in zip(ranks, olds):
+        for r, old in zip(rows, row_olds):
+            if r.get("replayed"):  # rows are all fresh or all replayed: fresh ones fill whole updates first
+                continue
+            lengths = [len(fresh[i][0]) for i in r["seq_index"]]
+            for i, o, ref in zip(r["seq_index"], split_row(old, lengths), split_row(r["ref_log_probs"], lengths)):
+                ids, p, a = fresh[i]
+                items[i] = ReplayItem(ids, p, a, step, o, ref)
+    buffer.add([items[i] for i in sorted(items)])
+
+
+def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None):
+    """Every rank's state, the coordinator's, the replay buffer, then the atomic commit
+    (``train/checkpoint.py``)."""
     from hilore_actor.learner.coordinator import STATE_FILE, call
 
     stage = ckpts.staging(step)
     job.get([l.save.remote(str(stage)) for l in job.learners])
     (stage / STATE_FILE).write_text(json.dumps(call(job.coordinator.state)))
+    if buffer is not None:
+        torch.save(buffer.state_dict(), stage / "replay.pt")
     return ckpts.commit(stage, step, {"metrics": m}, keep=keep)
 
 
@@ -239,7 +301,24 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
         **{f"fraction_{a}": mean(f"fraction_{a}") for a in "HLPR"},
         "coordinator": record,
         **_gradient_error(per_update),
+        **_by_kind(per_update),
     }
+
+
+def _by_kind(per_update) -> Dict:
+    """The H/L/P/R split and clip fraction of microbatches with replayed rollouts and of those
+    with fresh ones only, weighted by rows over ranks and updates."""
+    out = {}
+    for kind in ("fresh", "replay"):
+        rs = [r for upd in per_update for r in upd if r.get(f"{kind}_rows")]
+        n = sum(r[f"{kind}_rows"] for r in rs)
+        if not n:
+            continue
+        for key in [f"{kind}_fraction_{a}" for a in "HLPR"] + [f"{kind}_clip_fraction"]:
+            if all(key in r for r in rs):
+                out[key] = sum(r[key] * r[f"{kind}_rows"] for r in rs) / n
+        out[f"{kind}_microbatches"] = n
+    return out
 
 
 def _gradient_error(per_update) -> Dict:

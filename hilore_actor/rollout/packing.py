@@ -10,14 +10,32 @@ from ..models.logprobs import sequence_log_probs
 from .hf_generate import Rollout
 
 
-def pack_row(seqs: Sequence[Tuple[torch.Tensor, int, float]]) -> Dict[str, torch.Tensor]:
+def pack_row(seqs: Sequence[Tuple]) -> Dict[str, torch.Tensor]:
     """Sequences ``(token ids, prompt length, advantage)`` back to back in one row: ids and
-    position ids ``[1, T]``; action mask and advantages ``[1, T-1]`` (see ``grpo.microbatch``)."""
+    position ids ``[1, T]``; action mask and advantages ``[1, T-1]`` (see ``grpo.microbatch``).
+
+    A sequence may carry its own old and reference log-probs (``(ids, prompt length,
+    advantage, old, ref)``, ``n - 1`` values each: a replayed rollout, ``rollout/replay.py``);
+    the row then has ``given_mask`` and ``given_old_log_probs`` / ``given_ref_log_probs``
+    ``[1, T-1]``, which replace the computed ones where the mask is set, and ``replayed``,
+    how many such sequences it holds."""
     ids = torch.cat([s[0] for s in seqs])[None]
     pos = torch.cat([torch.arange(len(s[0])) for s in seqs])[None]
-    mask = torch.cat([torch.cat([torch.zeros(p - 1), torch.ones(len(t) - p), torch.zeros(1)]) for t, p, _ in seqs])[None, :-1]
-    adv = torch.cat([torch.full((len(t),), float(a)) for t, _, a in seqs])[None, :-1]
-    return {"input_ids": ids, "position_ids": pos, "action_mask": mask, "advantages": adv}
+    mask = torch.cat([torch.cat([torch.zeros(p - 1), torch.ones(len(s[0]) - p), torch.zeros(1)]) for s, p in
+                      ((s, s[1]) for s in seqs)])[None, :-1]
+    adv = torch.cat([torch.full((len(s[0]),), float(s[2])) for s in seqs])[None, :-1]
+    row = {"input_ids": ids, "position_ids": pos, "action_mask": mask, "advantages": adv}
+    given = [len(s) > 3 for s in seqs]
+    if any(given):
+        def laid_out(k):  # per sequence its n - 1 values and a 0 where it meets the next one
+            return torch.cat([torch.cat([s[k].float(), torch.zeros(1)]) if g else torch.zeros(len(s[0]))
+                              for s, g in zip(seqs, given)])[None, :-1]
+
+        row["given_mask"] = torch.cat([torch.cat([torch.full((len(s[0]) - 1,), g), torch.zeros(1, dtype=torch.bool)])
+                                       for s, g in zip(seqs, given)])[None, :-1]
+        row["given_old_log_probs"], row["given_ref_log_probs"] = laid_out(3), laid_out(4)
+        row["replayed"] = sum(given)
+    return row
 
 
 def rollout_sequences(rollout: Rollout, advantages: torch.Tensor) -> List[Tuple[torch.Tensor, int, float]]:

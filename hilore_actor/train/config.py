@@ -83,6 +83,14 @@ FLAGS = [
     ("ds.lora.dropout", float, 0.0, "LoRA dropout"),
     ("ds.lora.target_modules", str, "all-linear", "LoRA targets: all-linear or comma-separated module names"),
     ("threads", int, None, "torch threads per worker on CPU (default: the cores divided among learner ranks)"),
+    # replay (rollout/replay.py)
+    ("replay.enable", "flag", False, "rollout-level replay: store single rollouts (advantage != 0) and append replayed "
+     "ones to every step's fresh rollouts, each with the old and reference log-probs it had when fresh"),
+    ("replay.max_age", int, 4, "replayed rollouts are at most this many training steps old (older ones are evicted)"),
+    ("replay.ratio", float, 1.0, "replayed rollouts per fresh rollout, rounded down to whole --train.batch_size updates"),
+    ("replay.capacity", int, 4096, "rollouts the buffer holds (the oldest go first)"),
+    ("replay.priority", str, "abs_advantage", "draw rollouts with probability ~ |advantage|^alpha (abs_advantage) or uniform"),
+    ("replay.alpha", float, 1.0, "priority exponent of abs_advantage"),
     # output
     ("save_path", str, "runs/grpo", "output folder: metrics.jsonl, TensorBoard events, final weights (alias --ckpt.output_dir)"),
     ("ckpt.path", str, None, "checkpoint folder (default <save_path>/checkpoints)"),
@@ -242,6 +250,15 @@ def plan_tokens(cfg, longest_prompt: int) -> int:
     return -(-cfg.train.micro_batch_size * (longest_prompt + cfg.rollout.max_new_tokens) // 64) * 64
 
 
+def replay_sequences(cfg) -> int:
+    """Replayed rollouts a step appends at most: ``--replay.ratio`` x the fresh ones, rounded
+    down to whole updates (an update holds ``--train.batch_size`` sequences); 0 without replay."""
+    if not cfg.replay.enable:
+        return 0
+    fresh = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    return int(cfg.replay.ratio * fresh) // cfg.train.batch_size * cfg.train.batch_size
+
+
 def param_dtype(cfg):
     import torch
 
@@ -305,6 +322,18 @@ def validate(cfg) -> None:
         errors.append("--measure_grad_error compares HiLoRe's gradient with the exact one outside DeepSpeed's gradient "
                       f"path: it needs --actor_backend hilore (gc and none are exact) and ZeRO stage < 3, got "
                       f"{cfg.actor.backend} and stage {cfg.ds.zero_stage}")
+    if cfg.replay.enable:
+        from ..rollout.replay import PRIORITIES
+
+        r = cfg.replay
+        if r.max_age < 1 or r.capacity < 1 or r.ratio < 0 or r.alpha < 0:
+            errors.append(f"--replay.max_age and --replay.capacity must be >= 1 and --replay.ratio, --replay.alpha >= 0; "
+                          f"got {r.max_age}, {r.capacity}, {r.ratio}, {r.alpha}")
+        if r.priority not in PRIORITIES:
+            errors.append(f"--replay.priority {r.priority!r}: choose one of {', '.join(PRIORITIES)}")
+        if not errors and replay_sequences(cfg) == 0:
+            errors.append(f"--replay.ratio {r.ratio} x {cfg.rollout.batch_size * G} fresh rollouts is less than one update "
+                          f"of --train.batch_size {cfg.train.batch_size}: nothing would be replayed")
     errors += hilore_errors(cfg.hilore)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..grpo.microbatch import Microbatch, microbatch_loss
-from .config import hierarchize, lora_spec, param_dtype, plan_tokens, world_size, worker_device
+from .config import hierarchize, lora_spec, param_dtype, plan_tokens, replay_sequences, world_size, worker_device
 from ..learner.coordinator import call
 from ..learner.faults import injected
 from ..recovery.state import ACTIONS
@@ -154,9 +154,9 @@ class Learner:
         opt = torch.optim.AdamW(params, lr=cfg.actor.adam.lr, betas=tuple(cfg.actor.adam.betas),
                                 weight_decay=cfg.actor.adam.weight_decay)
         seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-        self.updates_per_step = seqs // cfg.train.batch_size
+        self.updates_per_step = seqs // cfg.train.batch_size  # fresh rollouts; replay adds up to replay_sequences
         self.gas = cfg.train.batch_size // (self.world * cfg.train.micro_batch_size)
-        total = max(1, cfg.max_steps * self.updates_per_step)
+        total = max(1, cfg.max_steps * (seqs + replay_sequences(cfg)) // cfg.train.batch_size)
         sched = transformers.get_scheduler(cfg.actor.lr_scheduler, opt, num_warmup_steps=int(cfg.actor.lr_warmup_ratio * total),
                                            num_training_steps=total)
         ds_cfg = {
@@ -176,17 +176,22 @@ class Learner:
 
     # ---- training ---------------------------------------------------------------------------
     @torch.no_grad()
-    def set_batch(self, step: int, rows: List[Dict]) -> int:
-        """Keep this rank's rows of the step and add old log-probs (the behaviour policy)."""
+    def set_batch(self, step: int, rows: List[Dict]) -> List[torch.Tensor]:
+        """Keep this rank's rows of the step and add old log-probs (the behaviour policy; a
+        replayed rollout keeps the ones it had when fresh, ``given_old_log_probs``). Returns
+        each row's old log-probs (on the CPU), which the replay buffer stores."""
         from ..models.logprobs import sequence_log_probs
 
         self.ds.eval()
         for r in rows:
-            r["old_log_probs"] = sequence_log_probs(self.ds, r["input_ids"].to(self.device),
-                                                    position_ids=r["position_ids"].to(self.device)).float()
+            old = sequence_log_probs(self.ds, r["input_ids"].to(self.device),
+                                     position_ids=r["position_ids"].to(self.device)).float()
+            if "given_mask" in r:
+                old = torch.where(r["given_mask"].to(self.device), r["given_old_log_probs"].to(self.device), old)
+            r["old_log_probs"] = old
         self.ds.train()
         self.rows = rows
-        return len(rows)
+        return [r["old_log_probs"].cpu() for r in rows]
 
     def _microbatch(self, r: Dict):
         return Microbatch(r["input_ids"], r["position_ids"], r["old_log_probs"], r["ref_log_probs"], r["advantages"],
@@ -200,14 +205,19 @@ class Learner:
         rows = self.rows[u * self.gas:(u + 1) * self.gas]
         stats: Dict[str, List[float]] = {}
         counts = dict.fromkeys(ACTIONS, 0)
+        by_kind = {"fresh": dict.fromkeys(ACTIONS, 0), "replay": dict.fromkeys(ACTIONS, 0)}  # rows with replayed rollouts
+        clip = {"fresh": [], "replay": []}
         peaks, t0, tokens = [], time.perf_counter(), 0
         for i, r in enumerate(rows):
             mb = self._microbatch(r)
             tokens += mb.num_tokens
             out, rec = self._forward_backward(mb, step, i + u * self.gas)
             self.ds.step()
+            kind = "replay" if r.get("replayed") else "fresh"
             for a, n in rec.counts.items():
                 counts[a] += n
+                by_kind[kind][a] += n
+            clip[kind].append(float(out.stats.get("clip_fraction", float("nan"))))
             peaks.append(rec.scope_peak)
             for k, v in dict(out.stats, loss=out.loss.detach()).items():
                 stats.setdefault(k, []).append(float(v))
@@ -225,6 +235,7 @@ class Learner:
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
                 **{f"fraction_{a}": counts[a] / total for a in ACTIONS},
+                **_split(by_kind, clip),
                 "lr": self.ds.get_lr()[0]}
 
     def _forward_backward(self, mb, step: int, index: int):
@@ -405,6 +416,20 @@ class Learner:
         from .placement import node_id
 
         return dict(self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step, node_id=node_id())
+
+
+def _split(by_kind: Dict[str, Dict[str, int]], clip: Dict[str, List[float]]) -> Dict:
+    """Per kind of microbatch (rows with replayed rollouts, rows with fresh ones only): the
+    H/L/P/R split of its unit actions and its mean clip fraction; kinds with no row are absent."""
+    out = {}
+    for kind, counts in by_kind.items():
+        n = sum(counts.values())
+        if n:
+            out.update({f"{kind}_fraction_{a}": counts[a] / n for a in ACTIONS})
+        if clip[kind]:
+            out[f"{kind}_clip_fraction"] = statistics.fmean(clip[kind])
+        out[f"{kind}_rows"] = len(clip[kind])
+    return out
 
 
 class _NoEngine:
