@@ -205,4 +205,5 @@ def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:
 def _report(args, runs: List[Run], out: Path) -> None:
     from .report import write_report
 
-    write_report(out, runs, args.steps)
+    others = [r.method for r in runs if r.method not in ("gc", "hilore-hr")]
+    write_report(out, runs, args.steps, treat=others[0] if others else "hilore")

@@ -58,14 +58,15 @@ def exact_match(a: List[Dict], b: List[Dict]) -> Dict:
             "first_difference": None if first is None else {"step": first[0], "metric": first[1]}}
 
 
-def summarize(out: Path, runs, steps: int) -> Dict:
+def summarize(out: Path, runs, steps: int, treat: str = "hilore") -> Dict:
+    """``treat``: the method paired against gc (``hilore``; ``replay`` in a replay study)."""
     metrics = {r.name: _load(out / "runs" / f"{r.name}.metrics.jsonl") for r in runs}
     evals = {r.name: _load(out / "eval" / f"{r.name}.json") for r in runs}
     done = [r.name for r in runs if metrics[r.name] and len(metrics[r.name]) >= steps and evals[r.name]]
     acc = {r.name: accuracy(evals[r.name]) for r in runs if r.name in done}
     methods = sorted({r.method for r in runs})
     seeds = sorted({r.seed for r in runs})
-    rep: Dict = {"steps": steps, "complete": len(done) == len(runs), "finished_runs": done,
+    rep: Dict = {"steps": steps, "treatment": treat, "complete": len(done) == len(runs), "finished_runs": done,
                  "missing_runs": [r.name for r in runs if r.name not in done]}
     rep["heldout_accuracy"] = {m: _mean_sd([acc[f"{m}-seed{s}"] for s in seeds if f"{m}-seed{s}" in acc]) for m in methods}
     base = _load(out / "eval" / "base.json")
@@ -73,11 +74,11 @@ def summarize(out: Path, runs, steps: int) -> Dict:
     last10 = lambda rows: statistics.fmean(x["reward_mean"] for x in rows[-10:])  # noqa: E731
     rep["reward_last10"] = {m: _mean_sd([last10(metrics[f"{m}-seed{s}"]) for s in seeds if f"{m}-seed{s}" in done])
                             for m in methods}
-    paired = [s for s in seeds if f"gc-seed{s}" in acc and f"hilore-seed{s}" in acc]
-    rep["paired_accuracy_difference_pp"] = _mean_sd([100 * (acc[f"hilore-seed{s}"] - acc[f"gc-seed{s}"]) for s in paired])
+    paired = [s for s in seeds if f"gc-seed{s}" in acc and f"{treat}-seed{s}" in acc]
+    rep["paired_accuracy_difference_pp"] = _mean_sd([100 * (acc[f"{treat}-seed{s}"] - acc[f"gc-seed{s}"]) for s in paired])
     rep["paired_accuracy_difference_pp"]["seeds"] = paired
-    rep["discordant_problems"] = {s: discordant(evals[f"gc-seed{s}"], evals[f"hilore-seed{s}"]) for s in paired}
-    rep["paired_reward_last10_difference"] = _mean_sd([last10(metrics[f"hilore-seed{s}"]) - last10(metrics[f"gc-seed{s}"])
+    rep["discordant_problems"] = {s: discordant(evals[f"gc-seed{s}"], evals[f"{treat}-seed{s}"]) for s in paired}
+    rep["paired_reward_last10_difference"] = _mean_sd([last10(metrics[f"{treat}-seed{s}"]) - last10(metrics[f"gc-seed{s}"])
                                                         for s in paired])
     errs = [(r.seed, x) for r in runs if r.method == "hilore" and metrics[r.name] for x in metrics[r.name]]
     with_err = [x for _, x in errs if "grad_rel_error" in x]
@@ -113,8 +114,8 @@ def summarize(out: Path, runs, steps: int) -> Dict:
     return rep
 
 
-def write_report(out: Path, runs, steps: int) -> Dict:
-    rep = summarize(out, runs, steps)
+def write_report(out: Path, runs, steps: int, treat: str = "hilore") -> Dict:
+    rep = summarize(out, runs, steps, treat)
     (out / "fidelity.json").write_text(json.dumps(rep, indent=1))
     (out / "fidelity.md").write_text(markdown(rep, out))
     _plot(out, runs, rep)
@@ -129,7 +130,10 @@ def _fmt(x: Optional[float], spec: str = ".4f") -> str:
 
 def markdown(rep: Dict, out: Path) -> str:
     cmd = (out / "command.txt").read_text().strip() if (out / "command.txt").is_file() else "python -m hilore_actor.fidelity"
-    lines = [f"# Training fidelity: HiLoRe against gradient checkpointing ({rep['steps']} GRPO steps per run)", "",
+    treat = rep.get("treatment", "hilore")
+    title = ("Training fidelity: HiLoRe against gradient checkpointing" if treat == "hilore"
+             else f"{treat} against gc (both gradient checkpointing)")
+    lines = [f"# {title} ({rep['steps']} GRPO steps per run)", "",
              f"`{cmd}` (flags shared by every run: `study.yaml`). "
              + ("All runs finished." if rep["complete"] else f"**Partial**: missing {', '.join(rep['missing_runs'])}."), "",
              "| method | seeds | held-out accuracy, mean (SD) | reward, last 10 steps, mean (SD) |", "|---|---|---|---|"]
@@ -140,9 +144,9 @@ def markdown(rep: Dict, out: Path) -> str:
     if rep.get("base_heldout_accuracy") is not None:
         lines.append(f"| base model (step 0) | - | {rep['base_heldout_accuracy']:.3f} | - |")
     d, g = rep["paired_accuracy_difference_pp"], rep["gradient_error"]
-    lines += ["", f"Paired held-out accuracy difference hilore - gc over seeds {d['seeds']}: "
+    lines += ["", f"Paired held-out accuracy difference {treat} - gc over seeds {d['seeds']}: "
               f"{_fmt(d['mean'], '+.2f')} pp (SD {_fmt(d['sd'], '.2f')} pp; per seed {[round(v, 2) for v in d['values']]}). "
-              "Problems only one of the pair answers exactly (hilore only / gc only), per seed: "
+              f"Problems only one of the pair answers exactly ({treat} only / gc only), per seed: "
               + (", ".join(f"seed {s}: {c['other_only']} / {c['gc_only']} of {c['n']}"
                            for s, c in rep.get("discordant_problems", {}).items() if c) or "-") + ".",
               f"Per-step relative gradient error of hilore's updates ({g['steps_measured']} steps): mean {_fmt(g['mean'])}, "
@@ -168,7 +172,7 @@ def _plot(out: Path, runs, rep: Dict) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     seeds = sorted({r.seed for r in runs})
-    styles = {"gc": "-", "hilore": "--", "hilore-hr": ":"}
+    styles = {"gc": "-", "hilore": "--", "hilore-hr": ":", "replay": "--"}
     for r in runs:
         rows = _load(out / "runs" / f"{r.name}.metrics.jsonl") or []
         if rows:
@@ -183,7 +187,7 @@ def _plot(out: Path, runs, rep: Dict) -> None:
         b.axhline(d["mean"], color="k", lw=1, label=f"mean {d['mean']:+.2f} pp")
         b.legend()
     b.axhline(0, color="grey", lw=0.5)
-    b.set(xlabel="seed", ylabel="hilore - gc (pp)", title="held-out accuracy, paired difference")
+    b.set(xlabel="seed", ylabel=f"{rep.get('treatment', 'hilore')} - gc (pp)", title="held-out accuracy, paired difference")
     fig.tight_layout()
     fig.savefig(out / "fidelity.png", dpi=110)
     plt.close(fig)

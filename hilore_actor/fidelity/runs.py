@@ -44,6 +44,8 @@ METHODS: Dict[str, List[str]] = {
     "gc": ["--actor_backend", "gc"],
     "hilore": ["--actor_backend", "hilore", "--hilore.mode", "hilore", "--measure_grad_error"],
     "hilore-hr": ["--actor_backend", "hilore", "--hilore.mode", "hilore-hr"],
+    # the replay study (docs/training-job.md): gc's learner with rollout-level replay, against gc
+    "replay": ["--actor_backend", "gc", "--replay.enable"],
 }
 
 
