@@ -6,12 +6,13 @@
 One controller (this process) drives, per step:
 
     prompts -> rollout workers (vLLM or HF generate) -> verifier rewards -> group advantages
-      -> packed rows -> reference worker (KL log-probs) -> learner ranks (old log-probs, then
-      HiLoRe updates under DeepSpeed; peaks to the budget coordinator) -> weights to rollout
-      workers -> metrics, checkpoint
+      (+ replayed rollouts, ``--replay.*``) -> packed rows -> reference worker (KL log-probs)
+      -> learner ranks (old log-probs, then HiLoRe updates under DeepSpeed; peaks to the
+      budget coordinator) -> weights to rollout workers -> metrics, checkpoint
 
 The pieces live in ``hilore_actor/train/`` (config, job, learner, workers, placement, faults,
-checkpoint, metrics) and ``hilore_actor/learner/`` (plan, step, coordinator); this file is the recipe. Flags: ``--help``.
+checkpoint, metrics), ``hilore_actor/learner/`` (plan, step, coordinator) and
+``hilore_actor/rollout/replay.py``; this file is the recipe. Flags: ``--help``.
 """
 from __future__ import annotations
 
