@@ -239,6 +239,9 @@ def draw_replay(buffer, cfg, step: int):
 
     buffer.evict(step)
     tb = cfg.train.batch_size
+    if 0 < len(buffer) < tb:  # replayed rollouts come in whole updates
+        print(f"[train] step {step + 1}: the replay buffer holds {len(buffer)} rollouts, fewer than one update "
+              f"(--train.batch_size {tb}): nothing replayed", flush=True)
     return buffer.sample(min(replay_sequences(cfg), len(buffer)) // tb * tb, step)
 
 
