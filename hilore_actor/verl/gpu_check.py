@@ -174,18 +174,10 @@ def main(argv=None) -> int:
         return SKIPPED
     import torch
 
-    if not torch.cuda.is_available():
-        print("error: python -m hilore_actor.verl.gpu_check needs a CUDA device (verl's engine)", flush=True)
+    from .verify import one_gpu_process_group
+
+    if not one_gpu_process_group("hilore_actor.verl.gpu_check", "29512"):
         return 2
-    import torch.distributed as dist
-
-    from .engine import register
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29512")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    register()
     path = write_model(os.path.join(args.workdir, "qwen2-random"), args.seed, args.layers, args.hidden, args.vocab)
     result = reduced_check(path, args, log=lambda m: print(m, flush=True))
     result.update(model=f"random Qwen2, {args.layers} layers, hidden {args.hidden}", attn="sdpa", seqs=args.seqs,
@@ -194,7 +186,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: result[k] for k in ("noise_floor", "relative_error", "peak_over_budget", "failures")}), flush=True)
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
     return 1 if result["failures"] else 0
 
 

@@ -153,6 +153,24 @@ def _smollm2_dir(path: str) -> str:
     return path
 
 
+def one_gpu_process_group(prog: str, port: str) -> bool:
+    """The one-rank NCCL group and verl engine registration a one-GPU check runs in; False,
+    with a message, without a CUDA device."""
+    if not torch.cuda.is_available():
+        print(f"error: python -m {prog} needs a CUDA device (verl's engine)", flush=True)
+        return False
+    import torch.distributed as dist
+
+    from .engine import register
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", port)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    register()
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hilore_actor.verl.verify", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF model directory (default: the bundled SmolLM2, written to --workdir)")
@@ -162,18 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: python -m hilore_actor.verl.verify needs a CUDA device (verl's engine)", flush=True)
+    if not one_gpu_process_group("hilore_actor.verl.verify", "29511"):
         return 2
-    import torch.distributed as dist
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    from .engine import register
-
-    register()
     path = args.model or _smollm2_dir(os.path.join(args.workdir, "smollm2"))
     from transformers import AutoConfig
 
