@@ -31,6 +31,32 @@ def grpo_loss(model, ids, pos, seed=0):
     return loss
 
 
+def downgrade_peaks(model, loss_of, device: str):
+    """H then R after an exact forward, twice (the first pair warms up): per action the peak of
+    set_actions + backward (``MemoryMeter`` after the ``downgrade`` mark), and the exact bundle
+    bytes held before it. ``loss_of(model)`` runs the forward. Asserts R holds nothing exact."""
+    from hilore_actor.recovery import RecoveryEngine
+    from hilore_actor.runtime import MemoryMeter
+
+    engine = RecoveryEngine(model)
+    peaks = {}
+    for action in ["H", "R", "H", "R"]:
+        model.zero_grad(set_to_none=True)
+        with MemoryMeter(device) as meter:
+            with engine.step(None) as step:
+                loss = loss_of(model)
+                held = step.bytes_by_unit()
+                step.set_actions({n: action for n in engine.unit_names})
+                meter.mark("downgrade")
+                after = step.bytes_by_unit()
+                loss.backward()
+        peaks[action] = meter.report.peak_since["downgrade"]
+        if action == "R":
+            assert sum(b["exact"] for b in after.values()) == 0
+    engine.detach()
+    return peaks, sum(b["exact"] for b in held.values())
+
+
 def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

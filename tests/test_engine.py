@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import grads, grpo_loss, packed_microbatch, rel_err
+from conftest import downgrade_peaks, grads, grpo_loss, packed_microbatch, rel_err
 from hilore_actor.models import ARCHS, LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine, apply_baseline
 from hilore_actor.recovery.state import iter_tensors
@@ -242,22 +242,7 @@ def test_downgrade_to_r_frees_bundle_memory():
     exact bundle bytes (8 layers: backward rebuilds one layer at a time)."""
     model = tiny("qwen2", "lora", layers=8, hidden=128)
     ids, pos = packed_microbatch(256, VOCAB)
-    engine = RecoveryEngine(model)
-    peaks = {}
-    for action in ["H", "R", "H", "R"]:
-        model.zero_grad(set_to_none=True)
-        with MemoryMeter("cpu") as meter:
-            with engine.step(None) as step:
-                loss = grpo_loss(model, ids, pos)
-                held = step.bytes_by_unit()
-                step.set_actions({n: action for n in engine.unit_names})
-                meter.mark("downgrade")
-                after = step.bytes_by_unit()
-                loss.backward()
-        peaks[action] = meter.report.peak_since["downgrade"]
-        if action == "R":
-            assert sum(b["exact"] for b in after.values()) == 0
-    bundle = sum(b["exact"] for b in held.values())
+    peaks, bundle = downgrade_peaks(model, lambda m: grpo_loss(m, ids, pos), "cpu")
     assert bundle > 0
     saved = peaks["H"] - peaks["R"]
     print(f"bundle {bundle} B, peak H {peaks['H']} B, peak R {peaks['R']} B, saved {saved / bundle:.1%} of the bundle")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import packed_microbatch, rel_err
+from conftest import downgrade_peaks, packed_microbatch, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -210,29 +210,10 @@ class TestCuda:
     def test_r_after_forward_frees_what_h_holds(self, fresh_seed):
         """As on the CPU (tests/test_engine.py), measured by the CUDA meter: after a downgrade to
         R, the backward's peak is lower than H's by at least 80% of the exact bundle bytes."""
-        from hilore_actor.recovery import RecoveryEngine
-        from hilore_actor.runtime import MemoryMeter
-
         print("seed", fresh_seed)
         model = _model(fresh_seed, layers=8, hidden=128)
         ids, pos = _batch(256, fresh_seed)
-        engine = RecoveryEngine(model)
-        peaks = {}
-        for action in ["H", "R", "H", "R"]:  # the first pair warms up (cuBLAS workspace, caches)
-            model.zero_grad(set_to_none=True)
-            with MemoryMeter("cuda") as meter:
-                with engine.step(None) as step:
-                    loss = _loss(model, ids, pos)
-                    held = step.bytes_by_unit()
-                    step.set_actions({n: action for n in engine.unit_names})
-                    meter.mark("downgrade")
-                    after = step.bytes_by_unit()
-                    loss.backward()
-            peaks[action] = meter.report.peak_since["downgrade"]
-            if action == "R":
-                assert sum(b["exact"] for b in after.values()) == 0
-        engine.detach()
-        bundle = sum(b["exact"] for b in held.values())
+        peaks, bundle = downgrade_peaks(model, lambda m: _loss(m, ids, pos), "cuda")  # its first pair warms up
         saved = peaks["H"] - peaks["R"]
         print(f"bundle {bundle} B, peak H {peaks['H']} B, peak R {peaks['R']} B, saved {saved / max(bundle, 1):.1%}")
         assert bundle > 0 and saved >= 0.8 * bundle
