@@ -16,7 +16,10 @@ hands out, not process RSS and not a model of it:
 - CPU: the profiler's ``[memory]`` events, which carry the signed byte count of every tensor
   allocation and free in time order; the running sum's maximum is the peak. Only frees of
   addresses allocated inside the region count (see ``cpu_peak_from_events``), so the CPU
-  figure is the peak of bytes allocated *inside* the region and still live.
+  figure is the peak of bytes allocated *inside* the region and still live. The profiler
+  keeps every event until the region ends; for models whose CPU path is a long Python loop
+  of small ops, ``CPU_METER = "storage"`` counts live tensor storages instead and keeps no
+  log (``storage_meter.py``, which names what it cannot see).
 
 Both report ``peak_bytes``: the peak of live bytes above what was live when the region began.
 The profiler slows CPU code down, so measure peaks and times in separate passes. On CPU, end
@@ -38,6 +41,8 @@ import torch
 
 T = TypeVar("T")
 MARK_PREFIX = "hilore.mark."
+CPU_METERS = ("profiler", "storage")
+CPU_METER = "profiler"  # what CPU meters use; the benchmark's --cpu-meter sets it
 
 
 @dataclass
@@ -65,6 +70,7 @@ class MemoryMeter:
         self.device = device
         self.report: Optional[MemoryReport] = None
         self._prof = None
+        self._storage = None  # CPU_METER "storage": the running StorageMeter
         self._window: Optional[_Window] = None  # CUDA: the region
         self._marks: Dict[str, _Window] = {}  # CUDA: mark -> the window after it
         self._before: Dict[str, int] = {}
@@ -75,6 +81,10 @@ class MemoryMeter:
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.synchronize(idx)
             self._window = LEDGER.open(idx)
+        elif CPU_METER == "storage":
+            from .storage_meter import StorageMeter
+
+            self._storage = StorageMeter().__enter__()
         else:
             if torch.autograd.profiler._is_profiler_enabled:
                 raise RuntimeError("MemoryMeter on CPU uses the torch profiler, and another profiler is already running")
@@ -91,6 +101,8 @@ class MemoryMeter:
             torch.cuda.synchronize(w.idx)
             self._before[name] = w.peak() - w.start
             self._marks[name] = LEDGER.open(w.idx)
+        elif self._storage is not None:
+            self._storage.mark(name)
         else:
             with torch.profiler.record_function(MARK_PREFIX + name):
                 pass
@@ -99,6 +111,10 @@ class MemoryMeter:
         top = reserved = 0
         if self.device.type == "cuda":
             peak, net, since, before, top, reserved = self._cuda_exit()
+        elif self._storage is not None:
+            m, self._storage = self._storage, None
+            m.__exit__(*exc)
+            peak, net, since, before = m.peak, m.live, dict(m.since), dict(m.before)
         else:
             self._prof.__exit__(*exc)
             peak, net, since, before = cpu_peak_from_events(self._prof)
