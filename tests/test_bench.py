@@ -76,3 +76,11 @@ def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
     assert abs(recs["gc+full"]["peak_over_gc"] - 1.0) < 0.05  # B's base is gc+full's own peak
     assert recs["gc"]["peak_bytes"] < recs["gc+full"]["peak_bytes"]
     assert len(recs["gc"]["speed_ratios"]) == 2 and recs["gc+full"]["speed_ci95"] is not None
+    # two repeats and gc: the A/A twin gc-aa is timed beside everyone, and every row carries its floor
+    aa = recs["gc-aa"]
+    assert aa["peak_bytes"] == recs["gc"]["peak_bytes"] and aa["grad_rel_err_all"] == recs["gc"]["grad_rel_err_all"]
+    assert aa["speed_ratios"] == recs["gc"]["aa_ratios"] == recs["hilore-hr"]["aa_ratios"]
+    assert recs["hilore-hr"]["paired_aa_seconds_all"] == aa["update_seconds_all"]
+    assert [p["label"] for p in data["phases"]] == ["main"]
+    assert set(data["phases"][0]["times"]) == {"gc", "gc-aa", "gc+full", "hilore-hr@1.00"}
+    assert data["cpu_meter"] == "profiler"

@@ -73,3 +73,47 @@ def test_hilore_over_coarse_pairs_repeats_of_one_piece_only(fresh_seed):
     want = statistics.median(c / f for c, f in zip(coarse, fine))
     assert f"| 1.10 | {want:.3f} [" in out and "| 1.25 |" not in out, out
     assert versus(recs[2:]) == ""
+
+
+def timed_piece(rng, plan, n=5):
+    """A piece with raw times: gc, gc-aa and hilore @ 1.1 timed n repeats, with its phase."""
+    gc = [rng.uniform(40, 50) for _ in range(n)]
+    aa = [g * rng.uniform(0.97, 1.03) for g in gc]
+    h = [g / rng.uniform(1.0, 1.1) for g in gc]
+    d = piece([("gc", None, 1.0), ("gc-aa", None, 1.0), ("hilore", 1.1, 1.05)])
+    times = {"gc": gc, "gc-aa": aa, "hilore": h}
+    for r in d["records"]:
+        r.update(update_seconds_all=times[r["method"]], paired_gc_seconds_all=gc, paired_aa_seconds_all=aa,
+                 cpu_seconds_all=[1.0] * n)
+        if r["method"] == "hilore":
+            r["plan"] = plan
+    d["phases"] = [{"label": "main", "times": {"gc": gc, "gc-aa": aa, "hilore@1.10": h}}]
+    return d
+
+
+def test_pool_keeps_every_ratio_paired_and_refuses_another_plan(fresh_seed):
+    """--pool: a method's speed is recomputed over the pairs of every piece (brute force: the
+    median of the concatenated per-repeat ratios); a piece that timed another plan is refused."""
+    import random
+    import statistics
+
+    from hilore_actor.bench.merge import pool
+    from hilore_actor.bench.report import paired
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    a, b = timed_piece(rng, {"u": "exact"}), timed_piece(rng, {"u": "exact"}, n=4)
+    header, recs = pool([("a", a), ("b", b)])
+    h = next(r for r in recs if r["method"] == "hilore")
+    gc = a["phases"][0]["times"]["gc"] + b["phases"][0]["times"]["gc"]
+    ht = a["phases"][0]["times"]["hilore@1.10"] + b["phases"][0]["times"]["hilore@1.10"]
+    aa = a["phases"][0]["times"]["gc-aa"] + b["phases"][0]["times"]["gc-aa"]
+    assert h["speed_over_gc"] == statistics.median(g / x for g, x in zip(gc, ht))
+    assert h["aa_over_gc"] == statistics.median(g / x for g, x in zip(gc, aa))
+    assert len(h["speed_ratios"]) == 9 and header["repeats"] == 14 and h["piece"] == "a + b"
+    # the phases of both pieces stay, and a pair across them is formed repeat by repeat only
+    s = paired(header, "hilore@1.10", "gc-aa")
+    assert s["speed_over_gc"] == statistics.median(x / y for x, y in zip(aa, ht)) and len(s["phases"]) == 2
+    assert paired(header, "hilore@1.10", "compile-budget@1.10") is None
+    with pytest.raises(ValueError, match="another plan"):
+        pool([("a", a), ("c", timed_piece(rng, {"u": "checkpoint"}))])

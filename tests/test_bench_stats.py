@@ -29,3 +29,43 @@ def test_bimodal_flags_two_speeds_only():
     assert bimodal([17.4, 17.5, 17.3, 13.9, 14.0, 13.8, 17.6])
     assert not bimodal([14.0, 14.1, 13.9, 14.2, 14.05, 13.95, 14.1])
     assert not bimodal([14.0, 14.1, 13.9, 17.0])  # one outlier is not a mode
+
+
+def test_geomean_and_total_ratio_beside_the_median(fresh_seed):
+    import math
+    import statistics
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    gc = [rng.uniform(40, 50) for _ in range(11)]
+    m = [g / rng.uniform(1.0, 1.2) for g in gc]
+    s = speed_summary(gc, m)
+    ratios = [g / x for g, x in zip(gc, m)]
+    assert abs(s["speed_geomean"] - math.exp(sum(map(math.log, ratios)) / len(ratios))) < 1e-12
+    assert abs(s["speed_total_ratio"] - sum(gc) / sum(m)) < 1e-12
+    assert s["speed_over_gc"] == statistics.median(ratios)
+    lo, hi = s["speed_geomean_ci95"]
+    assert lo <= s["speed_geomean"] <= hi
+    aa = speed_summary(gc, m, prefix="aa")
+    assert aa["aa_over_gc"] == s["speed_over_gc"] and "speed_over_gc" not in aa
+
+
+def test_repeats_to_resolve_gives_the_power_it_promises(fresh_seed):
+    """At the computed n, a paired z-test of mean log ratio against 0 detects a true 3% speed-up
+    about 80% of the time (simulated: 2,000 runs; binomial SE 0.009)."""
+    import math
+
+    from hilore_actor.bench.stats import repeats_to_resolve
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    sd, d = 0.06, 0.03
+    n = repeats_to_resolve(sd, d)
+    assert n == math.ceil((2.8 * sd / math.log(1.03)) ** 2)
+    hits = 0
+    for _ in range(2000):
+        xs = [rng.gauss(math.log(1 + d), sd) for _ in range(n)]
+        mean = sum(xs) / n
+        hits += mean / (sd / math.sqrt(n)) > 1.96
+    print("n", n, "power", hits / 2000)
+    assert 0.76 <= hits / 2000 <= 0.85

@@ -63,3 +63,24 @@ def test_noise_floor_and_fastest_peer_against_brute_force():
         want = max((r for r in recs if r["method"] in rp.EXACT_PEERS and r["peak_over_gc"] <= b),
                    key=lambda r: r["speed_over_gc"], default=None)
         assert rp.fastest_peer(recs, b) is want
+
+
+def test_interleaved_floor_and_peer_pairs_only_within_a_phase(fresh_seed):
+    """A record with gc-aa times uses its interleaved floor; one without falls back to the
+    adjacent-repeat floor, marked. HiLoRe over a peer is printed only from a phase that timed
+    both."""
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    gc = [rng.uniform(10, 11) for _ in range(6)]
+    h = [g / 1.1 for g in gc]
+    rec = {"method": "hilore", "budget_ratio": 1.1, "aa_over_gc": 1.0, "aa_ci95": [0.98, 1.02], "piece": None}
+    assert rp.floor_of({"records": [rec]}, rec)["kind"] == "interleaved"
+    old = {"method": "gc", "budget_ratio": None, "update_seconds_all": gc, "piece": None}
+    f = rp.floor_of({"records": [old]}, old)
+    assert f["kind"] == "adjacent" and rp.floor_cell(f).endswith("(adjacent)")
+    peer = {"method": "compile-budget", "budget_ratio": 1.1, "speed_over_gc": 1.3}
+    data = {"phases": [{"label": "main", "times": {"gc": gc, "hilore@1.10": h}}]}
+    assert rp.over_peer(data, peer, 1.1) == "not paired"
+    data["phases"].append({"label": "compile-budget@1.10", "times": {"gc": gc, "hilore@1.10": h,
+                                                                    "compile-budget@1.10": [g / 1.21 for g in gc]}})
+    assert rp.over_peer(data, peer, 1.1) == "hilore / it 0.909 [0.909, 0.909], paired"

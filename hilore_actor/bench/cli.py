@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=("qwen2", "llama", "phi3"), help="override a random-weight workload's model family")
     p.add_argument("--model-config", help="any HF causal-LM config.json (random weights) instead of the workload's shape")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list: no-gc, gc, sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, all-p, all-p:core, "
+                   help="comma list: no-gc, gc, gc-aa (a second gc: the A/A floor, added to every timed run with gc), sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, all-p, all-p:core, "
                         "hilore-hr, hilore-static, hilore-coarse, hilore-p, hilore-hr-p, hilore; a '+full' suffix runs "
                         "that method with full float32 logits (gc+full: the OpenRLHF default)")
     p.add_argument("--head", default="chunked", choices=("chunked", "full"),
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "activations: bytes allocated inside a microbatch")
     p.add_argument("--budgets", default="1.10", help="comma list of budgets as ratios of the --budget-from peak")
     p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats per method (>= 7 on noisy CPUs)")
+    p.add_argument("--no-aa", action="store_true", help="do not add gc-aa (the A/A floor) to a run with gc and several repeats")
     p.add_argument("--updates", type=int, default=3, help="distinct measured updates (each = the workload's microbatches)")
     p.add_argument("--calib", type=int, default=16, help="calibration microbatches for HiLoRe's risk (C)")
     p.add_argument("--calibration", default=None, help="calibration JSON: reused when it exists, written after calibrating")
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
                    "level per unit for HiLoRe's knapsack (all-l uses the first)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--cpu-meter", default="profiler", choices=("profiler", "storage"),
+                   help="how CPU peaks are measured: the torch profiler's allocation events, or live tensor storages "
+                        "(no event log; for models whose CPU path is a long loop of small ops, e.g. state-space "
+                        "scans; misses ops' internal buffers). Compare peaks from one meter only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write records here")
     p.add_argument("--plot", default=None, help="write the frontier plot (PNG) here")
@@ -86,14 +91,17 @@ def _rss() -> str:
 def _methods(args) -> List[str]:
     from ..recovery.policies import ENGINE_POLICIES
     from .methods import OURS, PEERS, split_name
+    from .timing import AA
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = {"no-gc", "gc", *ENGINE_POLICIES, *PEERS, *OURS}
+    known = {"no-gc", "gc", AA, *ENGINE_POLICIES, *PEERS, *OURS}
     for n in names:
         if split_name(n)[0] not in known:
             raise ValueError(f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full")
     if args.repeats < 1 or args.updates < 1:
         raise ValueError("--repeats and --updates must be at least 1")
+    if "gc" in names and AA not in names and args.repeats > 1 and not args.no_aa:
+        names.insert(names.index("gc") + 1, AA)
     return names
 
 
@@ -165,14 +173,19 @@ def prepare_methods(names, budgets, ctx):
 
 def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> List[Dict]:
     from .records import add_gap_recovered, method_record
+    from .timing import AA
 
     ref_grads = [sum(ref_runner.run(mb, "no-gc", grads=True, seed=i).grad for i, mb in enumerate(u)) for u in inputs.updates]
-    records = []
-    for m in entries:
+    records, measured = [], {}
+    for m in sorted(entries, key=lambda m: m.name == AA):  # gc-aa runs gc's code: it takes gc's peaks and errors
         if m.isolated:
             m.rebuild()
-        peaks = [m.peaks(u) for u in inputs.updates]
-        errs = [float((m.grad(u) - g).norm() / g.norm()) for u, g in zip(inputs.updates, ref_grads)]
+        if m.name == AA and "gc" in measured:
+            peaks, errs = measured["gc"]
+        else:
+            peaks = [m.peaks(u) for u in inputs.updates]
+            errs = [float((m.grad(u) - g).norm() / g.norm()) for u, g in zip(inputs.updates, ref_grads)]
+        measured[m.name] = peaks, errs
         records.append(method_record(m, timings[id(m)], peaks, errs, budget, budgets, inputs.tokens_per_update))
         _log(f"[bench] measured {m.name}{'' if m.budget_ratio is None else f' @ {m.budget_ratio:.2f}'}{_rss()}")
     add_gap_recovered(records)
@@ -210,6 +223,7 @@ def header(args, argv, wl, device, budget, inputs, git: Tuple[Optional[str], Opt
         "budget_base_bytes": budget.peak, "budget_offset_bytes": budget.offset, "budgets": [float(b) for b in args.budgets.split(",")],
         "repeats": args.repeats, "updates": args.updates, "calib": args.calib, "calib_tokens": args.calib_tokens or wl.calib_tokens,
         "loo": not args.no_loo, "codec": args.codec, "inputs": inputs.provenance,
+        "cpu_meter": args.cpu_meter if device.type == "cpu" else None,
         "command": "python -m hilore_actor.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
     }
 
@@ -219,11 +233,13 @@ def run(args, argv) -> int:
 
     from ..recovery import RecoveryEngine
     from ..recovery.state import codec_levels
+    from ..runtime import memory
     from . import report
     from .inputs import build_inputs
     from .methods import MethodContext, head_runners
 
     git = git_state()
+    memory.CPU_METER = args.cpu_meter
     names = _methods(args)
     budgets = [float(b) for b in args.budgets.split(",")]
     wl = WORKLOADS[args.workload]
@@ -239,9 +255,10 @@ def run(args, argv) -> int:
     entries, unavailable = prepare_methods(names, budgets, ctx)
     from .timing import time_methods
 
-    timings = time_methods(entries, inputs.updates, args.repeats, _log)
+    timings, phases = time_methods(entries, inputs.updates, args.repeats, _log)
     records = measure_records(entries, timings, inputs, budget, budgets, runners[args.head]) + unavailable
     head = header(args, argv, wl, device, budget, inputs, git)
+    head["phases"] = [{"label": p.label, "times": p.times} for p in phases]
     print(report.table(records))
     if args.json:
         report.write_json(args.json, head, records)

@@ -14,6 +14,12 @@ remain comparable; each record keeps the name of its piece.
 A method measured in several pieces keeps the record of the last piece given (a re-run piece
 replaces the rows it re-measured, e.g. after a change made them stale) and says so on stderr;
 gc keeps its first record (every piece has its own).
+
+``--pool``: the pieces are repeats of one run, split so that each fits a sitting (the powered
+runs: tens of repeats). A method's records are pooled instead: its times, the gc and gc-aa
+times paired with them, and the speeds recomputed over all pairs. Each pair still comes from
+one repeat of one piece, so pooling keeps every ratio paired. The pieces must agree on every
+HiLoRe plan (the same plan timed in each), else it is an error.
 """
 from __future__ import annotations
 
@@ -63,9 +69,46 @@ def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
     add_gap_recovered(records)
     header = {k: v for k, v in first.items() if k != "records"}
     header["budgets"] = sorted({b for _, d in pieces for b in d["budgets"]})
-    header["pieces"] = [{"name": n, "command": d["command"], "git_commit": d.get("git_commit"), "repeats": d["repeats"]}
-                        for n, d in pieces]
+    header["pieces"] = [{"name": n, "command": d["command"], "git_commit": d.get("git_commit"), "repeats": d["repeats"],
+                         "phases": d.get("phases")} for n, d in pieces]
+    header.pop("phases", None)  # each piece keeps its own
     header["command"] = " ; ".join(d["command"] for _, d in pieces)
+    return header, records
+
+
+POOLED = ("update_seconds_all", "paired_gc_seconds_all", "paired_aa_seconds_all", "cpu_seconds_all")
+
+
+def pool(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
+    """(header, records) of pieces that are repeats of one run (``--pool``)."""
+    from .records import aa_summary_of
+    from .stats import bimodal, speed_summary
+
+    header, records = merge(pieces[:1])
+    merge(pieces)  # the same checks of what was measured
+    by_key = {(r["method"], r.get("budget_ratio")): r for r in records}
+    for name, d in pieces[1:]:
+        for r in d["records"]:
+            base = by_key.get((r["method"], r.get("budget_ratio")))
+            if base is None or r.get("unavailable") or base.get("unavailable"):
+                raise ValueError(f"{name}: {r['method']} @ {r.get('budget_ratio')} is not a timed row of every piece")
+            if r.get("plan") != base.get("plan"):
+                raise ValueError(f"{name}: {r['method']} @ {r.get('budget_ratio')} ran another plan than the first piece")
+            for k in POOLED:
+                base[k] = list(base.get(k) or []) + list(r.get(k) or [])
+    for r in records:
+        if r.get("unavailable"):
+            continue
+        r.update(speed_summary(r["paired_gc_seconds_all"], r["update_seconds_all"]), **aa_summary_of(r))
+        r["bimodal_times"] = bimodal(r["update_seconds_all"])
+        r["piece"] = " + ".join(n for n, _ in pieces)
+    for r in records:
+        r.pop("gap_recovered", None)
+    add_gap_recovered(records)
+    header["pieces"] = [{"name": n, "command": d["command"], "git_commit": d.get("git_commit"), "repeats": d["repeats"],
+                         "phases": d.get("phases")} for n, d in pieces]
+    header["repeats"] = sum(d["repeats"] for _, d in pieces)
+    header["pooled"] = True
     return header, records
 
 
@@ -75,10 +118,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.add_argument("--markdown", default=None)
+    p.add_argument("--pool", action="store_true", help="the pieces are repeats of one run: pool each method's paired times")
     args = p.parse_args(argv)
     try:
         pieces = [(Path(x).name, json.loads(Path(x).read_text())) for x in args.pieces]
-        header, records = merge(pieces)
+        header, records = (pool if args.pool else merge)(pieces)
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

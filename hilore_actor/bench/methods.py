@@ -19,6 +19,7 @@ from ..recovery.policies import ENGINE_POLICIES
 from .peers import (PeerUnavailable, compiled_runner, decoder_layers, enable_sac, tune_compile_budget,
                     tune_sac_layers)
 from .scope import UpdatePeaks, make_optimizer, update_peaks
+from .timing import AA
 
 # HiLoRe rows: (mode, P offered, token-L row shares). ``hilore`` offers every finer option
 # (P, and token L keeping 10% or 25% of an MLP unit's rows exact); ``hilore-coarse``
@@ -141,8 +142,9 @@ def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) ->
     head = override or ctx.head
     runner = ctx.runners[head]
     model = runner.model
-    if base in ("no-gc", "gc") or base in ENGINE_POLICIES:
-        return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, base, **kw))
+    if base in ("no-gc", "gc", AA) or base in ENGINE_POLICIES:
+        policy = "gc" if base == AA else base  # gc-aa: a second gc, the A/A floor (``timing``)
+        return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, policy, **kw))
     if base == "sac":
         return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, "as-is", **kw),
                       setup=lambda: enable_sac(model), teardown=lambda: apply_baseline(model, "no-gc"))
@@ -164,7 +166,7 @@ def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) ->
         m = _compiled(name, budget_ratio, head, runner, ctx, value)
         m.extra = {"activation_memory_budget": value, "tried": {f"{k:.4f}": v for k, v in sorted(tried.items())}}
         return m
-    raise ValueError(f"unknown method {name!r}; known: no-gc, gc, {', '.join(ENGINE_POLICIES)}, {', '.join(PEERS)}, "
+    raise ValueError(f"unknown method {name!r}; known: no-gc, gc, {AA}, {', '.join(ENGINE_POLICIES)}, {', '.join(PEERS)}, "
                      f"{', '.join(OURS)}, each optionally with the suffix {FULL}")
 
 

@@ -24,6 +24,16 @@ def _fractions(name: str, t: Timings) -> Dict[str, Optional[float]]:
     return {k: t.actions.get(k, 0) / total for k in "HLPR"} if total else {k: None for k in "HLPR"}
 
 
+def aa_summary_of(r: Dict) -> Dict:
+    """The A/A floor of the phase a record was timed in: gc over gc-aa, repeat by repeat
+    (``aa_over_gc``, ``aa_ci95``, ...); and the method against gc-aa directly
+    (``over_aa_*``, the pair whose spread sizes a powered run: ``stats.repeats_to_resolve``)."""
+    gc, aa, t = r.get("paired_gc_seconds_all"), r.get("paired_aa_seconds_all"), r.get("update_seconds_all")
+    if not aa:
+        return {}
+    return {**speed_summary(gc, aa, prefix="aa"), **speed_summary(aa, t, prefix="over_aa")}
+
+
 def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget, budgets: List[float],
                   tokens_per_update: int) -> Dict:
     """``peaks``: one ``UpdatePeaks`` per measured update; ``errs``: each update's relative
@@ -42,6 +52,7 @@ def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget,
         "cpu_seconds_median": statistics.median(t.cpu_seconds), "cpu_seconds_all": t.cpu_seconds,
         "bimodal_times": bimodal(t.seconds),
         **speed_summary(t.gc_seconds, t.seconds),
+        "paired_aa_seconds_all": t.aa_seconds,
         "tokens_per_second": tokens_per_update / t_med,
         "peak_bytes": peak, "peak_over_gc": peak / budget.peak,
         "peak_activations_bytes": max(max(p.activations) for p in peaks),
@@ -52,6 +63,7 @@ def method_record(m, t: Timings, peaks: List, errs: List[float], budget: Budget,
         "online_overhead_seconds": statistics.median(t.overhead) if split_name(m.name)[0].startswith("hilore") else None,
         "prepare_seconds": m.prepare_seconds, **m.extra,
     }
+    rec.update(aa_summary_of(rec))
     if m.budget_ratio is None:
         rec["fits_budget"] = [b for b in budgets if peak <= budget.bytes(b)]
     else:

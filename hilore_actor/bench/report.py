@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 from ..learner.plan import plan_counts
 from .stats import speed_summary
@@ -79,20 +79,50 @@ def markdown(records: List[Dict], header: Dict) -> str:
                    f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
                    f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r.get('p_frac'), '.2f')} | "
                    f"{fmt(r['r_frac'], '.2f')} | {_note(r)} |")
-    return "\n".join(out) + "\n" + versus(records) + plans(records)
+    return "\n".join(out) + "\n" + versus(records, header=header) + plans(records)
 
 
-def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore-coarse") -> str:
-    """``method`` over ``reference`` at each budget, as the median of
-    their paired times (reference / method, both timed in the same repeats of one piece) with
-    a bootstrap 95% interval; pairs from different pieces or phases are not formed."""
-    timed = {(r["method"], r.get("budget_ratio"), r.get("piece")): r for r in records if r.get("update_seconds_all")}
+def phases_of(header: Dict) -> List[Tuple[Optional[str], str, Dict[str, List[float]]]]:
+    """(piece, phase label, {method key: times}) of every timed phase of a result; a merged
+    result keeps each piece's (``timing.Phase``)."""
+    pieces = header.get("pieces") or [{"name": None, "phases": header.get("phases")}]
+    return [(p["name"], ph["label"], ph["times"]) for p in pieces for ph in p.get("phases") or []]
+
+
+def paired(header: Dict, method: str, reference: str) -> Optional[Dict]:
+    """``method`` over ``reference`` (keys as ``timing.key``: ``name`` or ``name@1.10``) from
+    every phase that timed both, pairs kept within their repeat and pooled over phases (a
+    ``speed_summary``, its "over gc" over ``reference``, with the phases it used); None when
+    no phase timed both: then the two are not compared."""
+    ref, times, used = [], [], []
+    for piece, label, t in phases_of(header):
+        if method in t and reference in t:
+            n = min(len(t[method]), len(t[reference]))
+            ref += t[reference][:n]
+            times += t[method][:n]
+            used.append(f"{piece or 'this run'}: {label}")
+    if not times:
+        return None
+    return dict(speed_summary(ref, times), phases=used)
+
+
+def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore-coarse", header: Optional[Dict] = None) -> str:
+    """``method`` over ``reference`` at each budget, as the median of their paired times
+    (reference / method, both timed in the same repeats) with a bootstrap 95% interval; from
+    the phases' raw times when the result has them, else from records of one piece; pairs
+    from different pieces or phases are never formed."""
     out = []
-    for (m, b, piece), r in timed.items():
-        ref = timed.get((reference, b, piece))
-        if m != method or ref is None:
-            continue
-        s = speed_summary(ref["update_seconds_all"], r["update_seconds_all"])  # its "over gc" is over ``reference``
+    budgets = sorted({r.get("budget_ratio") for r in records if r["method"] == method and r.get("update_seconds_all")},
+                     key=lambda b: b or 0)
+    for b in budgets:
+        s = paired(header or {}, f"{method}@{b:.2f}", f"{reference}@{b:.2f}") if b is not None else None
+        if s is None:
+            r = next(r for r in records if r["method"] == method and r.get("budget_ratio") == b and r.get("update_seconds_all"))
+            ref = next((x for x in records if x["method"] == reference and x.get("budget_ratio") == b
+                        and x.get("piece") == r.get("piece") and x.get("update_seconds_all")), None)
+            if ref is None:
+                continue  # timed in different pieces: not a pair (neither is ever a compiled peer's phase)
+            s = speed_summary(ref["update_seconds_all"], r["update_seconds_all"])  # its "over gc" is over ``reference``
         out.append(f"| {fmt(b, '.2f')} | {s['speed_over_gc']:.3f} {_ci(s)} | {len(s['speed_ratios'])} |")
     if not out:
         return ""

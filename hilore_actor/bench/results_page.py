@@ -4,11 +4,16 @@
 [--readme README.md]`` rewrites both; ``--check`` only compares and exits 1 when a file differs
 (the default suite runs it, so no figure on either page can drift from its JSON).
 
-The noise floor beside every speed: gc timed against itself, the ratio of gc's update time in
-one repeat to the next repeat of the same piece (median and bootstrap 95% interval over those
-adjacent pairs). Adjacent repeats are further apart than a method and the gc it is paired with
-(those run side by side in one repeat), so this floor is wider than an interleaved A/A row; a
+The noise floor beside every speed: gc timed against itself. A run made with ``gc-aa`` (every
+run since it was added) carries an interleaved A/A row in each phase: gc over gc-aa, repeat
+by repeat, exactly as a method is paired with gc. Older results have none; for them the floor
+is the ratio of gc's update time in one repeat to the next repeat of the same piece (adjacent
+repeats are further apart than a pair, so that floor is wider) and is marked "adjacent". A
 speed is called above the floor only when its interval lies wholly above the floor's.
+
+A comparison of HiLoRe with a peer is printed as a ratio only when one phase timed both
+(``report.paired``); peers measured in other pieces or phases stand beside it with their own
+speed over their own gc, marked "not paired".
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..learner.plan import plan_counts
-from .report import _note, definitions, fmt, plans, versus
+from .report import _note, definitions, fmt, paired, plans, versus
 from . import results_studies
 from .results_runs import CURRENT_PLANNER, EXACT_PEERS, HEADLINE, RUNS
 from .stats import bootstrap_ci
@@ -49,10 +54,36 @@ def gc_times(data: Dict, piece: Optional[str]) -> List[float]:
 
 
 def aa_floor(times: List[float]) -> Dict:
+    """The adjacent-repeat floor of results without a gc-aa row."""
     ratios = [a / b for a, b in zip(times, times[1:])]
     if not ratios:
-        return {"median": None, "ci": None}
-    return {"median": statistics.median(ratios), "ci": bootstrap_ci(ratios)}
+        return {"median": None, "ci": None, "kind": "adjacent"}
+    return {"median": statistics.median(ratios), "ci": bootstrap_ci(ratios), "kind": "adjacent"}
+
+
+def floor_of(data: Dict, r: Dict) -> Dict:
+    """The A/A floor of the phase ``r`` was timed in: interleaved (gc-aa) when the run had it."""
+    if r.get("aa_ci95"):
+        return {"median": r["aa_over_gc"], "ci": r["aa_ci95"], "kind": "interleaved"}
+    return aa_floor(gc_times(data, r.get("piece")))
+
+
+def floor_cell(f: Dict) -> str:
+    return interval(f["median"], f["ci"]) + (" (adjacent)" if f["kind"] == "adjacent" and f["median"] is not None else "")
+
+
+def over_peer(data: Dict, peer: Dict, b: float) -> str:
+    """HiLoRe over ``peer`` at ``b`` when one phase timed both, else "not paired"."""
+    s = paired(data, f"hilore@{b:.2f}", peer["method"] if peer.get("budget_ratio") is None else f"{peer['method']}@{b:.2f}")
+    return f"hilore / it {interval(s['speed_over_gc'], s.get('speed_ci95'))}, paired" if s else "not paired"
+
+
+def peer_cell(data: Dict, h: Optional[Dict], peer: Optional[Dict], b: float) -> str:
+    """The fastest exact peer, and HiLoRe over it when one phase timed both."""
+    if not peer:
+        return "-"
+    text = f"{peer['method']} {fmt(peer['speed_over_gc'])}"
+    return text if peer["method"] == "gc" or h is None else f"{text} ({over_peer(data, peer, b)})"
 
 
 def above(r: Dict, floor: Dict) -> Optional[bool]:
@@ -137,11 +168,11 @@ def _table(data: Dict) -> List[str]:
         if r.get("unavailable"):
             out.append(f"| {r['method']} | {b} | not run: {r['unavailable']} | | | | | | | |")
             continue
-        floor = aa_floor(gc_times(data, r.get("piece")))
+        floor = floor_of(data, r)
         ab = above(r, floor) if r["method"] != "gc" else None
         out.append(
             f"| {r['method']} ({r['head']} head) | {b} | {interval(r['speed_over_gc'], r.get('speed_ci95'))} | "
-            f"{interval(floor['median'], floor['ci'])} | {'-' if ab is None else ('yes' if ab else 'no')} | "
+            f"{floor_cell(floor)} | {'-' if ab is None else ('yes' if ab else 'no')} | "
             f"{fmt(r.get('gap_recovered'), '.0%')} | {r['peak_over_gc']:.3f} | "
             f"{fmt(r.get('grad_rel_err_mean'), '.4f')} / {fmt(r.get('grad_rel_err_max'), '.4f')} | "
             f"{plan_cell(r, first_codec(data))} | {', '.join(x for x in (_note(r), over_tolerance(r)) if x)} |")
@@ -158,13 +189,14 @@ def _observations(data: Dict) -> List[str]:
         peer, h = fastest_peer(recs, b), find(recs, "hilore", b)
         if peer:
             out.append(f"- At {b:.2f}: the fastest exact peer that fits is `{peer['method']}`, "
-                       f"{interval(peer['speed_over_gc'], peer.get('speed_ci95'))} x gc.")
+                       f"{interval(peer['speed_over_gc'], peer.get('speed_ci95'))} x gc"
+                       + (f" ({over_peer(data, peer, b)})" if peer["method"] != "gc" and h else "") + ".")
         if h and h.get("speed_over_gc") is not None:
-            floor = aa_floor(gc_times(data, h.get("piece")))
+            floor = floor_of(data, h)
             verdict = {True: "above", False: "not above", None: "not comparable with"}[above(h, floor)]
             val = (h.get("validation") or {}).get("peak_over_budget")
             out.append(f"- At {b:.2f}: `hilore` {interval(h['speed_over_gc'], h.get('speed_ci95'))} x gc is {verdict} "
-                       f"its piece's A/A floor {interval(floor['median'], floor['ci'])}; plan {plan_cell(h, first_codec(data))}"
+                       f"its phase's A/A floor {floor_cell(floor)}; plan {plan_cell(h, first_codec(data))}"
                        + (f", {profiled_saving(h):.2f} s saved per microbatch by profile" if profiled_saving(h) else "")
                        + (f", validated at {val:.3f} of B" if val else "") + ".")
     hl = [r for r in recs if "plan" in r]
@@ -207,7 +239,7 @@ def run_section(run, data: Dict) -> str:
            run.stale or CURRENT_PLANNER, "", _workload(data), "", definitions(data), ""]
     out += _table(data) + [""] + _observations(data) + [""]
     out += [f"- {n}" for n in run.notes] + ([""] if run.notes else [])
-    for extra in (versus(data["records"]), plans(data["records"])):
+    for extra in (versus(data["records"], header=data), plans(data["records"])):
         if extra:
             out += [extra.strip(), ""]
     out += ["### Pieces", ""] + _pieces(data, run.name)
@@ -224,15 +256,14 @@ def headline(results: Path) -> str:
         if not r:
             out.append(f"| `{name}` | {b:.2f} | missing | | | | | | |")
             continue
-        floor = aa_floor(gc_times(data, r.get("piece")))
+        floor = floor_of(data, r)
         peer = fastest_peer(data["records"], b)
         ab = above(r, floor)
         out.append(
             f"| `{name}` | {b:.2f} x {data['budget_from']} ({data['budget_scope']}) | "
-            f"{interval(r['speed_over_gc'], r.get('speed_ci95'))} | {interval(floor['median'], floor['ci'])} | "
+            f"{interval(r['speed_over_gc'], r.get('speed_ci95'))} | {floor_cell(floor)} | "
             f"{'-' if ab is None else ('yes' if ab else 'no')} | {fmt(r.get('gap_recovered'), '.0%')} | "
-            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | "
-            f"{'-' if not peer else peer['method'] + ' ' + fmt(peer['speed_over_gc'])} |")
+            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | {peer_cell(data, r, peer, b)} |")
     return "\n".join(out) + "\n"
 
 
@@ -241,8 +272,10 @@ HEADLINE_KEY = ("The paper reports +10.16% throughput over gradient checkpointin
                 "Speed: median of paired ratios gc time / hilore time over interleaved repeats (2 CPU cores, "
                 "chunked head for every method). B: the ratio times the peak of the named method in the named "
                 "scope (device: weights, gradients, AdamW state, activations, head and the optimizer step). A/A "
-                "floor: gc against itself in adjacent repeats of the same piece; \"above floor\" only when the "
-                "whole interval is above it. Recompute removed: the share of gc's recompute time (gc - no-gc) "
+                "floor: gc against a second gc interleaved in the same phase (gc-aa), or, for results without it, "
+                "gc against itself in adjacent repeats of the same piece (marked adjacent); \"above floor\" only "
+                "when the whole interval is above it. The fastest exact peer stands with its own speed over its own "
+                "gc; HiLoRe over it is printed only when one phase timed both (else \"not paired\"). Recompute removed: the share of gc's recompute time (gc - no-gc) "
                 "saved. Gradient error: relative to no-gc, mean over 3 updates.")
 
 

@@ -1,11 +1,22 @@
 """Interleaved timing: every method of a phase once per repeat, order alternating (A B ... B A)
 so slow drift of the machine cancels; compiled peers each get a phase of their own beside gc
-(only one compiled model may be live at a time, ``peers.compiled_runner``)."""
+(only one compiled model may be live at a time, ``peers.compiled_runner``).
+
+Every phase carries its own noise floor and its own comparisons:
+
+- ``gc-aa`` (a second gc, timed as one more method) runs in every phase, so gc / gc-aa over
+  the phase's repeats is the A/A ratio: what a "speed-up" of a method that does gc's work
+  reads as. A ratio is called faster only when its interval clears this one.
+- a compiled peer's phase also times ``hilore`` at the peer's budget, so HiLoRe against the
+  peer is a paired ratio from one phase, not two ratios over two different gc runs.
+- every phase's raw times are returned (``Phase``) and written to the JSON, so any pair of
+  methods timed together can be compared from them.
+"""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -15,7 +26,23 @@ class Timings:
     overhead: List[float] = field(default_factory=list)
     actions: Counter = field(default_factory=Counter)
     gc_seconds: List[float] = field(default_factory=list)  # gc's times paired with these, repeat by repeat
+    aa_seconds: List[float] = field(default_factory=list)  # gc-aa's times in the same phase (the A/A floor)
     taken: Dict[str, Counter] = field(default_factory=dict)  # unit -> action labels over the timed updates
+
+
+AA = "gc-aa"
+PAIRED_WITH_PEERS = "hilore"  # the method timed inside every compiled peer's phase
+
+
+def key(m) -> str:
+    """A method's name in a phase's times: ``name`` or ``name@budget``."""
+    return m.name if m.budget_ratio is None else f"{m.name}@{m.budget_ratio:.2f}"
+
+
+@dataclass
+class Phase:
+    label: str
+    times: Dict[str, List[float]]  # key(method) -> its update seconds, repeat by repeat
 
 
 def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, Timings]) -> None:
@@ -35,21 +62,33 @@ def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, T
         log(f"[bench] {label}: repeat {rep + 1}/{repeats} done")
 
 
-def time_methods(entries, updates, repeats: int, log) -> Dict[int, Timings]:
-    """Times of every entry; each keeps the gc times of its own phase in ``gc_seconds``."""
+def time_methods(entries, updates, repeats: int, log) -> Tuple[Dict[int, Timings], List[Phase]]:
+    """Times of every entry (each keeps the gc and gc-aa times of its own phase in
+    ``gc_seconds`` / ``aa_seconds``) and every phase's raw times."""
     out: Dict[int, Timings] = {}
+    phases: List[Phase] = []
     gc: Optional[object] = next((m for m in entries if m.name == "gc"), None)
+    aa: Optional[object] = next((m for m in entries if m.name == AA), None)
     main = [m for m in entries if not m.isolated]
     timing_phase(main, updates, repeats, "main phase", log, out)
-    if gc is not None:
-        for m in main:
-            out[id(m)].gc_seconds = list(out[id(gc)].seconds)
+    phases.append(Phase("main", {key(m): list(out[id(m)].seconds) for m in main}))
+    _pair(main, out, gc, aa, out)
     for m in [m for m in entries if m.isolated]:
         m.rebuild()  # one compiled peer live at a time
-        group = [gc, m] if gc is not None else [m]
+        ours = [h for h in main if h.name == PAIRED_WITH_PEERS and h.budget_ratio == m.budget_ratio]
+        group = [x for x in (gc, aa, *ours) if x is not None] + [m]
         phase: Dict[int, Timings] = {}
         timing_phase(group, updates, repeats, f"{m.name} phase", log, phase)
         out[id(m)] = phase[id(m)]
+        phases.append(Phase(key(m), {key(x): list(phase[id(x)].seconds) for x in group}))
+        _pair([m], out, gc, aa, phase)
+    return out, phases
+
+
+def _pair(group, out: Dict[int, Timings], gc, aa, phase: Dict[int, Timings]) -> None:
+    """Give each of ``group`` the gc and gc-aa times of the phase it was timed in."""
+    for m in group:
         if gc is not None:
-            out[id(m)].gc_seconds = phase[id(gc)].seconds
-    return out
+            out[id(m)].gc_seconds = list(phase[id(gc)].seconds)
+        if aa is not None:
+            out[id(m)].aa_seconds = list(phase[id(aa)].seconds)
