@@ -97,6 +97,12 @@ def test_all_linear_lora_is_peft_s_all_linear_less_layers_peft_cannot_run():
     assert sorted(pa) == sorted(pb) and all(torch.equal(pa[k], pb[k]) for k in pa)
     m = build_model(tiny_config("qwen2"), seed=0)
     m.model.layers[0].mlp.gate_proj = Router(64, m.model.layers[0].mlp.gate_proj.out_features)
+    class OwnForward(torch.nn.Linear):  # Falcon's FalconLinear: its own forward, a tensor out
+        def forward(self, x):
+            return x @ self.weight.T
+
+    m.model.layers[1].mlp.up_proj = OwnForward(64, m.model.layers[1].mlp.up_proj.out_features, bias=False)
     names = all_linear_targets(m)
     assert "model.layers.0.mlp.gate_proj" not in names and "model.layers.1.mlp.gate_proj" in names
+    assert "model.layers.1.mlp.up_proj" in names  # adapted, as peft's all-linear does
     assert "lm_head" not in names

@@ -171,19 +171,31 @@ _MAMBA_TYPES, _MAMBA_REFUSED = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", 
 def all_linear_targets(model) -> list:
     """The full names of the layers peft's ``"all-linear"`` would adapt (every ``nn.Linear`` and
     GPT-2 ``Conv1D`` but the output head), less two kinds peft wraps but cannot run: a Linear
-    subclass with its own ``forward`` (an MoE router returning ``(scores, logits)``: peft's
-    wrapper calls the base layer and adds a tensor to the tuple) and the modules peft refuses on
-    Mamba models. Same modules as peft's on every other model, so the same adapters."""
+    subclass whose own ``forward`` returns no tensor (an MoE router returning ``(scores,
+    logits)``: peft's wrapper calls the base layer and adds a tensor to the tuple) and the
+    modules peft refuses on Mamba models. A subclass that returns a tensor (Falcon's
+    ``FalconLinear``) is adapted, as peft does. Same modules as peft's on every other model."""
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in _MAMBA_TYPES
+    plain = (torch.nn.Linear.forward, Conv1D.forward)
     out = [name for name, m in model.named_modules()
-           if type(m).forward in (torch.nn.Linear.forward, Conv1D.forward) and m is not head
+           if m is not head and (type(m).forward in plain or (isinstance(m, torch.nn.Linear) and _returns_tensor(m)))
            and not (mamba and name.rsplit(".", 1)[-1] in _MAMBA_REFUSED)]
     if not out:
         raise ValueError(f"{type(model).__name__} has no linear layer for LoRA to adapt (lora targets: all-linear)")
     return out
+
+
+def _returns_tensor(m: torch.nn.Linear) -> bool:
+    """Whether a Linear subclass with its own forward returns a tensor, asked of one zero row
+    (no gradient): a router's tuple, or a weight that cannot run here, says no."""
+    try:
+        with torch.no_grad():
+            return isinstance(m(m.weight.new_zeros(1, m.in_features)), torch.Tensor)
+    except Exception:  # noqa: BLE001 - whatever stops the call, peft's wrapper could not run it either
+        return False
 
 
 def init_lora_b(model, std: float, seed: int) -> None:
