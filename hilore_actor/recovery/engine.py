@@ -93,6 +93,7 @@ class RecoveryEngine:
         self.unit_names = [u.name for layer in self.layer_specs for u in layer.units]
         self.codec = get_codec(codec)
         self.attention_core_exact = attention_core_exact
+        self.compiled = False  # unit forwards compiled (compiled.compile_units): L restores saved strides
         self._step: Optional["Step"] = None
         self._core_depth = self._child_depth = 0  # inside an attention module / inside one of its children
         self._sign_depth = 0  # inside a sign-reading activation (rules.SIGN_READING_ACTIVATIONS)

@@ -60,8 +60,12 @@ def pack(st, t: torch.Tensor):
         u.kept.add(idx)  # the attention core: exact even under L (rules.KEEP_EXACT)
         u.entries[idx] = st.canonical(t)
         st.kept_keys.add(storage_key(u.entries[idx]))  # the storage held (a shared mask: the first copy's)
+    elif u.plan == COMPRESSED and eng.compiled and not t.is_contiguous() and torch._debug_has_internal_overlap(t) != 0:
+        u.entries[idx] = st.canonical(t)  # overlapping elements (expanded): no strides to decode into
     elif u.plan == COMPRESSED:
         u.entries[idx] = st.compress(t, u, keep_sign=idx in u.signed)
+        if eng.compiled and isinstance(u.entries[idx], PAYLOADS) and not t.is_contiguous():
+            u.strides[idx] = t.stride()  # the compiled backward asserts the saved strides (compiled.py)
     else:
         u.entries[idx] = st.canonical(t)
     return Handle(u, idx)
@@ -87,6 +91,9 @@ def unpack(st, h):
         return v
     t0 = st.clock() if st.profile else 0.0
     out = decode(u.codec or eng.codec, v)
+    stride = u.strides.pop(idx, None)
+    if stride is not None:
+        out = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
     if st.profile:
         u.codec_seconds += st.clock() - t0
     return out

@@ -141,6 +141,7 @@ class UnitState:
     ext_keys: Set[int] = field(default_factory=set)  # storages of the unit's checkpoint inputs
     kept: Set[int] = field(default_factory=set)  # idx that L keeps exact by rule (rules.py: attention core)
     signed: Set[int] = field(default_factory=set)  # idx saved inside a sign-reading activation (L keeps signs)
+    strides: Dict[int, tuple] = field(default_factory=dict)  # idx -> strides a decoded copy must have (compiled units)
     n_saved: int = 0
     replay: Replay = field(default_factory=Replay)
     recomputed: Dict[int, torch.Tensor] = field(default_factory=dict)
