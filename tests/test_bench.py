@@ -84,3 +84,26 @@ def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
     assert [p["label"] for p in data["phases"]] == ["main"]
     assert set(data["phases"][0]["times"]) == {"gc", "gc-aa", "gc+full", "hilore-hr@1.00"}
     assert data["cpu_meter"] == "profiler"
+
+
+@pytest.mark.slow
+def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg):
+    """gc+compile and HiLoRe+compile run on one copy whose units are compiled: all-H and all-R
+    there give eager no-gc's gradient up to inductor's rounding, HiLoRe's plan fits B, and
+    every +compile row is timed in the main phase beside gc and gc-aa (about 2 min)."""
+    out = tmp_path / "r.json"
+    rc = main(["--model-config", str(tiny_cfg), "--methods", "no-gc,gc,gc+compile,all-h+compile,all-r+compile,hilore-hr+compile",
+               "--budgets", "1.2", "--repeats", "2", "--updates", "1", "--no-loo", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    recs = {r["method"]: r for r in data["records"]}
+    for m in ("all-h+compile", "all-r+compile", "gc+compile"):
+        assert recs[m]["grad_rel_err_max"] < 1e-5, (m, recs[m]["grad_rel_err_max"])
+    assert recs["hilore-hr+compile"]["fits_budget"] is True and recs["hilore-hr+compile"]["budget_ratio"] == 1.2
+    assert {"gc+compile", "hilore-hr+compile@1.20", "gc", "gc-aa"} <= set(data["phases"][0]["times"])
+    assert recs["gc+compile"]["r_frac"] == 1.0
+
+
+def test_compile_suffix_on_a_peer_is_a_clear_error(tiny_cfg, capsys):
+    assert main(["--model-config", str(tiny_cfg), "--methods", "gc,sac+compile", "--repeats", "1"]) == 2
+    assert "+compile applies to" in capsys.readouterr().err

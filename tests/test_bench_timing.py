@@ -49,3 +49,19 @@ def test_a_run_without_gc_pairs_nothing(fresh_seed):
     out, phases = time_methods([m], [["mb"]], 2, lambda *_: None)
     assert set(phases[0].times) == {"no-gc"}
     assert out[id(m)].gc_seconds == [] and out[id(m)].aa_seconds == []
+
+
+def test_compiled_units_rows_join_the_compiled_peers_phase_and_warm_up_on_every_update(fresh_seed):
+    print("seed", fresh_seed)
+    rng, ran = random.Random(fresh_seed), []
+    gc, aa = FakeMethod("gc", None, rng, ran), FakeMethod(AA, None, rng, ran)
+    gcc, hc10 = FakeMethod("gc+compile", None, rng, ran), FakeMethod("hilore+compile", 1.1, rng, ran)
+    hc25 = FakeMethod("hilore+compile", 1.25, rng, ran)
+    peer = FakeMethod("compile-budget", 1.1, rng, ran, isolated=True)
+    for m in (gcc, hc10, hc25, peer):
+        m.compiled = True
+    updates = [["u0"], ["u1"], ["u2"]]
+    _, phases = time_methods([gc, aa, gcc, hc10, hc25, peer], updates, 2, lambda *_: None)
+    assert set(phases[1].times) == {"gc", AA, "gc+compile", "hilore+compile@1.10", "compile-budget@1.10"}
+    # warm-up: gc and gc-aa once, each compiled method on all three updates
+    assert ran[:11] == ["gc", AA] + ["gc+compile"] * 3 + ["hilore+compile@1.10"] * 3 + ["hilore+compile@1.25"] * 3

@@ -40,7 +40,7 @@ def frames():
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_h_r_p_bitwise_and_l_close_on_compiled_units(arch, fresh_seed):
     print("seed", fresh_seed)
     torch._dynamo.reset()

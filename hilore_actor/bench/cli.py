@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list: no-gc, gc, gc-aa (a second gc: the A/A floor, added to every timed run with gc), sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, all-p, all-p:core, "
                         "hilore-hr, hilore-static, hilore-coarse, hilore-p, hilore-hr-p, hilore; a '+full' suffix runs "
-                        "that method with full float32 logits (gc+full: the OpenRLHF default)")
+                        "that method with full float32 logits (gc+full: the OpenRLHF default); a '+compile' suffix runs "
+                        "it on a copy of the model whose recovery units are compiled (gc+compile, hilore+compile)")
     p.add_argument("--head", default="chunked", choices=("chunked", "full"),
                    help="LM head of every method: chunked token log-probs (what the product runs) or full logits")
     p.add_argument("--budget-from", default="gc", choices=("gc", "gc+full"),
@@ -90,13 +91,15 @@ def _rss() -> str:
 
 def _methods(args) -> List[str]:
     from ..recovery.policies import ENGINE_POLICIES
-    from .methods import OURS, PEERS, split_name
+    from .methods import COMPILABLE, COMPILE, OURS, PEERS, split_name
     from .timing import AA
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     known = {"no-gc", "gc", AA, *ENGINE_POLICIES, *PEERS, *OURS}
     for n in names:
-        if split_name(n)[0] not in known:
+        if n.endswith(COMPILE) and n[: -len(COMPILE)] not in COMPILABLE:
+            raise ValueError(f"{n!r}: {COMPILE} applies to {', '.join(COMPILABLE)}")
+        if not n.endswith(COMPILE) and split_name(n)[0] not in known:
             raise ValueError(f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full")
     if args.repeats < 1 or args.updates < 1:
         raise ValueError("--repeats and --updates must be at least 1")

@@ -3,6 +3,12 @@
 A method name is a base name and an optional ``+full`` suffix: the suffix runs that method
 with the model's full float32 logits instead of the benchmark's ``--head`` (so ``gc+full`` is
 gradient checkpointing as an OpenRLHF user runs it today). No method gets a head of its own.
+
+A ``+compile`` suffix (``gc+compile``, ``no-gc+compile``, ``hilore+compile``, any engine
+policy or HiLoRe row) runs the method on a private copy of the model whose recovery units'
+forwards are compiled (``recovery.compiled``): inductor's fused kernels under the same
+engine. Every ``+compile`` method shares that one copy; HiLoRe plans on it, so it profiles
+compiled units. gc+compile is layer checkpointing around the compiled units.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ PEERS = ("sac", "sac-budget", "compile-budget", "compile-fp8")
 BUDGETED = OURS + ("sac-budget", "compile-budget")
 HEADS = ("chunked", "full")
 FULL = "+full"
+COMPILE = "+compile"
+COMPILABLE = ("no-gc", "gc") + tuple(ENGINE_POLICIES) + OURS
 
 
 def head_runners(model, engine) -> Dict[str, object]:
@@ -51,7 +59,7 @@ def split_name(name: str):
 
 
 def is_budgeted(name: str) -> bool:
-    return split_name(name)[0] in BUDGETED
+    return split_name(name[: -len(COMPILE)] if name.endswith(COMPILE) else name)[0] in BUDGETED
 
 
 @dataclass
@@ -86,6 +94,7 @@ class MethodContext:
     bisect_steps: int = 4
     costs_cache: Dict[int, Dict] = field(default_factory=dict)
     compile_peaks: Dict[str, Dict[float, int]] = field(default_factory=dict)  # head -> value -> peak
+    compiled_units: Optional["MethodContext"] = None  # the context of +compile methods (its own model copy)
 
 
 class Method:
@@ -100,6 +109,7 @@ class Method:
         self.hilore: Optional[HiLoRe] = None
         self.extra: Dict = {}
         self.isolated = False  # compiled peers: timed in their own phase (see peers.compiled_runner)
+        self.compiled = False  # torch.compile runs inside (a compiled peer or a +compile method): warm up on every update
         self.rebuild: Optional[Callable[[], None]] = None  # recompiles an isolated peer before its phase
         self._optimizer = self._optimizer_model = None
 
@@ -138,6 +148,8 @@ class Method:
 
 
 def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) -> Method:
+    if name.endswith(COMPILE):
+        return _on_compiled_units(name, budget_ratio, ctx)
     base, override = split_name(name)
     head = override or ctx.head
     runner = ctx.runners[head]
@@ -188,6 +200,37 @@ def _sac_budget(name, budget_ratio, head, runner, ctx) -> Method:
     return m
 
 
+def _on_compiled_units(name: str, budget_ratio: Optional[float], ctx: MethodContext) -> Method:
+    """``name`` without ``+compile``, made over the copy with compiled units (built once, and
+    compiled on the development microbatches so that no compile is timed)."""
+    import copy
+    import dataclasses
+
+    from ..allocation import Runner
+    from ..recovery import RecoveryEngine
+    from ..recovery.compiled import compile_units
+
+    base = name[: -len(COMPILE)]
+    if base not in COMPILABLE:
+        raise ValueError(f"{name!r}: {COMPILE} applies to {', '.join(COMPILABLE)}")
+    runner = ctx.runners[ctx.head]
+    if ctx.compiled_units is None:
+        model = copy.deepcopy(runner.model)
+        engine = RecoveryEngine(model, codec=runner.engine.codec.name)
+        n = compile_units(engine)
+        twin = Runner(model, engine, loss_fn=runner.loss_fn)
+        try:
+            for policy in ("all-r", "no-gc"):  # the grad-mode graphs both paths use (R replays under grad)
+                twin.run(ctx.dev[0], policy)
+        except Exception as e:  # noqa: BLE001 - report whatever stops compilation
+            raise PeerUnavailable(f"compiling the recovery units failed: {e}") from None
+        ctx.log(f"[bench] compiled {n} unit modules on a copy of the model")
+        ctx.compiled_units = dataclasses.replace(ctx, runners={ctx.head: twin}, costs_cache={}, compile_peaks={})
+    m = make_method(base, budget_ratio, ctx.compiled_units)
+    m.name, m.compiled = name, True
+    return m
+
+
 def _compiled(name, budget_ratio, head, runner, ctx, value: float, fp8: bool = False) -> Method:
     def build():
         r = compiled_runner(runner, value, fp8=fp8, head=head)
@@ -204,7 +247,7 @@ def _compiled(name, budget_ratio, head, runner, ctx, value: float, fp8: bool = F
         m.runner = None  # drop the old copy before compiling the next one
         m.runner = build()
 
-    m.isolated, m.rebuild = True, rebuild
+    m.isolated, m.rebuild, m.compiled = True, rebuild, True
     return m
 
 

@@ -15,10 +15,10 @@ from .timing import Timings
 
 
 def _fractions(name: str, t: Timings) -> Dict[str, Optional[float]]:
-    base = split_name(name)[0]
+    base = split_name(name.removesuffix("+compile"))[0]
     if base == "no-gc":
         return {"H": 1.0, "L": 0.0, "P": 0.0, "R": 0.0}
-    if base == "gc":
+    if base in ("gc", "gc-aa"):
         return {"H": 0.0, "L": 0.0, "P": 0.0, "R": 1.0}
     total = sum(t.actions.values())
     return {k: t.actions.get(k, 0) / total for k in "HLPR"} if total else {k: None for k in "HLPR"}

@@ -7,8 +7,11 @@ Every phase carries its own noise floor and its own comparisons:
 - ``gc-aa`` (a second gc, timed as one more method) runs in every phase, so gc / gc-aa over
   the phase's repeats is the A/A ratio: what a "speed-up" of a method that does gc's work
   reads as. A ratio is called faster only when its interval clears this one.
-- a compiled peer's phase also times ``hilore`` at the peer's budget, so HiLoRe against the
-  peer is a paired ratio from one phase, not two ratios over two different gc runs.
+- a compiled peer's phase also times ``hilore`` at the peer's budget and every ``+compile``
+  method at that budget or unbudgeted, so HiLoRe against the peer is a paired ratio from one
+  phase, not two ratios over two different gc runs.
+- a method that runs compiled code warms up on every distinct update, so no compile (a new
+  token count) is timed.
 - every phase's raw times are returned (``Phase``) and written to the JSON, so any pair of
   methods timed together can be compared from them.
 """
@@ -47,7 +50,8 @@ class Phase:
 
 def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, Timings]) -> None:
     for m in group:  # warm-up, never kept
-        m.update(updates[0])
+        for u in (updates if getattr(m, "compiled", False) else updates[:1]):
+            m.update(u)
     for rep in range(repeats):
         order = group if rep % 2 == 0 else list(reversed(group))
         for m in order:
@@ -75,7 +79,8 @@ def time_methods(entries, updates, repeats: int, log) -> Tuple[Dict[int, Timings
     _pair(main, out, gc, aa, out)
     for m in [m for m in entries if m.isolated]:
         m.rebuild()  # one compiled peer live at a time
-        ours = [h for h in main if h.name == PAIRED_WITH_PEERS and h.budget_ratio == m.budget_ratio]
+        ours = [h for h in main if (h.name == PAIRED_WITH_PEERS and h.budget_ratio == m.budget_ratio)
+                or (h.name.endswith("+compile") and h.budget_ratio in (None, m.budget_ratio))]
         group = [x for x in (gc, aa, *ours) if x is not None] + [m]
         phase: Dict[int, Timings] = {}
         timing_phase(group, updates, repeats, f"{m.name} phase", log, phase)
