@@ -61,7 +61,12 @@ def test_compiled_units_rows_join_the_compiled_peers_phase_and_warm_up_on_every_
     for m in (gcc, hc10, hc25, peer):
         m.compiled = True
     updates = [["u0"], ["u1"], ["u2"]]
-    _, phases = time_methods([gc, aa, gcc, hc10, hc25, peer], updates, 2, lambda *_: None)
+    out, phases = time_methods([gc, aa, gcc, hc10, hc25, peer], updates, 2, lambda *_: None)
+    # rows that join the peer's phase are timed there only; hilore+compile @ 1.25 joins none
+    assert set(phases[0].times) == {"gc", AA, "hilore+compile@1.25"}
     assert set(phases[1].times) == {"gc", AA, "gc+compile", "hilore+compile@1.10", "compile-budget@1.10"}
+    assert out[id(hc10)].seconds == phases[1].times["hilore+compile@1.10"]
+    assert out[id(hc10)].gc_seconds == phases[1].times["gc"] and out[id(gcc)].aa_seconds == phases[1].times[AA]
+    assert out[id(hc25)].gc_seconds == phases[0].times["gc"]
     # warm-up: gc and gc-aa once, each compiled method on all three updates
-    assert ran[:11] == ["gc", AA] + ["gc+compile"] * 3 + ["hilore+compile@1.10"] * 3 + ["hilore+compile@1.25"] * 3
+    assert ran[:8] == ["gc", AA] + ["hilore+compile@1.25"] * 3 + ["gc", AA, "hilore+compile@1.25"]

@@ -166,13 +166,15 @@ def architectures(results: Path) -> str:
            "[`docs/architectures.md`](../docs/architectures.md). *stale*: a JSON that does not record its config "
            "(`workload.model.model_type`) was measured before the sweep built configs through the config class and "
            "before the chunked head was checked to be the model's own logits (soft-capped, scaled and prediction-head "
-           "logits now use the model's); its figures may differ from a re-run's.", "",
-           "| architecture | gc | all-H | all-R | all-L | commit |", "|---|---|---|---|---|---|"]
+           "logits now use the model's); its figures may differ from a re-run's. Peaks (in the JSON, not here) are by the "
+           "profiler's allocation log, or by live tensor storages where the CPU meter column says `storage` (state-space "
+           "models, whose reference scans made the profiler's log too large: `runtime/storage_meter.py`).", "",
+           "| architecture | gc | all-H | all-R | all-L | CPU meter | commit |", "|---|---|---|---|---|---|---|"]
     for f in files:
         d = json.loads(f.read_text())
         err = {r["method"]: r.get("grad_rel_err_mean") for r in d["records"]}
         cell = lambda m: "-" if err.get(m) is None else ("0 (exact)" if err[m] == 0 else f"{err[m]:.4f}")  # noqa: E731
         stale = "" if d["workload"].get("model", {}).get("model_type") else " *stale*"
         out.append(f"| `{f.stem}`{stale} | {cell('gc')} | {cell('all-h')} | {cell('all-r')} | {cell('all-l')} | "
-                   f"{d['git_commit'][:7]} |")
+                   f"{d.get('cpu_meter') or 'profiler'} | {d['git_commit'][:7]} |")
     return "\n".join(out) + "\n"

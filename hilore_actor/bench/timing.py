@@ -66,27 +66,39 @@ def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, T
         log(f"[bench] {label}: repeat {rep + 1}/{repeats} done")
 
 
+def _companion(h, peer) -> bool:
+    """Whether ``h`` is timed inside ``peer``'s phase: hilore at its budget, +compile rows at
+    its budget or unbudgeted."""
+    return ((h.name == PAIRED_WITH_PEERS and h.budget_ratio == peer.budget_ratio)
+            or (h.name.endswith("+compile") and h.budget_ratio in (None, peer.budget_ratio)))
+
+
 def time_methods(entries, updates, repeats: int, log) -> Tuple[Dict[int, Timings], List[Phase]]:
     """Times of every entry (each keeps the gc and gc-aa times of its own phase in
-    ``gc_seconds`` / ``aa_seconds``) and every phase's raw times."""
+    ``gc_seconds`` / ``aa_seconds``) and every phase's raw times. A +compile row that joins a
+    compiled peer's phase is timed there only (its record: the first such phase), not again
+    in the main phase."""
     out: Dict[int, Timings] = {}
     phases: List[Phase] = []
     gc: Optional[object] = next((m for m in entries if m.name == "gc"), None)
     aa: Optional[object] = next((m for m in entries if m.name == AA), None)
-    main = [m for m in entries if not m.isolated]
+    peers = [m for m in entries if m.isolated]
+    shared = [h for h in entries if h.name.endswith("+compile") and any(_companion(h, p) for p in peers)]
+    main = [m for m in entries if not m.isolated and m not in shared]
     timing_phase(main, updates, repeats, "main phase", log, out)
     phases.append(Phase("main", {key(m): list(out[id(m)].seconds) for m in main}))
     _pair(main, out, gc, aa, out)
-    for m in [m for m in entries if m.isolated]:
+    for m in peers:
         m.rebuild()  # one compiled peer live at a time
-        ours = [h for h in main if (h.name == PAIRED_WITH_PEERS and h.budget_ratio == m.budget_ratio)
-                or (h.name.endswith("+compile") and h.budget_ratio in (None, m.budget_ratio))]
+        ours = [h for h in entries if not h.isolated and _companion(h, m)]
         group = [x for x in (gc, aa, *ours) if x is not None] + [m]
         phase: Dict[int, Timings] = {}
         timing_phase(group, updates, repeats, f"{m.name} phase", log, phase)
-        out[id(m)] = phase[id(m)]
         phases.append(Phase(key(m), {key(x): list(phase[id(x)].seconds) for x in group}))
-        _pair([m], out, gc, aa, phase)
+        firsts = [x for x in group if x is m or (x in shared and id(x) not in out)]
+        for x in firsts:
+            out[id(x)] = phase[id(x)]
+        _pair(firsts, out, gc, aa, phase)
     return out, phases
 
 

@@ -203,12 +203,19 @@ def plan_counts(plan: Dict[str, str]) -> Dict[str, int]:
     return {q: sum(split_label(v)[0] == q for v in plan.values()) for q in PLANS}
 
 
-def _engine(model, hcfg):
-    """A recovery engine with the codec ``--hilore.codec`` names first (``recovery.state.codec_levels``)."""
+def make_engine(model, hcfg):
+    """A recovery engine with the codec ``--hilore.codec`` names first (``recovery.state.codec_levels``);
+    with ``--hilore.compile`` the units' forwards compiled (``recovery.compiled``: in place, so
+    the planning engine and the training engine of one model run the same compiled code)."""
     from ..recovery import RecoveryEngine
     from ..recovery.state import codec_levels
 
-    return RecoveryEngine(model, codec=codec_levels(hcfg.codec)[0])
+    engine = RecoveryEngine(model, codec=codec_levels(hcfg.codec)[0])
+    if getattr(hcfg, "compile", False):
+        from ..recovery.compiled import compile_units
+
+        compile_units(engine)
+    return engine
 
 
 def _scheduler(runner, budget: int, calibration, hcfg, log, costs_cache=None):
@@ -242,7 +249,7 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
         cal = {a: Calibration(**v) for a, v in state["calibrations"].items()}
     else:  # a checkpoint from before L levels
         cal = {"L": Calibration(**state["calibration"])} if state.get("calibration") else None
-    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn)
+    runner = Runner(model, make_engine(model, hcfg), loss_fn=loss_fn)
     state["info"].setdefault("fill", float(hcfg.fill))  # checkpoints from before --hilore.fill
     plan = RankPlan(state["budget"], state["info"], None, ShapePlan.from_dict(state["plan"]), log)
     plan.hl = _scheduler(runner, plan.budget - plan.offset, cal, hcfg, log)
@@ -272,7 +279,7 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     n_cal = _planning_count(hcfg, backend, calibrate_later) - 1
     dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
                                 group_size=group_size, seed=seed, loss_options=loss_options, device=device)
-    runner = runner_cls(model, _engine(model, hcfg), loss_fn=loss_fn, backward=backward)
+    runner = runner_cls(model, make_engine(model, hcfg), loss_fn=loss_fn, backward=backward)
     if resident is None:
         from .scope import estimate_resident
 
@@ -332,7 +339,7 @@ def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> 
         return plan
     planning_microbatches(model, count[0], **{k: kw[k] for k in ("tokens", "seqs_per_microbatch", "group_size", "seed",
                                                                    "loss_options", "device")})
-    runner = Runner(model, _engine(model, hcfg), loss_fn=loss_fn, backward=kw.get("backward"))
+    runner = Runner(model, make_engine(model, hcfg), loss_fn=loss_fn, backward=kw.get("backward"))
     state = follow(runner)
     runner.engine.detach()
     for p in model.parameters():

@@ -53,6 +53,9 @@ HILORE_FLAGS = [
     ("hilore.token_rows", str, "", "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
      "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others compressed, each share "
      "one more option per L level for the knapsack (empty: off until benchmarked; modes with L)"),
+    ("hilore.compile", boolean, False, "compile each recovery unit's forward in place (regional torch.compile: "
+     "inductor's fused kernels for norms, attention and MLP) and plan on the compiled units; H, R and P stay exact, "
+     "L compresses MLP units only (docs/compile.md); the first microbatches pay the compile time"),
     ("hilore.chunked_head", boolean, True, "compute the action log-probs (and entropy) from the last hidden state a "
      "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "

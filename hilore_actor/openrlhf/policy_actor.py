@@ -218,11 +218,10 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
     def _attach(self, strategy, hcfg, plan, device) -> None:
         """The recovery engine, the coordinator and the step wrappers, once OpenRLHF built the trainer."""
         from ..learner.coordinator import call
-        from ..recovery import RecoveryEngine
-        from ..recovery.state import codec_levels
+        from ..learner.plan import make_engine
         from .training_step import HiLoReTrainingStep
 
-        engine = RecoveryEngine(self.actor.model, codec=codec_levels(hcfg.codec)[0])
+        engine = make_engine(self.actor.model, hcfg)
         coordinator = self._coordinator()
         rank = torch.distributed.get_rank()
         call(coordinator.register, rank, plan.budget)

@@ -77,10 +77,9 @@ class Learner:
         self.budget = self.plan.budget
         self.rec = None
         if self.backend == "hilore":
-            from ..recovery import RecoveryEngine
-            from ..recovery.state import codec_levels
+            from ..learner.plan import make_engine
 
-            self.rec = RecoveryEngine(self.ds, codec=codec_levels(cfg.hilore.codec)[0])
+            self.rec = make_engine(self.ds, cfg.hilore)
         self.coordinator = coordinator
         if coordinator is not None:
             call(coordinator.register, rank, self.budget)

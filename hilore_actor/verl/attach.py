@@ -95,9 +95,7 @@ def without_sp_group():
 def attach(fsdp_engine):
     """The training engine's ``Microbatches``: plan, recovery engine, coordinator."""
     from ..grpo.microbatch import microbatch_loss
-    from ..learner.plan import plan_in_lockstep
-    from ..recovery import RecoveryEngine
-    from ..recovery.state import codec_levels
+    from ..learner.plan import make_engine, plan_in_lockstep
 
     hcfg, job, ec = fsdp_engine.hilore_cfg, fsdp_engine.hilore_job, fsdp_engine.engine_config
     device, model = _device(), fsdp_engine.module
@@ -116,7 +114,7 @@ def attach(fsdp_engine):
             write_calibration=rank == 0, log=print)
     resident = resident_bytes(fsdp_engine, device)
     plan.rebase(resident if group is None else agree_max([resident], group, device)[0])
-    engine = RecoveryEngine(model, codec=codec_levels(hcfg.codec)[0])
+    engine = make_engine(model, hcfg)
     coordinator = None
     try:
         import ray
