@@ -106,12 +106,17 @@ def test_response_kl_matches_a_direct_computation(fresh_seed):
 
 
 def test_exact_match_finds_the_first_difference():
-    a = [{"step": i, "loss": 0.1 * i, "kl": 0.0} for i in (1, 2, 3)]
+    from hilore_actor.fidelity.report import EXACT_KEYS
+
+    a = [dict(dict.fromkeys(EXACT_KEYS, 0.5), step=i, loss=0.1 * i, kl=0.0) for i in (1, 2, 3)]
     assert exact_match(a, [dict(r) for r in a])["identical"]
     b = [dict(r) for r in a]
     b[1]["loss"] += 1e-12
     assert exact_match(a, b) == {"steps_compared": 3, "identical": False, "first_difference": {"step": 2, "metric": "loss"}}
     assert not exact_match(a, a[:2])["identical"]  # a run that stopped early does not reproduce
+    bare = [{k: v for k, v in r.items() if k != "kl"} for r in a]  # a metric neither run wrote
+    assert exact_match(bare, [dict(r) for r in bare])["first_difference"] == {"step": 1, "metric": "kl (missing)"}
+    assert not exact_match([], [])["identical"]
 
 
 def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):

@@ -52,9 +52,12 @@ def discordant(gc: Dict, other: Dict) -> Optional[Dict]:
 
 
 def exact_match(a: List[Dict], b: List[Dict]) -> Dict:
-    """Whether run ``b`` reproduces run ``a`` step by step on ``EXACT_KEYS``."""
-    first = next(((r["step"], k) for r, s in zip(a, b) for k in EXACT_KEYS if r.get(k) != s.get(k)), None)
-    return {"steps_compared": min(len(a), len(b)), "identical": first is None and len(a) == len(b),
+    """Whether run ``b`` reproduces run ``a`` step by step on ``EXACT_KEYS``. A metric missing
+    from either side is a difference (two runs that both lack it prove nothing), and so is
+    an empty run."""
+    first = next(((r["step"], k if k in r and k in s else f"{k} (missing)") for r, s in zip(a, b) for k in EXACT_KEYS
+                  if k not in r or k not in s or r[k] != s[k]), None)
+    return {"steps_compared": min(len(a), len(b)), "identical": first is None and len(a) == len(b) and len(a) > 0,
             "first_difference": None if first is None else {"step": first[0], "metric": first[1]}}
 
 
