@@ -10,6 +10,11 @@
 #   cpu-real-p110    P at 1.10: gc, hilore-coarse, hilore at 1.10 on real weights, with P's
 #                    saving measured on the whole microbatch and both P levels (P, P:core) offered
 #                    (cpu-real-a's calibration reused; about 80 minutes)
+#   cpu-real-compile  view (b) at 1.10 with compiled units: gc, gc+compile, hilore+compile and
+#                    compile-budget, the +compile rows timed inside compile-budget's phase (paired)
+#   cpu-real-power    view (a) at 1.10 and 1.25, gc and hilore only (gc-aa beside them), in pieces
+#                    of 8 repeats: cpu-real-power:1 .. :N, then cpu-real-power:pool pools every
+#                    piece's paired ratios (merge --pool); about 45 minutes a piece
 # hilore (P and token L offered) runs beside hilore-coarse (whole-unit H/L/R) in every run of
 # every method (ALL).
 # A run too long for one sitting goes in pieces: RUN:1 .. RUN:5 each time some of the methods
@@ -30,7 +35,7 @@ ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static
 PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,hilore-coarse,hilore gc,compile-budget gc,all-l,hilore-hr,hilore-static)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
-  run=${spec%%:*} only=
+  run=${spec%%:*} only= repeats=7
   piece=${spec#"$run"}; piece=${piece#:}
   case "$run" in
     cpu-small-sweep) a=(--workload cpu-small --budgets 1.05,1.10,1.25,1.5,2.0 --calib 4 --calib-tokens 512 --no-loo) ;;
@@ -48,21 +53,36 @@ for spec in "$@"; do
                    only=gc,hilore-coarse,hilore ;;
     cpu-small-2codec) a=(--workload cpu-small --budgets 1.10,1.25,1.5 --codec int8-g64,bf16)
                       only=gc,all-l,hilore-static,hilore ;;
+    cpu-real-compile) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo
+                         --bisect-steps 2 --calibration "$OUTDIR/cpu-real-a.calibration.json")
+                      only=gc,gc+compile,hilore+compile,compile-budget ;;
+    cpu-real-power) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo
+                       --calibration "$OUTDIR/cpu-real-a.calibration.json")
+                    only=gc,hilore repeats=8 ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
+  if [ "$piece" = pool ]; then  # pieces that are repeats of one run
+    "$PY" -m hilore_actor.bench.merge --pool "$OUTDIR/$run".[0-9]*.json \
+      --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
+    continue
+  fi
   if [ "$piece" = merge ]; then
     "$PY" -m hilore_actor.bench.merge "$OUTDIR/$run".[0-9].json \
       --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
     continue
   fi
   methods=${only:-$ALL} name=$run
+  if [ "$run" = cpu-real-power ]; then
+    [ -n "$piece" ] || { echo "cpu-real-power runs in pieces: cpu-real-power:1, :2, ... then :pool" >&2; exit 2; }
+    name=$run.$piece piece=
+  fi
   if [ -n "$piece" ]; then
     methods=${PIECES[$((piece - 1))]} name=$run.$piece
     calib=$run  # view (b) shares view (a)'s calibration: same workload, inputs and rows; risk does not depend on B
     case "$run" in *-b) calib=${run%-b}-a ;; esac
     a+=(--calibration "$OUTDIR/$calib.calibration.json")
   fi
-  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats 7 --updates 3 \
+  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats "$repeats" --updates 3 \
     --json "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" --markdown "$OUTDIR/$name.md" 2>&1 \
     | grep --line-buffered -v '^USDT' | tee "$OUTDIR/$name.log"
 done

@@ -92,13 +92,15 @@ def pool(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
             base = by_key.get((r["method"], r.get("budget_ratio")))
             if base is None or r.get("unavailable") or base.get("unavailable"):
                 raise ValueError(f"{name}: {r['method']} @ {r.get('budget_ratio')} is not a timed row of every piece")
-            if r.get("plan") != base.get("plan"):
-                raise ValueError(f"{name}: {r['method']} @ {r.get('budget_ratio')} ran another plan than the first piece")
+            if "plan" in r:
+                base.setdefault("plans_by_piece", [base["plan"]]).append(r["plan"])
             for k in POOLED:
                 base[k] = list(base.get(k) or []) + list(r.get(k) or [])
     for r in records:
         if r.get("unavailable"):
             continue
+        if "plans_by_piece" in r:
+            r["plans_differ"] = any(p != r["plans_by_piece"][0] for p in r["plans_by_piece"])
         r.update(speed_summary(r["paired_gc_seconds_all"], r["update_seconds_all"]), **aa_summary_of(r))
         r["bimodal_times"] = bimodal(r["update_seconds_all"])
         r["piece"] = " + ".join(n for n, _ in pieces)
