@@ -194,18 +194,22 @@ def test_plugin_without_gpu_fails_with_a_message(orl, capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("ds, message", [({"ring_attn_size": 2}, "ring attention puts collectives"),
-                                         ({"tensor_parallel_size": 2}, "AutoTP puts collectives")])
-def test_unsupported_parallelism_stops_with_one_message(ds, message):
-    """Ring attention (OpenRLHF's sequence parallelism) and AutoTP are refused before Ray
-    starts, each with the reason (ZeRO-3 runs: ``test_openrlhf_zero3.py``)."""
+@pytest.mark.parametrize("ds, settings, message", [
+    ({"ring_attn_size": 2}, {}, "ring attention puts collectives"),
+    ({"tensor_parallel_size": 2}, {}, "AutoTP puts collectives"),
+    ({"zero_stage": 3}, {"compile": True}, "hooks that torch.compile would trace"),
+])
+def test_unsupported_parallelism_stops_with_one_message(ds, settings, message):
+    """Ring attention (OpenRLHF's sequence parallelism), AutoTP and compiled units under ZeRO-3
+    are refused before Ray starts, each with the reason (ZeRO-3 runs:
+    ``test_openrlhf_zero3.py``)."""
     from types import SimpleNamespace
 
     from hilore_actor.openrlhf.train_ppo_ray import use_hilore
 
     args = SimpleNamespace(ds=SimpleNamespace(**dict({"zero_stage": 2, "ring_attn_size": 1, "tensor_parallel_size": 1}, **ds)))
     with pytest.raises(PluginError, match=message):
-        use_hilore(args, {})
+        use_hilore(args, settings)
 
 
 def test_plugin_without_openrlhf_fails_with_a_message(monkeypatch, capsys):

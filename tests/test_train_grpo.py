@@ -167,6 +167,7 @@ def test_budget_below_minimum_is_a_clear_error(tmp_path):
     (["--actor_backend", "fast"], "choose one of hilore, gc, none"),
     (["--hilore.budget", "lots"], "cannot read budget"),
     (["--measure_grad_error", "--actor_backend", "gc"], "it needs --actor_backend hilore"),
+    (["--hilore.compile", "true", "--ds.zero_stage", "3"], "does not run under --ds.zero_stage 3"),
 ])
 def test_bad_input_fails_before_ray(tmp_path, args, message):
     r = job(tmp_path, *args, timeout=120)

@@ -107,10 +107,13 @@ def run_cli_main(module, argv: List[str], train: Callable, path: Optional[str] =
         sys.argv = saved
 
 
-def unsupported(args) -> List[str]:
+def unsupported(args, settings: Optional[Dict] = None) -> List[str]:
     """OpenRLHF settings the drop-in cannot run yet, each with the reason."""
     ds = getattr(args, "ds", None)
     out = []
+    if (settings or {}).get("compile") and getattr(ds, "zero_stage", None) == 3:
+        out.append("--hilore.compile with --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in hooks that "
+                   "torch.compile would trace into the compiled units (use ZeRO-2 or leave --hilore.compile off)")
     if (getattr(ds, "ring_attn_size", 1) or 1) > 1:
         out.append("--ds.ring_attn_size > 1: ring attention puts collectives inside the recovery units, and ranks "
                    "recomputing different units would deadlock")
@@ -126,12 +129,12 @@ def use_hilore(args, settings: Optional[Dict] = None):
     environment, check that the cluster has GPUs (OpenRLHF's actors run on GPU workers; the
     driver itself may be a CPU-only head node), return the actor class that replaces
     ``PolicyModelActor``."""
-    bad = unsupported(args)
-    if bad:
-        raise PluginError("--actor_backend hilore cannot run with " + "; ".join(bad))
     if settings is None:  # the patch puts --hilore.* (raw strings, learner.settings.add_flags) into OpenRLHF's parser
         hilore = getattr(args, "hilore", None)
         settings = hilore_config({k: v for k, v in vars(hilore).items() if v is not None} if hilore is not None else {})
+    bad = unsupported(args, settings)
+    if bad:
+        raise PluginError("--actor_backend hilore cannot run with " + "; ".join(bad))
     import ray
 
     from .policy_actor import CONFIG_ENV, HiLoRePolicyModelActor

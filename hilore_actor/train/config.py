@@ -130,6 +130,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 }
 
 
+ZERO3_COMPILE = ("--hilore.compile does not run under --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in "
+                 "hooks that torch.compile would trace into the compiled units; use ZeRO-2 or leave --hilore.compile off")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hilore_actor.train_grpo",
@@ -316,6 +320,8 @@ def validate(cfg) -> None:
         errors.append(f"--ds.zero_stage must be 0, 1, 2 or 3, got {cfg.ds.zero_stage}")
     if cfg.ds.param_dtype not in ("fp32", "bf16"):
         errors.append(f"--ds.param_dtype must be fp32 or bf16, got {cfg.ds.param_dtype!r}")
+    if getattr(cfg.hilore, "compile", False) and cfg.ds.zero_stage == 3:
+        errors.append(ZERO3_COMPILE)
     if cfg.compare_gc and cfg.ds.zero_stage == 3:
         errors.append("--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2")
     if cfg.measure_grad_error and (cfg.actor.backend != "hilore" or cfg.ds.zero_stage == 3):
