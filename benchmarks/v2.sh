@@ -10,6 +10,7 @@
 #   cpu-real-p110    P at 1.10: gc, hilore-coarse, hilore at 1.10 on real weights, with P's
 #                    saving measured on the whole microbatch and both P levels (P, P:core) offered
 #                    (cpu-real-a's calibration reused; about 80 minutes)
+#   cpu-ref-compile   view (b) at 1.10 with compiled units on cpu-ref (random weights; about 45 minutes)
 #   cpu-real-compile  view (b) at 1.10 with compiled units: gc, gc+compile, hilore+compile and
 #                    compile-budget, the +compile rows timed inside compile-budget's phase (paired)
 #   cpu-real-power    view (a) at 1.10 and 1.25, gc and hilore only (gc-aa beside them), in pieces
@@ -53,6 +54,9 @@ for spec in "$@"; do
                    only=gc,hilore-coarse,hilore ;;
     cpu-small-2codec) a=(--workload cpu-small --budgets 1.10,1.25,1.5 --codec int8-g64,bf16)
                       only=gc,all-l,hilore-static,hilore ;;
+    cpu-ref-compile) a=(--workload cpu-ref --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo
+                        --bisect-steps 2 --calibration "$OUTDIR/cpu-ref-a.calibration.json")
+                     only=gc,gc+compile,hilore+compile,compile-budget ;;
     cpu-real-compile) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo
                          --bisect-steps 2 --calibration "$OUTDIR/cpu-real-a.calibration.json")
                       only=gc,gc+compile,hilore+compile,compile-budget ;;
