@@ -769,7 +769,7 @@ def test_documented_recipes_reach_the_gpu_check(orl, recipe, capsys):
     assert "needs CUDA GPUs" in err and "cannot run with" not in err and "Traceback" not in err, err
 
 
-def test_planning_sizes_the_microbatch_as_the_recipe_trains():
+def test_planning_sizes_the_microbatch_as_the_recipe_trains(orl):
     """Fixed microbatches: sequences x max length; dynamic batching: OpenRLHF's token cap."""
     from types import SimpleNamespace as NS
 

@@ -20,6 +20,10 @@ runs on rank 0's passes (not ``plan.shared_calibration``, whose gather only the 
 ranks would join). Messages travel by ``torch.distributed.broadcast_object_list``, tensors
 on the CPU (a CUDA tensor would unpickle onto rank 0's device).
 
+``agree_actions`` makes the ranks of a ZeRO-3 group take one action per unit on each
+microbatch: an R replay there gathers the unit's weights (a collective), so a unit that one
+rank recomputes and another keeps would deadlock both.
+
 ``agree_object`` and ``agree_max`` make one decision per process group, for the ranks of a
 Ulysses sequence-parallel group (``verl/attach.py``), which must take the same action for every
 unit on every microbatch.
@@ -98,3 +102,11 @@ def agree_max(values, group, device) -> list:
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
+
+
+def agree_actions(actions: Dict[str, str], group=None) -> Dict[str, str]:
+    """Each unit's action where every rank of ``group`` chose the same, else R (allowed for
+    every plan, and never above what a rank planned to hold)."""
+    maps = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(maps, actions, group=group)
+    return {n: a if all(m.get(n) == a for m in maps) else "R" for n, a in actions.items()}

@@ -25,6 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..learner.lockstep import agree_actions
 from ..learner.scope import resident_now
 from ..learner.step import report, run_microbatch
 from .patching import shadowed
@@ -44,10 +45,14 @@ class HiLoReTrainingStep:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.last: Dict = {}
         self.weights: Dict = {}
+        self.zero3 = False  # set by install: ranks agree on every unit's action (lockstep.agree_actions)
 
     def install(self, trainer) -> None:
         """Replace ``trainer.training_step`` (an instance attribute shadows the method)."""
         original = trainer.training_step
+        # ZeRO-3 (partitioned weights): the ranks' backward passes are collectives
+        self.zero3 = torch.distributed.is_initialized() and any(
+            hasattr(p, "ds_id") for p in trainer.actor.model.parameters())
 
         def training_step(experience, kl_ctl, step, loss_batch_info=None):
             return self(trainer, original, experience, kl_ctl, step, loss_batch_info)
@@ -93,7 +98,10 @@ class HiLoReTrainingStep:
         def backward(loss, model, optimizer, **kwargs):
             rec = state.get("rec")
             if rec is not None and rec.step is not None and "logp" in captured:
-                rec.step.set_actions(self._choose(rec, captured, loss, experience))
+                actions = self._choose(rec, captured, loss, experience)
+                if self.zero3 and isinstance(actions, dict):  # an R replay gathers weights: one action per unit
+                    actions = agree_actions(actions)
+                rec.step.set_actions(actions)
             return real_backward(loss, model, optimizer, **kwargs)
 
         def optimizer_step(*args, **kwargs):  # outside the microbatch's peak: B bounds the microbatch
