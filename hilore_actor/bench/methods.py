@@ -59,7 +59,7 @@ def split_name(name: str):
 
 
 def is_budgeted(name: str) -> bool:
-    return split_name(name[: -len(COMPILE)] if name.endswith(COMPILE) else name)[0] in BUDGETED
+    return split_name(name.removesuffix(COMPILE))[0] in BUDGETED
 
 
 @dataclass

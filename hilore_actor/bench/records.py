@@ -9,16 +9,16 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional
 
-from .methods import Budget, split_name
+from .methods import COMPILE, Budget, split_name
 from .stats import bimodal, speed_summary
-from .timing import Timings
+from .timing import AA, Timings
 
 
 def _fractions(name: str, t: Timings) -> Dict[str, Optional[float]]:
-    base = split_name(name.removesuffix("+compile"))[0]
+    base = split_name(name.removesuffix(COMPILE))[0]
     if base == "no-gc":
         return {"H": 1.0, "L": 0.0, "P": 0.0, "R": 0.0}
-    if base in ("gc", "gc-aa"):
+    if base in ("gc", AA):
         return {"H": 0.0, "L": 0.0, "P": 0.0, "R": 1.0}
     total = sum(t.actions.values())
     return {k: t.actions.get(k, 0) / total for k in "HLPR"} if total else {k: None for k in "HLPR"}
