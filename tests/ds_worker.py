@@ -76,13 +76,13 @@ def main():
     torch.distributed.destroy_process_group()  # orderly shutdown: an implicit one at exit can abort
 
 
-def watch_weights(module) -> set:
+def watch_weights(module) -> dict:
     """The storages of every parameter's data as each module runs: under ZeRO-3, the gathered
     full weights DeepSpeed's pre-forward hooks (registered first, so run first) put there."""
-    seen = set()
+    seen = {}
 
-    def pre(m, args):
-        seen.update(p.data.untyped_storage()._cdata for p in m.parameters(recurse=False))
+    def pre(m, args):  # holding the storage keeps its address from being reused by an activation
+        seen.update((p.data.untyped_storage()._cdata, p.data.untyped_storage()) for p in m.parameters(recurse=False))
 
     for m in module.modules():
         m.register_forward_pre_hook(pre)
@@ -92,7 +92,7 @@ def watch_weights(module) -> set:
 _COMPRESS = []
 
 
-def spy_compress(weights: set, log: dict) -> None:
+def spy_compress(weights: dict, log: dict) -> None:
     """Wrap ``Step.compress``: count what it encodes, and record (not encode) any weight or any
     tensor whose storage is already freed (a released ZeRO-3 gather)."""
     from hilore_actor.recovery.step import Step

@@ -148,6 +148,7 @@ def _calibrate_rank(rank, world, port, seed, out_dir):
         cal = shared_calibration(Runner(model, RecoveryEngine(model), loss_fn=CHUNKED), batches, ["L"])
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(asdict(cal["L"]), f)
+        dist.barrier()  # both ranks past the last collective before either closes its sockets
     finally:
         dist.destroy_process_group()
 
