@@ -55,6 +55,23 @@ def test_compiled_peer_uses_the_chunked_head_and_compile_budget_fits(setup):
     assert float((g - ref).norm() / ref.norm()) < 1e-3
 
 
+def test_compiled_peer_on_the_chunked_head_runs_the_decoder_it_compiled(setup, monkeypatch):
+    """Without compiling (torch.compile as the identity, so in the default suite): the compiled
+    peer's chunked-head path calls the decoder it was given and gives the eager chunked head's
+    gradient exactly (it once fell through to calling the wrapper as a model)."""
+    import torch
+
+    from hilore_actor.bench.peers import compiled_runner
+
+    runners, dev = setup
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled.append(m) or m)
+    r = compiled_runner(runners["chunked"], 1.0, head="chunked")
+    g = r.run(dev[0], "as-is", grads=True).grad
+    assert compiled == [r.model.get_decoder()]
+    assert torch.equal(g, runners["chunked"].run(dev[0], "no-gc", grads=True).grad)
+
+
 def test_tune_compile_budget_scans_down_then_bisects(monkeypatch):
     """The grid from the top down to the first value that fits, then the interval above it
     bisected; when no grid value fits (0 peaks highest here, as on CPU inductor), a clear error."""

@@ -98,7 +98,10 @@ def tune_sac_layers(measure: Callable[[List[int]], int], n_layers: int, room: in
 
 
 class _DecoderOnly:
-    """What the chunked head needs of a model (``models/chunked_head.py``), with a compiled decoder."""
+    """What the chunked head needs of a model (``models/chunked_head.py``), with a compiled decoder.
+    ``chunked_token_log_probs`` first asks ``head_is_linear`` of it, which it cannot check (no
+    config, not callable): the answer comes from the eager model's check, kept per head module,
+    which this shares (``compiled_runner`` checks first)."""
 
     def __init__(self, model, decoder):
         self._model, self._decoder = model, decoder
@@ -123,6 +126,7 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = 
     import torch._inductor.config as iconf
 
     from ..allocation.runner import Runner
+    from ..models.chunked_head import head_is_linear
 
     fusion = dict(iconf.post_grad_fusion_options)
     if fp8:
@@ -131,7 +135,7 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = 
         }
     torch._dynamo.reset()  # compiled graphs do not key on these settings: start clean
     model = copy.deepcopy(runner.model)
-    if head == "chunked":
+    if head == "chunked" and head_is_linear(model):  # the answer is kept per head module, which _DecoderOnly shares
         target = _DecoderOnly(model, torch.compile(model.get_decoder(), dynamic=False))
     else:
         target = torch.compile(model, dynamic=False)
