@@ -137,7 +137,7 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     from hilore_actor.verl import verify
     from hilore_actor.verl.settings import CONFIG_ENV
 
-    def build(kind, sp, budget="1.2"):
+    def build(kind, sp, budget=SETTINGS["budget"]):
         try:
             with ulysses(sp):
                 return verify.build_engine(kind, path, seed, attn=ATTN, settings={**SETTINGS, "budget": budget}, job=JOB)
@@ -152,7 +152,7 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     no_sp, _ = gradient(build("verl", 1))
     seen = {"verl": {"all_to_all": ref_a2a, "no_sp_rel": float((no_sp - ref).norm() / ref.norm())}}
     for kind in ("hilore-hr", "hilore"):
-        engine = build(kind, SP, budget=CALIBRATED_BUDGET if kind == "hilore" else "1.2")
+        engine = build(kind, SP, budget=CALIBRATED_BUDGET if kind == "hilore" else SETTINGS["budget"])
         actions, gathered = per_microbatch(engine.hilore), gathers(engine.hilore)
         g, a2a = gradient(engine)
         seen[kind] = dict(hilore_record(engine, g, ref, a2a, actions), gathers=list(gathered))
