@@ -107,3 +107,9 @@ def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg):
 def test_compile_suffix_on_a_peer_is_a_clear_error(tiny_cfg, capsys):
     assert main(["--model-config", str(tiny_cfg), "--methods", "gc,sac+compile", "--repeats", "1"]) == 2
     assert "+compile applies to" in capsys.readouterr().err
+
+
+def test_compile_activation_budget_outside_0_1_is_a_clear_error(tiny_cfg, capsys):
+    assert main(["--model-config", str(tiny_cfg), "--methods", "gc,hilore+compile", "--compile-activation-budget", "2",
+                 "--repeats", "1"]) == 2
+    assert "--compile-activation-budget must lie in [0, 1], got 2.0" in capsys.readouterr().err

@@ -77,3 +77,63 @@ def test_token_counts_and_actions_change_without_recompiling(fresh_seed):
     assert frames() == before, "a new token count or action compiled again"
     uncompile_units(engine)
     assert "forward" not in model.base_model.model.model.layers[0].mlp.__dict__ and not engine.compiled
+
+
+def test_each_unit_graph_runs_under_its_activation_budget(monkeypatch, fresh_seed):
+    """``compile_units`` hands inductor's partitioner its activation budget on every unit call
+    (torch.compile replaced by a recording identity: nothing is compiled), leaves torch's own
+    setting as it was, and refuses a budget outside [0, 1]."""
+    import torch._functorch.config as fconf
+
+    print("seed", fresh_seed)
+    seen = []
+
+    def recording_compile(fn, **_):
+        def call(*args, **kwargs):
+            seen.append(fconf.activation_memory_budget)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=VOCAB), seed=fresh_seed)
+    engine = RecoveryEngine(model)
+    with pytest.raises(ValueError, match=r"\[0, 1\], got 1.5"):
+        compile_units(engine, activation_budget=1.5)
+    before = fconf.activation_memory_budget
+    assert compile_units(engine, activation_budget=0.25) == 8
+    ids, pos = packed_microbatch(48, VOCAB, n_seqs=2, seed=fresh_seed)
+    run(model, ids, pos, engine, "all-h")
+    assert len(seen) == 8 and set(seen) == {0.25}
+    assert fconf.activation_memory_budget == before
+
+
+def saved_exact_bytes(model, ids, pos, engine, plan):
+    model.zero_grad(set_to_none=True)
+    with engine.step(plan) as step:
+        loss = grpo_loss(model, ids, pos)
+        held = sum(b["exact"] for b in step.bytes_by_unit().values())
+        loss.backward()
+    return held, grads(model)
+
+
+@pytest.mark.slow
+def test_a_lower_activation_budget_keeps_fewer_bytes_and_stays_exact(fresh_seed):
+    """At activation budget 0 every unit graph saves less under H than at 1, and H and R stay
+    bitwise equal to the compiled model's own autograd at that budget."""
+    print("seed", fresh_seed)
+    ids, pos = packed_microbatch(96, VOCAB, n_seqs=3, seed=fresh_seed)
+    held = {}
+    for budget in (1.0, 0.0):
+        torch._dynamo.reset()  # compiled graphs do not key on the partitioner's settings
+        model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=VOCAB),
+                            lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=fresh_seed)
+        model.train()
+        engine = RecoveryEngine(model)
+        compile_units(engine, activation_budget=budget)
+        ref = run(model, ids, pos)
+        held[budget], g = saved_exact_bytes(model, ids, pos, engine, "all-h")
+        assert all(torch.equal(g[n], ref[n]) for n in ref), f"H differs from compiled no-gc at {budget}"
+        g = run(model, ids, pos, engine, "all-r")
+        assert all(torch.equal(g[n], ref[n]) for n in ref), f"R differs from compiled no-gc at {budget}"
+    print("H bytes by activation budget", held)
+    assert held[0.0] < held[1.0]

@@ -19,7 +19,9 @@ def test_defaults_and_typed_values():
                                         ({"codec": "int4"}, "--hilore.codec 'int4'"),
                                         ({"mode": "fast"}, "--hilore.mode 'fast'"),
                                         ({"token_rows": "0.1,1.5"}, "--hilore.token_rows '0.1,1.5'"),
-                                        ({"token_rows": "a"}, "--hilore.token_rows 'a'")])
+                                        ({"token_rows": "a"}, "--hilore.token_rows 'a'"),
+                                        ({"compile_activation_budget": "1.5"},
+                                         r"--hilore.compile_activation_budget 1.5: a value within \[0, 1\]")])
 def test_bad_values_name_the_flag(raw, match):
     with pytest.raises(ValueError, match=match):
         parse_hilore(raw)

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
     p.add_argument("--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget")
+    p.add_argument("--compile-activation-budget", type=float, default=1.0,
+                   help="+compile methods: torch's activation_memory_budget for each compiled unit's graph, in [0, 1] "
+                        "(1: the partitioner's fastest cut; lower: it recomputes cheap fused ops and H keeps less)")
     p.add_argument("--codec", default=DEFAULT_CODECS, help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
                    "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
                    "level per unit for HiLoRe's knapsack (all-l uses the first)")
@@ -103,6 +106,8 @@ def _methods(args) -> List[str]:
             raise ValueError(f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full")
     if args.repeats < 1 or args.updates < 1:
         raise ValueError("--repeats and --updates must be at least 1")
+    if not 0.0 <= args.compile_activation_budget <= 1.0:
+        raise ValueError(f"--compile-activation-budget must lie in [0, 1], got {args.compile_activation_budget}")
     if "gc" in names and AA not in names and args.repeats > 1 and not args.no_aa:
         names.insert(names.index("gc") + 1, AA)
     return names
@@ -254,7 +259,8 @@ def run(args, argv) -> int:
     _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
          f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")
     cal = calibration_for(args, runners[args.head], inputs, names)
-    ctx = MethodContext(runners, args.head, budget, cal, inputs.dev, log=_log, loo=not args.no_loo, bisect_steps=args.bisect_steps)
+    ctx = MethodContext(runners, args.head, budget, cal, inputs.dev, log=_log, loo=not args.no_loo, bisect_steps=args.bisect_steps,
+                        compile_activation_budget=args.compile_activation_budget)
     entries, unavailable = prepare_methods(names, budgets, ctx)
     from .timing import time_methods
 

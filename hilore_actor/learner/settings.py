@@ -56,6 +56,9 @@ HILORE_FLAGS = [
     ("hilore.compile", boolean, False, "compile each recovery unit's forward in place (regional torch.compile: "
      "inductor's fused kernels for norms, attention and MLP) and plan on the compiled units; H, R and P stay exact, "
      "L compresses MLP units only (docs/compile.md); the first microbatches pay the compile time"),
+    ("hilore.compile_activation_budget", float, 1.0, "with --hilore.compile: torch's activation_memory_budget for each "
+     "compiled unit's graph, in [0, 1] (1: inductor's fastest cut; lower: its partitioner recomputes cheap fused ops "
+     "in the unit's backward, so H keeps fewer bytes per unit, exactly)"),
     ("hilore.chunked_head", boolean, True, "compute the action log-probs (and entropy) from the last hidden state a "
      "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
@@ -97,6 +100,8 @@ def hilore_errors(hcfg) -> List[str]:
         errors.append(str(e))
     if not 0.0 <= float(hcfg.fill) <= 1.0:
         errors.append(f"--hilore.fill {hcfg.fill}: a share of B within [0, 1] (0: no sizing by measured peaks)")
+    if not 0.0 <= float(hcfg.compile_activation_budget) <= 1.0:
+        errors.append(f"--hilore.compile_activation_budget {hcfg.compile_activation_budget}: a value within [0, 1]")
     if hcfg.budget_scope not in SCOPES:
         errors.append(f"--hilore.budget_scope {hcfg.budget_scope!r}: choose {' or '.join(SCOPES)}")
     if str(hcfg.budget).strip().lower() != "auto":

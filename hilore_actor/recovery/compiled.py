@@ -22,6 +22,11 @@ norms, the attention, the MLP) by ``torch.compile`` of it, in place (regional co
   no fused op; P on an MLP unit keeps nothing and costs like R (measured, like every option).
 - Donated buffers are off: the compiled backward may otherwise write into a saved intermediate
   that the engine shares between layers (equal masks, ``Step.canonical``).
+- Activation budget: torch's ``activation_memory_budget`` for each unit's graph (default 1.0,
+  its partitioner's fastest cut). Below 1 the partitioner recomputes cheap fused ops in the
+  unit's compiled backward and saves less, so H keeps fewer bytes per unit (exactly, still):
+  the trade whole-model compilation (the ``compile-budget`` peer) makes across one graph,
+  made here inside each unit, under HiLoRe's H/L/R choice.
 - Token counts: automatic dynamic shapes. The first count compiles a static graph, a second
   one a graph dynamic in that dimension, which serves every later count: at most two
   compiles per module class and grad mode, so warm up with two counts before timing.
@@ -35,11 +40,14 @@ import torch
 MARK = "_hilore_compiled"
 
 
-def compile_units(engine, **options) -> int:
-    """Compile every unit module's ``forward`` in place (``options`` go to ``torch.compile``);
-    returns how many modules were compiled (a module already compiled is left as is)."""
+def compile_units(engine, activation_budget: float = 1.0, **options) -> int:
+    """Compile every unit module's ``forward`` in place (``options`` go to ``torch.compile``;
+    ``activation_budget``: the partitioner's ``activation_memory_budget`` in [0, 1] for every
+    unit graph); returns how many modules were compiled (a module already compiled is left as is)."""
     import torch._functorch.config as fconf
 
+    if not 0.0 <= activation_budget <= 1.0:
+        raise ValueError(f"the compiled units' activation budget must lie in [0, 1], got {activation_budget}")
     n = 0
     for m in unit_modules(engine):
         if getattr(m.__dict__.get("forward"), MARK, False):
@@ -48,7 +56,7 @@ def compile_units(engine, **options) -> int:
 
         @functools.wraps(compiled)
         def forward(*args, _compiled=compiled, **kwargs):
-            with fconf.patch(donated_buffer=False):
+            with fconf.patch(donated_buffer=False, activation_memory_budget=activation_budget):
                 return _compiled(*args, **kwargs)
 
         setattr(forward, MARK, True)
