@@ -59,8 +59,10 @@ RUNS: List[Run] = [
         "paired with that phase's gc, beside its gc-aa.",
         ["compile-budget's times there are bimodal, in step with the phase's alternating order: fast when "
          "it ran right after itself, slow right after another method. Its median ratio is then no "
-         "comparison with HiLoRe+compile, whose times are not bimodal; the cause is not yet found (the "
-         "suspect: its whole-decoder graph recompiled after the other compiled copy ran).",
+         "comparison with HiLoRe+compile, whose times are not bimodal: in the repeats where it ran fast, "
+         "compile-budget was faster than hilore+compile in each pair (`phases` in the JSON). The cause is "
+         "not yet found (the suspect: its whole-decoder graph recompiled after the other compiled copy ran); "
+         "a user runs one compiled model, so its fast mode is the one to beat.",
          "hilore+compile's units stay eager between them (residual adds, the engine's hooks), and each "
          "unit's graph saves its own inputs, which one whole-decoder graph could recompute."]),
     Run("cpu-ref-a", "View (a) on cpu-ref: random weights, B from gc's device peak",
