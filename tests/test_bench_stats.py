@@ -1,5 +1,6 @@
 """Paired speed ratios, bootstrap intervals and the bimodality flag against hand-made cases."""
 import random
+import statistics
 
 import torch
 
@@ -33,7 +34,6 @@ def test_bimodal_flags_two_speeds_only():
 
 def test_geomean_and_total_ratio_beside_the_median(fresh_seed):
     import math
-    import statistics
 
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)
@@ -69,3 +69,20 @@ def test_repeats_to_resolve_gives_the_power_it_promises(fresh_seed):
         hits += mean / (sd / math.sqrt(n)) > 1.96
     print("n", n, "power", hits / 2000)
     assert 0.76 <= hits / 2000 <= 0.85
+
+
+def test_resolvable_difference_inverts_repeats_to_resolve(fresh_seed):
+    """n repeats resolve d exactly when ``repeats_to_resolve(sd, d) <= n``; the spread is the
+    sample deviation of the log ratios."""
+    import math
+
+    from hilore_actor.bench.stats import log_spread, repeats_to_resolve, resolvable_difference
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    sd, n = rng.uniform(0.01, 0.08), rng.randint(4, 40)
+    d = resolvable_difference(sd, n)
+    assert repeats_to_resolve(sd, d * 1.001) <= n < repeats_to_resolve(sd, d * 0.98)
+    xs = [math.exp(rng.gauss(0, sd)) for _ in range(n)]
+    assert abs(log_spread(xs) - statistics.stdev([math.log(x) for x in xs])) < 1e-12
+    assert log_spread([1.0]) is None

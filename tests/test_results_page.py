@@ -84,3 +84,24 @@ def test_interleaved_floor_and_peer_pairs_only_within_a_phase(fresh_seed):
     data["phases"].append({"label": "compile-budget@1.10", "times": {"gc": gc, "hilore@1.10": h,
                                                                     "compile-budget@1.10": [g / 1.21 for g in gc]}})
     assert rp.over_peer(data, peer, 1.1) == "hilore / it 0.909 [0.909, 0.909], paired"
+
+
+def test_a_pooled_run_says_what_its_repeats_resolve(fresh_seed):
+    """A record timed beside gc-aa gets the three estimators side by side and its power: the
+    repeats it has, the log spread of its ratios over gc-aa (brute force: stdev of the logs)
+    and the difference those repeats resolve; a record without gc-aa gets no such line."""
+    import math
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    n = rng.randint(6, 20)
+    over = [math.exp(rng.gauss(0.05, 0.03)) for _ in range(n)]
+    h = {"method": "hilore", "budget_ratio": 1.1, "speed_over_gc": 1.05, "speed_geomean": 1.04,
+         "speed_geomean_ci95": [1.0, 1.08], "speed_total_ratio": 1.03, "over_aa_ratios": over,
+         "over_aa_over_gc": statistics.median(over), "over_aa_ci95": [1.0, 1.1]}
+    line = rp._power({"pooled": True, "pieces": [{}, {}]}, h, 1.1)[0]
+    sd = statistics.stdev(math.log(x) for x in over)
+    assert f"Power: {n} paired repeats from 2 pieces, log spread over gc-aa {sd:.4f}" in line
+    assert f"resolve a {math.expm1(2.8 * sd / math.sqrt(n)):.1%} difference" in line
+    assert "geometric mean 1.040 [1.000, 1.080], total-time ratio 1.030" in line
+    assert rp._power({}, dict(h, over_aa_ratios=[]), 1.1) == []

@@ -18,8 +18,9 @@ gc keeps its first record (every piece has its own).
 ``--pool``: the pieces are repeats of one run, split so that each fits a sitting (the powered
 runs: tens of repeats). A method's records are pooled instead: its times, the gc and gc-aa
 times paired with them, and the speeds recomputed over all pairs. Each pair still comes from
-one repeat of one piece, so pooling keeps every ratio paired. The pieces must agree on every
-HiLoRe plan (the same plan timed in each), else it is an error.
+one repeat of one piece, so pooling keeps every ratio paired. Each piece plans HiLoRe afresh,
+so the pooled speed includes the planning's variation: every piece's plan is kept
+(``plans_by_piece``) and ``plans_differ`` says whether they differ.
 """
 from __future__ import annotations
 

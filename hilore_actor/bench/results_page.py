@@ -27,7 +27,7 @@ from ..learner.plan import plan_counts
 from .report import _note, definitions, fmt, paired, plans, versus
 from . import results_studies
 from .results_runs import CURRENT_PLANNER, EXACT_PEERS, HEADLINE, RUNS
-from .stats import bootstrap_ci
+from .stats import bootstrap_ci, log_spread, repeats_to_resolve, resolvable_difference
 
 MIB = 2 ** 20
 BEGIN, END = "<!-- results:headline (generated: python -m hilore_actor.bench.report --results ...) -->", \
@@ -199,6 +199,7 @@ def _observations(data: Dict) -> List[str]:
                        f"its phase's A/A floor {floor_cell(floor)}; plan {plan_cell(h, first_codec(data))}"
                        + (f", {profiled_saving(h):.2f} s saved per microbatch by profile" if profiled_saving(h) else "")
                        + (f", validated at {val:.3f} of B" if val else "") + ".")
+            out += _power(data, h, b)
     hl = [r for r in recs if "plan" in r]
     if hl:
         within = all(r.get("fits_budget") is True for r in hl)
@@ -207,6 +208,22 @@ def _observations(data: Dict) -> List[str]:
                    f"mean gradient error {fmt(worst.get('grad_rel_err_mean'), '.4f')} (`{worst['method']}` at "
                    f"{fmt(worst.get('budget_ratio'), '.2f')}).")
     return out
+
+
+def _power(data: Dict, h: Dict, b: float, d: float = 0.03) -> List[str]:
+    """The three estimators of ``h``'s speed side by side, and what its repeats can resolve:
+    the spread of its paired log ratios over gc-aa sizes the test (``stats.repeats_to_resolve``)."""
+    sd = log_spread(h.get("over_aa_ratios") or [])
+    if sd is None:
+        return []
+    n = len(h["over_aa_ratios"])
+    pieces = f" from {len(data['pieces'])} pieces" if data.get("pooled") else ""
+    return [f"- At {b:.2f}: `hilore` x gc by median of paired ratios {fmt(h.get('speed_over_gc'))}, geometric mean "
+            f"{interval(h.get('speed_geomean'), h.get('speed_geomean_ci95'))}, total-time ratio "
+            f"{fmt(h.get('speed_total_ratio'))}; over gc-aa {interval(h.get('over_aa_over_gc'), h.get('over_aa_ci95'))}. "
+            f"Power: {n} paired repeats{pieces}, log spread over gc-aa {sd:.4f}: they resolve a "
+            f"{resolvable_difference(sd, n):.1%} difference (5% two-sided, 80% power); {d:.0%} needs "
+            f"{repeats_to_resolve(sd, d)}."]
 
 
 def _loo(data: Dict) -> bool:
@@ -231,7 +248,8 @@ def _workload(data: Dict) -> str:
 
 def run_section(run, data: Dict) -> str:
     merged = bool(data.get("pieces"))
-    cmd = (" ".join(f"{run.name}:{i + 1}" for i in range(len(data["pieces"]))) + f" {run.name}:merge") if merged \
+    last = "pool" if data.get("pooled") else "merge"
+    cmd = (" ".join(f"{run.name}:{i + 1}" for i in range(len(data["pieces"]))) + f" {run.name}:{last}") if merged \
         else run.name
     out = [f"## {run.title} (`{run.name}`)", "", run.about, "",
            f"Run: `bash benchmarks/v2.sh {cmd}`; raw times, peaks and per-unit plans: "

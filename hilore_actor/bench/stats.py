@@ -70,3 +70,15 @@ def repeats_to_resolve(log_ratio_sd: float, difference: float, z_alpha: float = 
     gc-aa of one repeat (gc cancels: gc/gc-aa over gc/method is method/gc-aa's inverse), so
     ``sd`` is that pair's."""
     return math.ceil(((z_alpha + z_power) * log_ratio_sd / math.log1p(difference)) ** 2)
+
+
+def resolvable_difference(log_ratio_sd: float, repeats: int, z_alpha: float = 1.96, z_power: float = 0.84) -> float:
+    """The smallest paired speed difference ``repeats`` repeats detect at 5% two-sided with 80%
+    power: ``repeats_to_resolve`` solved for ``d``, ``d = exp((z_a + z_b) * sd / sqrt(n)) - 1``."""
+    return math.expm1((z_alpha + z_power) * log_ratio_sd / math.sqrt(repeats))
+
+
+def log_spread(ratios: Sequence[float]) -> Optional[float]:
+    """Standard deviation of the log of paired ratios (``None`` below two)."""
+    return statistics.stdev([math.log(x) for x in ratios]) if len(ratios) > 1 else None
+
