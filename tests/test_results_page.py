@@ -105,3 +105,18 @@ def test_a_pooled_run_says_what_its_repeats_resolve(fresh_seed):
     assert f"resolve a {math.expm1(2.8 * sd / math.sqrt(n)):.1%} difference" in line
     assert "geometric mean 1.040 [1.000, 1.080], total-time ratio 1.030" in line
     assert rp._power({}, dict(h, over_aa_ratios=[]), 1.1) == []
+
+
+def test_the_fidelity_section_says_when_its_per_step_metrics_are_absent(tmp_path):
+    """Figures drawn from per-step metrics that are not in the repository are flagged as not
+    recomputable; once every finished run's metrics are there, the flag goes."""
+    from hilore_actor.bench import results_studies
+
+    shutil.copytree(RESULTS / "fidelity", tmp_path / "fidelity", ignore=shutil.ignore_patterns("runs"))
+    runs = json.loads((tmp_path / "fidelity" / "fidelity.json").read_text())["finished_runs"]
+    text = results_studies.fidelity(tmp_path)
+    assert f"the per-step metrics of {len(runs)} of {len(runs)} runs" in text
+    (tmp_path / "fidelity" / "runs").mkdir()
+    for r in runs:
+        (tmp_path / "fidelity" / "runs" / f"{r}.metrics.jsonl").write_text("{}\n")
+    assert "Not recomputable" not in results_studies.fidelity(tmp_path)
