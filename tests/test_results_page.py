@@ -105,6 +105,9 @@ def test_a_pooled_run_says_what_its_repeats_resolve(fresh_seed):
     assert f"resolve a {math.expm1(2.8 * sd / math.sqrt(n)):.1%} difference" in line
     assert "geometric mean 1.040 [1.000, 1.080], total-time ratio 1.030" in line
     assert rp._power({}, dict(h, over_aa_ratios=[]), 1.1) == []
+    two = [{"a": "exact", "b": "checkpoint"}, {"a": "exact", "b": "exact"}]
+    line = rp._power({}, dict(h, plans_by_piece=two, plans_differ=True), 1.1)[0]
+    assert line.endswith("Plans by piece: 1 H, 0 L, 0 P, 1 R; 2 H, 0 L, 0 P, 0 R (they differ).")
 
 
 def test_the_fidelity_section_says_when_its_per_step_metrics_are_absent(tmp_path):

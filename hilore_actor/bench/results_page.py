@@ -223,7 +223,9 @@ def _power(data: Dict, h: Dict, b: float, d: float = 0.03) -> List[str]:
             f"{fmt(h.get('speed_total_ratio'))}; over gc-aa {interval(h.get('over_aa_over_gc'), h.get('over_aa_ci95'))}. "
             f"Power: {n} paired repeats{pieces}, log spread over gc-aa {sd:.4f}: they resolve a "
             f"{resolvable_difference(sd, n):.1%} difference (5% two-sided, 80% power); {d:.0%} needs "
-            f"{repeats_to_resolve(sd, d)}."]
+            f"{repeats_to_resolve(sd, d)}."
+            + (f" Plans by piece: {'; '.join(plan_cell({'plan': p}) for p in h['plans_by_piece'])}"
+               f" ({'they differ' if h.get('plans_differ') else 'identical'})." if h.get("plans_by_piece") else "")]
 
 
 def _loo(data: Dict) -> bool:

@@ -45,6 +45,12 @@ RUNS: List[Run] = [
          "Uniform int8-g64 L on every unit (`all-l`) has a larger gradient error here than on random "
          "weights; the HiLoRe rows that take L compress only the units whose calibrated risk is low."],
         ""),
+    Run("cpu-real-power", "View (a) on cpu-real, powered: gc and hilore only, pooled pieces",
+        "cpu-real-a's workload, calibration and budgets, timing only gc, gc-aa and hilore, in pieces of 8 "
+        "interleaved repeats pooled into one result (`merge --pool`): every ratio stays paired within its "
+        "repeat, and the power line under each budget says what difference the pooled repeats resolve "
+        "against the A/A floor. Each piece plans afresh, so the pooled speed includes planning's variation.",
+        []),
     Run("cpu-real-b", "View (b) on cpu-real: B from gc with full float32 logits",
         "The same workload; B at 1.00 is the device peak of gc with full float32 logits, what today's "
         "OpenRLHF gradient checkpointing needs, and every method gets that room on the chunked head.",
