@@ -107,7 +107,9 @@ def test_a_pooled_run_says_what_its_repeats_resolve(fresh_seed):
     assert rp._power({}, dict(h, over_aa_ratios=[]), 1.1) == []
     two = [{"a": "exact", "b": "checkpoint"}, {"a": "exact", "b": "exact"}]
     line = rp._power({}, dict(h, plans_by_piece=two, plans_differ=True), 1.1)[0]
-    assert line.endswith("Plans by piece: 1 H, 0 L, 0 P, 1 R; 2 H, 0 L, 0 P, 0 R (they differ).")
+    assert line.endswith("Plans by piece: 1 H, 0 L, 0 P, 1 R; 2 H, 0 L, 0 P, 0 R (1 of 2 units planned differently).")
+    same = [{"a": "exact", "b": "checkpoint"}] * 2
+    assert rp._power({}, dict(h, plans_by_piece=same), 1.1)[0].endswith("(identical).")
 
 
 def test_the_fidelity_section_says_when_its_per_step_metrics_are_absent(tmp_path):

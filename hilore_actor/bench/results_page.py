@@ -225,7 +225,14 @@ def _power(data: Dict, h: Dict, b: float, d: float = 0.03) -> List[str]:
             f"{resolvable_difference(sd, n):.1%} difference (5% two-sided, 80% power); {d:.0%} needs "
             f"{repeats_to_resolve(sd, d)}."
             + (f" Plans by piece: {'; '.join(plan_cell({'plan': p}) for p in h['plans_by_piece'])}"
-               f" ({'they differ' if h.get('plans_differ') else 'identical'})." if h.get("plans_by_piece") else "")]
+               f" ({_plans_differ(h['plans_by_piece'])})." if h.get("plans_by_piece") else "")]
+
+
+def _plans_differ(plans: List[Dict]) -> str:
+    """How the pieces' plans of one row differ: in how many units' labels."""
+    units = {u for p in plans for u in p}
+    n = sum(len({p.get(u) for p in plans}) > 1 for u in units)
+    return f"{n} of {len(units)} units planned differently" if n else "identical"
 
 
 def _loo(data: Dict) -> bool:
