@@ -56,7 +56,7 @@ def plain(model, loss_fn):
 
 
 def variants(runner):
-    """name -> (run one microbatch, zero the copy's gradients); built after ``compiled_runner``'s
+    """name -> (run one microbatch, the copy's model, whose gradients ``update`` zeroes); built after ``compiled_runner``'s
     ``torch._dynamo.reset()``, so every copy's graphs stay cached."""
     loss_fn = runner.loss_fn
     dec = compiled_runner(runner, 1.0, head="chunked")
@@ -90,6 +90,7 @@ def main():
     p.add_argument("--json", required=True)
     a = p.parse_args()
     torch.manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()  # the code that runs
     args = types.SimpleNamespace(updates=1, calib_tokens=None, seed=0, model_config=None, arch=None)
     inputs = build_inputs(WORKLOADS[a.workload], args, torch.device("cpu"), 0)
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
@@ -112,7 +113,6 @@ def main():
             print(f"[probe] repeat {rep + 1} {name}: {times[name][-1]:.3f} s", flush=True)
     med = {n: statistics.median(t) for n, t in times.items()}
     paired = {n: statistics.median(x / y for x, y in zip(times[n], times["decoder"])) for n in names}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"workload": a.workload, "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": commit,
            "command": f"python benchmarks/compile_regions_probe.py --workload {a.workload} --repeats {a.repeats}",
            "tokens_per_update": sum(mb.num_tokens for mb in mbs), "order": order, "times": times,

@@ -81,9 +81,10 @@ def fidelity(results: Path) -> str:
     for run, ex in d.get("exact_check", {}).items():
         out.append(f"`{run}` against gc: {ex['steps_compared']} steps compared, identical: {ex['identical']}.")
     out.append("Aims: " + "; ".join(f"{k}: {v}" for k, v in d.get("aims", {}).items()) + ".")
-    missing = [r for r in d.get("finished_runs", []) if not (p.parent / "runs" / f"{r}.metrics.jsonl").exists()]
+    finished = d.get("finished_runs", [])
+    missing = [r for r in finished if not (p.parent / "runs" / f"{r}.metrics.jsonl").exists()]
     if missing:
-        out.append(f"Not recomputable here: the per-step metrics of {len(missing)} of {len(d.get('finished_runs', []))} "
+        out.append(f"Not recomputable here: the per-step metrics of {len(missing)} of {len(finished)} "
                    "runs (`runs/`) were not committed, so the gradient error, the rewards and the exact check above "
                    "stand only as the report recorded them; the held-out accuracy and KL figures recompute from "
                    "`eval/` and `kl/`. A re-run of the study commits `runs/`.")

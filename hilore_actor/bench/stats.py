@@ -81,4 +81,3 @@ def resolvable_difference(log_ratio_sd: float, repeats: int, z_alpha: float = 1.
 def log_spread(ratios: Sequence[float]) -> Optional[float]:
     """Standard deviation of the log of paired ratios (``None`` below two)."""
     return statistics.stdev([math.log(x) for x in ratios]) if len(ratios) > 1 else None
-
