@@ -15,7 +15,8 @@
 #                    compile-budget, the +compile rows timed inside compile-budget's phase (paired)
 #   cpu-real-power    view (a) at 1.10 and 1.25, gc and hilore only (gc-aa beside them), in pieces
 #                    of 8 repeats: cpu-real-power:1 .. :N, then cpu-real-power:pool pools every
-#                    piece's paired ratios (merge --pool); about 45 minutes a piece
+#                    piece's paired ratios (merge --pool); about an hour a piece; REPEATS=N sets a
+#                    piece's repeats (default 8: about 20 minutes of planning, then 3.4 minutes a repeat)
 # hilore (P and token L offered) runs beside hilore-coarse (whole-unit H/L/R) in every run of
 # every method (ALL).
 # A run too long for one sitting goes in pieces: RUN:1 .. RUN:5 each time some of the methods
@@ -62,7 +63,7 @@ for spec in "$@"; do
                       only=gc,gc+compile,hilore+compile,compile-budget ;;
     cpu-real-power) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo
                        --calibration "$OUTDIR/cpu-real-a.calibration.json")
-                    only=gc,hilore repeats=8 ;;
+                    only=gc,hilore repeats=${REPEATS:-8} ;;
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ "$piece" = pool ]; then  # pieces that are repeats of one run
