@@ -49,8 +49,8 @@ RUNS: List[Run] = [
          "weights; the HiLoRe rows that take L compress only the units whose calibrated risk is low."],
         ""),
     Run("cpu-real-power", "View (a) on cpu-real, powered: gc and hilore only, pooled pieces",
-        "cpu-real-a's workload, calibration and budgets, timing only gc, gc-aa and hilore, in pieces of 8 "
-        "interleaved repeats pooled into one result (`merge --pool`): every ratio stays paired within its "
+        "cpu-real-a's workload, calibration and budgets, timing only gc, gc-aa and hilore, in pieces of "
+        "interleaved repeats (8 by default) pooled into one result (`merge --pool`): every ratio stays paired within its "
         "repeat, and the power line under each budget says what difference the pooled repeats resolve "
         "against the A/A floor. Each piece plans afresh, so the pooled speed includes planning's variation.",
         []),
