@@ -87,13 +87,14 @@ def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
 
 
 @pytest.mark.slow
-def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg):
-    """gc+compile and HiLoRe+compile run on one copy whose units are compiled: all-H and all-R
-    there give eager no-gc's gradient up to inductor's rounding, HiLoRe's plan fits B, and
-    every +compile row is timed in the main phase beside gc and gc-aa (about 2 min)."""
+@pytest.mark.parametrize("regions", [[], ["--compile-layer-regions"]], ids=["units", "layer-regions"])
+def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg, regions):
+    """gc+compile and HiLoRe+compile run on one copy whose units (and layers) are compiled:
+    all-H and all-R there give eager no-gc's gradient up to inductor's rounding, HiLoRe's plan
+    fits B, and every +compile row is timed in the main phase beside gc and gc-aa (about 2 min)."""
     out = tmp_path / "r.json"
     rc = main(["--model-config", str(tiny_cfg), "--methods", "no-gc,gc,gc+compile,all-h+compile,all-r+compile,hilore-hr+compile",
-               "--budgets", "1.2", "--repeats", "2", "--updates", "1", "--no-loo", "--json", str(out)])
+               "--budgets", "1.2", "--repeats", "2", "--updates", "1", "--no-loo", "--json", str(out)] + regions)
     assert rc == 0
     data = json.loads(out.read_text())
     recs = {r["method"]: r for r in data["records"]}

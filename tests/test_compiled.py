@@ -1,5 +1,6 @@
 """Compiled recovery units (recovery/compiled.py) against the compiled model's plain autograd:
-H, R and P bitwise, L close, token counts and actions changing without recompiling."""
+H, R and P bitwise, L close, token counts and actions changing without recompiling; layer
+regions: H and R layers bitwise the compiled layers' own autograd, mixed layers per unit."""
 import pytest
 import torch
 
@@ -21,12 +22,12 @@ def compiled_tiny(arch, seed):
     return model, engine
 
 
-def run(model, ids, pos, engine=None, plan=None, actions=None):
+def run(model, ids, pos, engine=None, plan=None, actions=None, regions=False):
     model.zero_grad(set_to_none=True)
     if engine is None:
         grpo_loss(model, ids, pos).backward()
         return grads(model)
-    with engine.step(plan) as step:
+    with engine.step(plan, regions=regions) as step:
         loss = grpo_loss(model, ids, pos)
         if actions is not None:
             step.set_actions(actions)
@@ -137,3 +138,102 @@ def test_a_lower_activation_budget_keeps_fewer_bytes_and_stays_exact(fresh_seed)
         assert all(torch.equal(g[n], ref[n]) for n in ref), f"R differs from compiled no-gc at {budget}"
     print("H bytes by activation budget", held)
     assert held[0.0] < held[1.0]
+
+
+def regions_tiny(seed, layers=2):
+    model = build_model(tiny_config("llama", hidden_size=64, num_layers=layers, vocab_size=VOCAB),
+                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed)
+    model.train()
+    engine = RecoveryEngine(model)
+    assert compile_units(engine, layer_regions=True) == 8 + layers
+    return model, engine
+
+
+def test_layer_regions_keep_h_and_r_bitwise_and_mixed_layers_per_unit(fresh_seed):
+    """Outside a step every layer runs its compiled region (no-gc), under HF's checkpointing
+    too (gc+compile); a planned step runs all-H and all-R layers as that region (bitwise the
+    same gradients, nothing filed under their units) and a mixed layer through its units."""
+    from hilore_actor.recovery import apply_baseline
+
+    print("seed", fresh_seed)
+    torch._dynamo.reset()
+    model, engine = regions_tiny(fresh_seed)
+    ids, pos = packed_microbatch(96, VOCAB, n_seqs=3, seed=fresh_seed)
+    ref = run(model, ids, pos)
+    apply_baseline(model, "gc")
+    try:
+        g = run(model, ids, pos)
+    finally:
+        apply_baseline(model, "no-gc")
+    assert all(torch.equal(g[n], ref[n]) for n in ref), "gc over the layer regions differs from their no-gc"
+    for plan in ("all-h", "all-r"):
+        g = run(model, ids, pos, engine, plan, regions=True)
+        assert all(torch.equal(g[n], ref[n]) for n in ref), f"{plan} in layer regions differs from compiled no-gc"
+    names = engine.unit_names  # layer 0: both exact (a region); layer 1: exact + checkpoint (per unit)
+    mixed = {names[0]: "exact", names[1]: "exact", names[2]: "exact", names[3]: "checkpoint"}
+    model.zero_grad(set_to_none=True)
+    with engine.step(mixed, regions=True) as step:
+        loss = grpo_loss(model, ids, pos)
+        counts = step.saved_counts()
+        loss.backward()
+    print("saved per unit", counts)
+    assert counts[names[0]] == counts[names[1]] == 0 and counts[names[2]] > 0 and counts[names[3]] > 0
+    err = rel_err(grads(model), ref)
+    print("mixed plan vs the layer regions' no-gc", err)
+    assert err < 1e-4  # per-unit regions fuse differently from the layer's: not bitwise, float rounding only
+
+
+def test_an_h_region_keeps_its_units_h_and_the_knapsack_knows(fresh_seed):
+    """After forward an H region's units cannot become L or R (their tensors were never the
+    engine's); ``region_units`` names them for the online chooser; without regions they can."""
+    from hilore_actor.recovery.compiled import region_units
+
+    print("seed", fresh_seed)
+    torch._dynamo.reset()
+    model, engine = regions_tiny(fresh_seed)
+    names = engine.unit_names
+    plan = {names[0]: "exact", names[1]: "exact", names[2]: "exact", names[3]: "compressed"}
+    assert region_units(engine, plan) == set(names[:2])
+    assert region_units(engine, {n: "checkpoint" for n in names}) == set()
+    ids, pos = packed_microbatch(48, VOCAB, n_seqs=2, seed=fresh_seed)
+    with engine.step(plan, regions=True) as step:
+        loss = grpo_loss(model, ids, pos)
+        with pytest.raises(ValueError, match="one compiled region"):
+            step.set_actions({names[0]: "L"})
+    with engine.step(plan) as step:  # no regions: every exact unit may still become L
+        loss = grpo_loss(model, ids, pos)
+        step.set_actions({names[0]: "L"})
+        loss.backward()
+
+
+def test_layer_regions_reuse_their_graphs_and_uncompile(fresh_seed):
+    """After two token counts, a third count, H and R regions, per-unit plans and gc compile
+    nothing new; a layer whose submodule carries a foreign hook keeps per-unit regions; uncompiling
+    restores every forward."""
+    from hilore_actor.recovery import apply_baseline
+
+    print("seed", fresh_seed)
+    torch._dynamo.reset()
+    model, engine = regions_tiny(fresh_seed)
+    for t in (64, 96):
+        ids, pos = packed_microbatch(t, VOCAB, n_seqs=2, seed=fresh_seed)
+        for plan in ("all-h", "all-r", "all-l"):
+            run(model, ids, pos, engine, plan, regions=True)
+        run(model, ids, pos)
+    before = frames()
+    ids, pos = packed_microbatch(80, VOCAB, n_seqs=2, seed=fresh_seed + 1)
+    for plan in ("all-h", "all-r", "all-l", "all-p"):
+        run(model, ids, pos, engine, plan, regions=True)
+    apply_baseline(model, "gc")
+    try:
+        run(model, ids, pos)
+    finally:
+        apply_baseline(model, "no-gc")
+    assert frames() == before, "a new token count, plan or gc compiled again"
+    uncompile_units(engine)
+    layer = model.base_model.model.model.layers[0]
+    assert "forward" not in vars(layer) and not engine.region_layers
+    layer.mlp.act_fn.register_forward_hook(lambda *_: None)
+    with pytest.warns(UserWarning, match="keeps per-unit compiled regions"):
+        compile_units(engine, layer_regions=True)
+    assert engine.region_layers == {id(model.base_model.model.model.layers[1])}

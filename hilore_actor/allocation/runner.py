@@ -101,6 +101,7 @@ class Runner:
         accumulate: bool = False,
         seed: int = 0,
         timed: bool = False,
+        regions: bool = False,
     ) -> RunResult:
         """``method``: a baseline name, ``"as-is"`` (the model as currently configured, e.g. a
         peer's own checkpointing), an engine policy name, or a plan / action map.
@@ -108,7 +109,8 @@ class Runner:
         ``loss_fn`` overrides the runner's (e.g. to call a compiled model).
         ``accumulate``: keep the gradients of earlier microbatches (as an update accumulates
         them) instead of starting from none; ``grads`` then returns the running sum.
-        ``timed``: the caller uses ``seconds``, so a watching runner leaves the run unmeasured."""
+        ``timed``: the caller uses ``seconds``, so a watching runner leaves the run unmeasured.
+        ``regions``: uniform layers run as their compiled layer regions (``recovery.compiled``)."""
         loss_fn = loss_fn or self.loss_fn
         measure_peak = measure_peak or (self.watch is not None and not (profile or timed))
         if not accumulate:
@@ -134,7 +136,7 @@ class Runner:
                         apply_baseline(self.model, "no-gc")
             else:
                 with self.engine.step(method, track_error=track_error, track_tokens=track_tokens, profile=profile,
-                                      token_scores=token_scores(mb)) as step:
+                                      token_scores=token_scores(mb), regions=regions) as step:
                     out = loss_fn(self.model, mb)
                     if callable(actions):
                         c = time.perf_counter()

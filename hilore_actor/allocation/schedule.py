@@ -122,8 +122,12 @@ class HiLoRe:
         self._measured: Dict[tuple, tuple] = {}  # plan -> (seconds, peak, actions), this preparation's
 
     # ---- allocation -----------------------------------------------------------------------
-    def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
-        """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
+    def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float],
+                fixed: bool = False) -> List[Option]:
+        """R, H and every L level ``plan`` (the unit's representation, None: any) admits;
+        ``fixed``: H alone (the unit ran inside an H layer region: ``recovery.compiled``)."""
+        if fixed:
+            return [Option("H", *option_cost(sp_costs, unit, "H"), 0.0)]
         opts = [Option("R", 0.0, 0.0, 0.0)]
         labels = [a for a in self.kinds if a in sp_costs.dm[unit]]
         if unit in self.token_wise:
@@ -135,9 +139,13 @@ class HiLoRe:
 
     def allocate(self, costs: UnitCosts, risks: Dict[str, Dict[str, float]], memory_budget: float, risk_budget: float,
                  plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-        """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11)."""
+        """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11). With
+        ``plan``, the units of its H layer regions keep H (``recovery.compiled.region_units``)."""
+        from ..recovery.compiled import region_units
+
         names = self.engine.unit_names
-        items = [self.options(costs, n, plan.get(n) if plan else None, risks.get(n, {})) for n in names]
+        fixed = region_units(self.engine, plan) if plan else set()
+        items = [self.options(costs, n, plan.get(n) if plan else None, risks.get(n, {}), n in fixed) for n in names]
         picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
         return {n: items[i][picks[i]].action for i, n in enumerate(names)}
 
@@ -413,7 +421,7 @@ class HiLoRe:
             res = self.runner.run(mb, "gc", **{k: v for k, v in kw.items() if k != "track_tokens"})
             res.actions = res.labels = {n: "R" for n in sp.plan}
             return res
-        return self.runner.run(mb, sp.plan, self.chooser_for(sp), track_tokens=self.mode == "hilore", **kw)
+        return self.runner.run(mb, sp.plan, self.chooser_for(sp), track_tokens=self.mode == "hilore", regions=True, **kw)
 
     def run(self, mb, **kw):
         """One microbatch under HiLoRe (the plan for its shape class + online actions)."""

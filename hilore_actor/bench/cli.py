@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-activation-budget", type=float, default=1.0,
                    help="+compile methods: torch's activation_memory_budget for each compiled unit's graph, in [0, 1] "
                         "(1: the partitioner's fastest cut; lower: it recomputes cheap fused ops and H keeps less)")
+    p.add_argument("--compile-layer-regions", action="store_true",
+                   help="+compile methods: also one compiled region per decoder layer, run where a planned microbatch keeps "
+                        "the layer's units all H or all R, and by gc+compile (docs/compile.md)")
     p.add_argument("--codec", default=DEFAULT_CODECS, help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
                    "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
                    "level per unit for HiLoRe's knapsack (all-l uses the first)")
@@ -260,7 +263,8 @@ def run(args, argv) -> int:
          f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")
     cal = calibration_for(args, runners[args.head], inputs, names)
     ctx = MethodContext(runners, args.head, budget, cal, inputs.dev, log=_log, loo=not args.no_loo, bisect_steps=args.bisect_steps,
-                        compile_activation_budget=args.compile_activation_budget)
+                        compile_activation_budget=args.compile_activation_budget,
+                        compile_layer_regions=args.compile_layer_regions)
     entries, unavailable = prepare_methods(names, budgets, ctx)
     from .timing import time_methods
 

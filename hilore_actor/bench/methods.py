@@ -93,6 +93,7 @@ class MethodContext:
     loo: bool = True
     bisect_steps: int = 4
     compile_activation_budget: float = 1.0  # +compile methods: each unit graph's activation_memory_budget
+    compile_layer_regions: bool = False  # +compile methods: also one region per decoder layer (recovery.compiled)
     costs_cache: Dict[int, Dict] = field(default_factory=dict)
     compile_peaks: Dict[str, Dict[float, int]] = field(default_factory=dict)  # head -> value -> peak
     compiled_units: Optional["MethodContext"] = None  # the context of +compile methods (its own model copy)
@@ -218,14 +219,14 @@ def _on_compiled_units(name: str, budget_ratio: Optional[float], ctx: MethodCont
     if ctx.compiled_units is None:
         model = copy.deepcopy(runner.model)
         engine = RecoveryEngine(model, codec=runner.engine.codec.name)
-        n = compile_units(engine, activation_budget=ctx.compile_activation_budget)
+        n = compile_units(engine, activation_budget=ctx.compile_activation_budget, layer_regions=ctx.compile_layer_regions)
         twin = Runner(model, engine, loss_fn=runner.loss_fn)
         try:
             for policy in ("all-r", "no-gc"):  # the grad-mode graphs both paths use (R replays under grad)
                 twin.run(ctx.dev[0], policy)
         except Exception as e:  # noqa: BLE001 - report whatever stops compilation
             raise PeerUnavailable(f"compiling the recovery units failed: {e}") from None
-        ctx.log(f"[bench] compiled {n} unit modules on a copy of the model "
+        ctx.log(f"[bench] compiled {n} unit modules{' and layers' if ctx.compile_layer_regions else ''} on a copy of the model "
                 f"(activation_memory_budget {ctx.compile_activation_budget} per unit graph)")
         ctx.compiled_units = dataclasses.replace(ctx, runners={ctx.head: twin}, costs_cache={}, compile_peaks={})
     m = make_method(base, budget_ratio, ctx.compiled_units)

@@ -214,7 +214,8 @@ def make_engine(model, hcfg):
     if getattr(hcfg, "compile", False):
         from ..recovery.compiled import compile_units
 
-        compile_units(engine, activation_budget=getattr(hcfg, "compile_activation_budget", 1.0))
+        compile_units(engine, activation_budget=getattr(hcfg, "compile_activation_budget", 1.0),
+                      layer_regions=getattr(hcfg, "compile_layer_regions", False))
     return engine
 
 

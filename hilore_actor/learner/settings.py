@@ -59,6 +59,9 @@ HILORE_FLAGS = [
     ("hilore.compile_activation_budget", float, 1.0, "with --hilore.compile: torch's activation_memory_budget for each "
      "compiled unit's graph, in [0, 1] (1: inductor's fastest cut; lower: its partitioner recomputes cheap fused ops "
      "in the unit's backward, so H keeps fewer bytes per unit, exactly)"),
+    ("hilore.compile_layer_regions", boolean, False, "with --hilore.compile: also compile each decoder layer as one "
+     "region, which a planned microbatch runs where the layer's units are all planned exact (kept H) or all R, for "
+     "fusion across its units; other layers run their units' regions (docs/compile.md)"),
     ("hilore.chunked_head", boolean, True, "compute the action log-probs (and entropy) from the last hidden state a "
      "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)"),
     ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "

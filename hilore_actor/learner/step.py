@@ -84,7 +84,7 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: 
                 rec.actions = {n: "R" for n in rec.sp.plan}
             else:
                 with engine.step(rec.sp.plan, track_tokens=plan.track_tokens, track_error=False,
-                                 token_scores=token_scores) as st:
+                                 token_scores=token_scores, regions=True) as st:
                     rec.step = st
                     yield rec
                     rec.actions = st.actions()

@@ -94,6 +94,7 @@ class RecoveryEngine:
         self.codec = get_codec(codec)
         self.attention_core_exact = attention_core_exact
         self.compiled = False  # unit forwards compiled (compiled.compile_units): L restores saved strides
+        self.region_layers: set = set()  # ids of the layer modules with a compiled layer region (compiled.py)
         self._step: Optional["Step"] = None
         self._core_depth = self._child_depth = 0  # inside an attention module / inside one of its children
         self._sign_depth = 0  # inside a sign-reading activation (rules.SIGN_READING_ACTIVATIONS)
@@ -154,6 +155,7 @@ class RecoveryEngine:
         track_tokens: bool = False,
         profile: bool = False,
         token_scores: Optional[torch.Tensor] = None,
+        regions: bool = False,
     ) -> "Step":
         """One microbatch. ``plan``: a policy name (``all-h``, ``all-l``, ``all-r``), a
         ``{unit: exact|compressed|checkpoint}`` map, or an ``{unit: H|L|R}`` action map (then
@@ -163,12 +165,13 @@ class RecoveryEngine:
         backward unless ``set_actions`` is called. ``track_error`` measures each L unit's
         reconstruction error (one extra decode per compressed tensor). A compressed plan may
         keep a share of a token-wise unit's rows exact (``"compressed@0.25"``, action
-        ``"L@0.25"``): the rows of largest input norm x ``token_scores`` (``Step.keep_rows``)."""
+        ``"L@0.25"``): the rows of largest input norm x ``token_scores`` (``Step.keep_rows``).
+        ``regions``: uniform layers run as their compiled layer regions (``compiled.py``)."""
         from .policies import resolve_plan
 
         plans, default_actions = resolve_plan(plan, self.unit_names)
         return Step(self, plans, actions if actions is not None else default_actions, track_error, track_tokens, profile,
-                    token_scores)
+                    token_scores, regions)
 
     # ---- forward hooks -------------------------------------------------------------------
     def _active(self) -> Optional["Step"]:
@@ -180,6 +183,8 @@ class RecoveryEngine:
         if st is None or st.mode != "forward":
             return
         ls = st.layers[li]
+        if st.region[id(module)] is not None:
+            return  # one compiled region: plain autograd or torch's checkpoint keeps what it needs
         if ls.replay.calls:
             raise RuntimeError(f"hilore: {ls.spec.name} ran twice in one engine step: use one engine.step() per microbatch "
                                "forward; a model that runs a layer more than once per forward (shared or recurrent "

@@ -120,8 +120,13 @@ def _checkpoint_layers(model, on: bool) -> None:
     found = find_decoder_layers(model)
     if found is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to checkpoint")
+    from .compiled import REGION
+
     for layer in found[1]:
-        if on and "forward" not in vars(layer):
+        if REGION in vars(layer):  # a compiled layer region: its forward checkpoints the region itself
+            layer.gradient_checkpointing = on
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        elif on and "forward" not in vars(layer):
             layer.forward = functools.partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
         elif not on and "forward" in vars(layer):
             del layer.forward

@@ -42,7 +42,11 @@ def pack(st, t: torch.Tensor):
     """Forward: file ``t`` under the running unit as its plan says (exact, compressed, or
     nothing for checkpoint and partial plans) and return its handle."""
     eng = st.engine
-    if eng._step is not st or st.mode != "forward" or st.current is None or is_param(t, st):
+    if eng._step is not st or st.mode != "forward":
+        return t
+    if st.current is None:  # outside the units; an H layer region's tensors are plain autograd's
+        return st.canonical(t) if st.in_region else t
+    if is_param(t, st):
         return t
     u = st.current
     idx = u.n_saved

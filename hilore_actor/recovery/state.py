@@ -38,6 +38,27 @@ SEP = ":"
 ROWS = "@"
 
 
+_ACTIVE: list = [None]  # the engine step whose block is open, of whichever engine
+
+
+def active_step():
+    """The open engine step (``step.Step``), which a compiled layer region asks what to run."""
+    return _ACTIVE[0]
+
+
+def set_active_step(step):
+    """Open ``step`` (None: close); returns the step that was open before."""
+    before, _ACTIVE[0] = _ACTIVE[0], step
+    return before
+
+
+def region_kind(plans) -> Optional[str]:
+    """H or R when a layer's unit plans let it run as one compiled region (all ``exact``, all
+    ``checkpoint``: ``compiled.py``, layer regions), else None."""
+    plans = set(plans)
+    return H if plans == {EXACT} else R if plans == {CHECKPOINT} else None
+
+
 def split_label(label: str) -> Tuple[str, Optional[str]]:
     """``"L:bf16"`` -> ``("L", "bf16")``; ``"compressed"`` -> ``("compressed", None)``;
     a row share is not part of either: ``"L:bf16@0.25"`` -> ``("L", "bf16")``."""

@@ -16,8 +16,8 @@ import torch
 from .codecs import RowSplit, decode, get_codec, has_rows
 from .rules import exact_reason
 from .saved import pack, unpack
-from .state import (ALLOWED, CHECKPOINT, COMPRESSED, EXACT, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows,
-                    partial_level, row_share, split_label, storage_key, unit_bytes)
+from .state import (ALLOWED, CHECKPOINT, COMPRESSED, EXACT, H, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows,
+                    partial_level, region_kind, row_share, set_active_step, split_label, storage_key, unit_bytes)
 
 
 class Step:
@@ -25,10 +25,13 @@ class Step:
     ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
 
     def __init__(self, engine, plans: Dict[str, str], actions, track_error: bool = True,
-                 track_tokens: bool = False, profile: bool = False, token_scores: Optional[torch.Tensor] = None):
+                 track_tokens: bool = False, profile: bool = False, token_scores: Optional[torch.Tensor] = None,
+                 regions: bool = False):
         """``token_scores``: a pre-forward weight per token (``[B, T]`` or shorter; e.g. |advantage|
         on response tokens) that token L multiplies with each row's norm to choose its exact rows;
-        None: the norms alone. ``engine``: the ``RecoveryEngine`` this step runs under."""
+        None: the norms alone. ``engine``: the ``RecoveryEngine`` this step runs under.
+        ``regions``: a layer with a compiled layer region (``compiled.py``) whose units are all
+        planned exact (then H only) or all checkpoint runs as that one region."""
         self.engine = engine
         self.token_scores = token_scores
         self.track_error = track_error
@@ -49,6 +52,10 @@ class Step:
             raise ValueError(f"token L (a row share, '@') is for token-wise units (MLP) only, not {bad[:3]}")
         self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
         self.layer_joint_plan = [all(u.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
+        with_regions = getattr(engine, "region_layers", set()) if regions and not profile else set()
+        self.region = {id(ls.spec.module): region_kind(u.plan for u in ls.units) if id(ls.spec.module) in with_regions
+                       else None for ls in self.layers}  # layer module -> H | R (one compiled region) | None
+        self.in_region = False  # an H region runs now (saved.pack)
         self.mode = "forward"
         self.current: Optional[UnitState] = None
         self.capture: Optional[UnitState] = None
@@ -104,6 +111,7 @@ class Step:
                            for p in self.engine.model.parameters() if p.numel() > 0 and not hasattr(p, "ds_id")}
         self.engine._core_depth = self.engine._child_depth = self.engine._sign_depth = 0  # a failed forward may have left them set
         self.engine._step = self
+        self._outer = set_active_step(self)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(pack, self), partial(unpack, self))
         self._hooks_ctx.__enter__()
         return self
@@ -111,6 +119,8 @@ class Step:
     def __exit__(self, *exc) -> None:
         self._hooks_ctx.__exit__(*exc)
         self.engine._step = None
+        set_active_step(self._outer)
+        self.in_region = False
         for u in self.units:  # release whatever backward did not consume
             u.entries.clear()
             u.row_index = None
@@ -195,6 +205,10 @@ class Step:
                 raise ValueError(f"{u.name}: action {label} is not available for a {self.plans[u.name]!r} bundle "
                                  f"(allowed: {ALLOWED[u.plan]}; a compressed copy keeps the codec it was made with)")
             a = split_label(label)[0]
+            if a != H and self.region[id(self.layer_of[u.name].spec.module)] == H:
+                raise ValueError(f"{u.name}: its layer ran as one compiled region (every unit planned exact, "
+                                 f"engine.step(regions=True)) and keeps its units H, not {label}; choose actions "
+                                 "that keep compiled.region_units H, or run the step without regions")
             u.action, u.label = a, label
             if a == R:
                 u.entries.clear()
