@@ -2,8 +2,8 @@
 how much is the recovery engine, and whether the whole-decoder graph slows down after another
 compiled copy ran (its times in `cpu-real-compile` were bimodal with the phase's order).
 
-No-gc update times of one workload's microbatches, four copies of the model, interleaved in
-alternating order (A B C D, D C B A, ...), every copy warmed up on every microbatch first:
+No-gc update times of one workload's microbatches, five copies of the model (two runs of one),
+interleaved in alternating order (A B C ..., ... C B A), every copy warmed up on every microbatch first:
 
 - ``decoder``: the whole decoder compiled, as the compile-budget peer builds it
   (``peers.compiled_runner`` at activation_memory_budget 1.0);
@@ -11,7 +11,11 @@ alternating order (A B C D, D C B A, ...), every copy warmed up on every microba
 - ``units``: each recovery unit's module ``forward`` compiled (``compile_units``), the engine
   attached but idle (plain autograd through per-unit graphs);
 - ``units+engine-H``: the same copy under an engine step with every unit H (what an all-H
-  HiLoRe plan runs).
+  HiLoRe plan runs without layer regions);
+- ``regions``: units and layers compiled (``compile_units(layer_regions=True)``), the engine
+  idle: each layer runs its region, as the compiled model's no-gc does;
+- ``regions+engine-H``: the same copy under an engine step with every unit H and regions on
+  (what an all-H HiLoRe plan runs with ``--hilore.compile_layer_regions``).
 
 Run it with ``TORCH_LOGS=recompiles`` to see whether a copy recompiles between repeats. Every
 time, the order and the in-microbatch peaks go to the JSON.
@@ -67,10 +71,16 @@ def variants(runner):
     engine = RecoveryEngine(units_model, codec=runner.engine.codec.name)
     compile_units(engine)
     twin = Runner(units_model, engine, loss_fn=loss_fn)
+    regions_model = without_hooks(runner.model)
+    regions_engine = RecoveryEngine(regions_model, codec=runner.engine.codec.name)
+    compile_units(regions_engine, layer_regions=True)
+    regions_twin = Runner(regions_model, regions_engine, loss_fn=loss_fn)
     out = {"decoder": (lambda mb: dec.run(mb, "as-is", accumulate=True), dec.model),
            "layers": (plain(layers_model, loss_fn), layers_model),
            "units": (plain(units_model, loss_fn), units_model),
-           "units+engine-H": (lambda mb: twin.run(mb, "all-h", accumulate=True), units_model)}
+           "units+engine-H": (lambda mb: twin.run(mb, "all-h", accumulate=True), units_model),
+           "regions": (plain(regions_model, loss_fn), regions_model),
+           "regions+engine-H": (lambda mb: regions_twin.run(mb, "all-h", accumulate=True, regions=True), regions_model)}
     return out
 
 
