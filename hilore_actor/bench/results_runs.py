@@ -77,7 +77,8 @@ RUNS: List[Run] = [
     Run("cpu-ref-a", "View (a) on cpu-ref: random weights, B from gc's device peak",
         "A random-weight Qwen2 shape (hidden 512, 12 layers) on replayed microbatches: a mechanism "
         "check; its gradient errors say nothing about a real model.",
-        []),
+        ["Pieces ran at different commits: the hilore piece (with gc-aa) is the latest, planned by the current "
+         "planner; the peers' pieces keep their adjacent floors."]),
     Run("cpu-ref-b", "View (b) on cpu-ref: B from gc with full float32 logits",
         "The cpu-ref shape with B from gc with full logits; random weights.",
         ["compile-budget's speed over its own gc is above eager no-gc's over its own (two pieces, not a paired "
