@@ -95,10 +95,11 @@ def compile_units(engine, activation_budget: float = 1.0, layer_regions: bool = 
         n += 1
     engine.compiled = True
     if layer_regions:
-        own = {id(h.hooks_dict_ref()): set() for h in engine._hooks if h.hooks_dict_ref() is not None}
+        own: Dict[int, set] = {}  # id of a hook dict -> the engine's hook ids in it
         for h in engine._hooks:
-            if h.hooks_dict_ref() is not None:
-                own[id(h.hooks_dict_ref())].add(h.id)
+            d = h.hooks_dict_ref()
+            if d is not None:
+                own.setdefault(id(d), set()).add(h.id)
         for layer in engine.layer_specs:
             if REGION in layer.module.__dict__:
                 continue
