@@ -31,8 +31,9 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     both ranks adopt one plan and take the same actions on every micro-batch; the H/R plan's
     gradient is verl's checkpointed one bitwise, also when the ranks' own choices differ (rank 0's
     recomputes attention, so its all-to-alls run again in backward: the group takes rank 0's);
-    mode hilore's is within 0.015."""
-    seed = torch.seed() % 2**31
+    mode hilore's is within 0.015. A micro-batch whose sized plan stores nothing runs plain layer
+    checkpointing (no step, no online choice, no gather), so counts go by the micro-batches that ran one."""
+    seed = int(os.environ.get("HILORE_SEED") or torch.seed() % 2**31)  # HILORE_SEED=N reruns a printed seed
     print("seed", seed)
     model = verl_cpu.save_tiny_model(tmp_path / "tiny", seed)
     out = tmp_path / "ulysses.json"
@@ -55,12 +56,16 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     for kind in ("hilore-hr", "overruled"):
         assert r0[kind]["equal"] and r1[kind]["equal"]
     assert r0["hilore-hr"]["disagreements"] == r1["hilore-hr"]["disagreements"] == 0
-    assert r0["overruled"]["disagreements"] == 0 and r1["overruled"]["disagreements"] == 2
-    assert all(acts[f"model.layers.{i}.self_attn"] == "R" for acts in r0["overruled"]["actions"] for i in range(LAYERS))
+    ov0, ov1 = r0["overruled"], r1["overruled"]
+    assert any(q != "checkpoint" for q in ov0["plan"].values())  # the planning-size plan stores something
+    assert ov0["stepped"] == ov1["stepped"] and ov0["stepped"][0]  # it ran the first micro-batch's step
+    assert ov0["disagreements"] == 0 and ov1["disagreements"] == sum(ov1["stepped"])  # rank 0's, every step
+    assert all(acts[f"model.layers.{i}.self_attn"] == "R" for acts in ov0["actions"] for i in range(LAYERS))
     assert r0["hilore-hr"]["gathers"] == []  # H/R only: the plan's own actions, no norms
     hl0, hl1 = r0["hilore"], r1["hilore"]
-    assert len(hl0["gathers"]) == 2 and hl0["gathers"] == hl1["gathers"]  # each micro-batch's online choice
-    for n, acts in zip(hl0["gathers"], hl0["actions"]):
+    assert hl0["stepped"] == hl1["stepped"] and hl0["gathers"] == hl1["gathers"]
+    assert len(hl0["gathers"]) == sum(hl0["stepped"])  # one gather per micro-batch that runs a step
+    for n, acts in zip(hl0["gathers"], [a for a, s in zip(hl0["actions"], hl0["stepped"]) if s]):
         assert n >= 1 or all(a == "R" for a in acts.values())  # a unit not planned R tracks its norms
     assert hl0["disagreements"] == hl1["disagreements"] == 0  # the same problem on both ranks
     assert r0["hilore"]["rel"] <= 0.015 and r1["hilore"]["rel"] <= 0.015

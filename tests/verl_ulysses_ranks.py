@@ -87,18 +87,22 @@ def ulysses(size: int):
         config.FSDPEngineConfig = original
 
 
-def per_microbatch(mb) -> list:
-    """The actions each micro-batch took, appended as it closes."""
-    seen, close = [], mb.close
+def per_microbatch(mb) -> tuple:
+    """The actions each micro-batch took, appended as it closes, and whether it ran HiLoRe's
+    step (a micro-batch whose sized plan stores nothing runs plain layer checkpointing: no
+    online choice, no gather, nothing to disagree on)."""
+    seen, stepped, close = [], [], mb.close
 
     def closing():
         was_open = mb._open is not None
+        if was_open:
+            stepped.append(mb._open[1].step is not None)
         close()
         if was_open:
             seen.append(dict(mb.last["actions"]))
 
     mb.close = closing
-    return seen
+    return seen, stepped
 
 
 def gathers(mb) -> list:
@@ -114,15 +118,21 @@ def gathers(mb) -> list:
 
 
 def overrule(mb, rank: int) -> None:
-    """The ranks' own choices differ: rank 0 recomputes every attention unit (its all-to-alls
-    run again in backward), rank 1 keeps its plan's actions; the group must take rank 0's."""
+    """The ranks' own choices differ on every micro-batch that runs a step: rank 0 recomputes
+    every attention unit (its all-to-alls run again in backward), rank 1 stores every one; both
+    keep their plan's MLP actions. The group must take rank 0's. The peaks the first batch
+    observed are forgotten, so the first micro-batch runs the planning-size plan again (sized by
+    them, a plan may store nothing and skip the step)."""
     from hilore_actor.recovery.state import action_for_plan
 
     def own(step, out, sp=None):
         sp = sp or mb.plan.sp
-        return {n: "R" if rank == 0 and n.endswith("self_attn") else action_for_plan(q) for n, q in sp.plan.items()}
+        attention = "R" if rank == 0 else "H"
+        return {n: attention if n.endswith("self_attn") else action_for_plan(q) for n, q in sp.plan.items()}
 
     mb.plan.actions = own
+    mb.plan.info.pop("peak_ratios", None)
+    mb.plan._sized.clear()
 
 
 def hilore_record(engine, g, ref, a2a, actions) -> dict:
@@ -153,15 +163,15 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     seen = {"verl": {"all_to_all": ref_a2a, "no_sp_rel": float((no_sp - ref).norm() / ref.norm())}}
     for kind in ("hilore-hr", "hilore"):
         engine = build(kind, SP, budget=CALIBRATED_BUDGET if kind == "hilore" else SETTINGS["budget"])
-        actions, gathered = per_microbatch(engine.hilore), gathers(engine.hilore)
+        (actions, stepped), gathered = per_microbatch(engine.hilore), gathers(engine.hilore)
         g, a2a = gradient(engine)
-        seen[kind] = dict(hilore_record(engine, g, ref, a2a, actions), gathers=list(gathered))
+        seen[kind] = dict(hilore_record(engine, g, ref, a2a, actions), gathers=list(gathered), stepped=list(stepped))
         if kind == "hilore-hr":
             overrule(engine.hilore, rank)
-            del actions[:]
+            del actions[:], stepped[:]
             engine.hilore.disagreements = 0
             g, a2a = gradient(engine)
-            seen["overruled"] = hilore_record(engine, g, ref, a2a, actions)
+            seen["overruled"] = dict(hilore_record(engine, g, ref, a2a, actions), stepped=list(stepped))
     local = torch.arange(3.0).reshape(1, 3) + 10 * rank
     seen["gathered"] = engine.hilore._whole_norms({"b": 2 * local, "a": local})["a"].tolist()
     return seen
