@@ -2,11 +2,12 @@
 how much is the recovery engine, and whether the whole-decoder graph slows down after another
 compiled copy ran (its times in `cpu-real-compile` were bimodal with the phase's order).
 
-No-gc update times of one workload's microbatches, five copies of the model (two runs of one),
+No-gc update times of one workload's microbatches on copies of the model (some timed twice),
 interleaved in alternating order (A B C ..., ... C B A), every copy warmed up on every microbatch first:
 
 - ``decoder``: the whole decoder compiled, as the compile-budget peer builds it
   (``peers.compiled_runner`` at activation_memory_budget 1.0);
+- ``decoder-aa``: the same copy timed again in its own slot, the A/A floor of the ratios;
 - ``layers``: each decoder layer's ``forward`` compiled in place, no engine hooks;
 - ``units``: each recovery unit's module ``forward`` compiled (``compile_units``), the engine
   attached but idle (plain autograd through per-unit graphs);
@@ -18,9 +19,14 @@ interleaved in alternating order (A B C ..., ... C B A), every copy warmed up on
   (what an all-H HiLoRe plan runs with ``--hilore.compile_layer_regions``).
 
 Run it with ``TORCH_LOGS=recompiles`` to see whether a copy recompiles between repeats. Every
-time, the order and the in-microbatch peaks go to the JSON.
+time, the order and the in-microbatch peaks go to the JSON. ``--copies`` times a subset (every
+copy is warmed up and held in memory, so on cpu-real a few copies are what fits the time);
+``--decoder-budget`` builds ``decoder`` at the activation_memory_budget compile-budget chose in a
+benchmark run (1.0: the compiled model's own no-gc).
 
 python benchmarks/compile_regions_probe.py --workload cpu-small --repeats 6 --json OUT
+python benchmarks/compile_regions_probe.py --workload cpu-real --repeats 8 --copies decoder,decoder-aa,regions,regions+engine-H \
+    --decoder-budget 0.9375 --json OUT
 """
 import argparse
 import copy
@@ -29,6 +35,7 @@ import statistics
 import subprocess
 import time
 import types
+from functools import partial
 
 import torch
 
@@ -59,29 +66,33 @@ def plain(model, loss_fn):
     return run
 
 
-def variants(runner):
-    """name -> (run one microbatch, the copy's model, whose gradients ``update`` zeroes); built after ``compiled_runner``'s
-    ``torch._dynamo.reset()``, so every copy's graphs stay cached."""
+COPIES = ("decoder", "decoder-aa", "layers", "units", "units+engine-H", "regions", "regions+engine-H")
+
+
+def variants(runner, copies=COPIES, decoder_budget: float = 1.0):
+    """name -> (run one microbatch, the copy's model, whose gradients ``update`` zeroes), for
+    ``copies`` (only those are built); built after ``compiled_runner``'s ``torch._dynamo.reset()``,
+    so every copy's graphs stay cached."""
     loss_fn = runner.loss_fn
-    dec = compiled_runner(runner, 1.0, head="chunked")
-    layers_model = without_hooks(runner.model)
-    for layer in layers_model.get_decoder().layers:
-        layer.forward = torch.compile(layer.forward)
-    units_model = without_hooks(runner.model)
-    engine = RecoveryEngine(units_model, codec=runner.engine.codec.name)
-    compile_units(engine)
-    twin = Runner(units_model, engine, loss_fn=loss_fn)
-    regions_model = without_hooks(runner.model)
-    regions_engine = RecoveryEngine(regions_model, codec=runner.engine.codec.name)
-    compile_units(regions_engine, layer_regions=True)
-    regions_twin = Runner(regions_model, regions_engine, loss_fn=loss_fn)
-    out = {"decoder": (lambda mb: dec.run(mb, "as-is", accumulate=True), dec.model),
-           "layers": (plain(layers_model, loss_fn), layers_model),
-           "units": (plain(units_model, loss_fn), units_model),
-           "units+engine-H": (lambda mb: twin.run(mb, "all-h", accumulate=True), units_model),
-           "regions": (plain(regions_model, loss_fn), regions_model),
-           "regions+engine-H": (lambda mb: regions_twin.run(mb, "all-h", accumulate=True, regions=True), regions_model)}
-    return out
+    dec = compiled_runner(runner, decoder_budget, head="chunked")
+    out = {"decoder": (lambda mb: dec.run(mb, "as-is", accumulate=True), dec.model)}
+    out["decoder-aa"] = out["decoder"]  # the same copy timed again: the A/A floor
+    if "layers" in copies:
+        layers_model = without_hooks(runner.model)
+        for layer in layers_model.get_decoder().layers:
+            layer.forward = torch.compile(layer.forward)
+        out["layers"] = (plain(layers_model, loss_fn), layers_model)
+    for regions in (False, True):
+        name = "regions" if regions else "units"
+        if name not in copies and f"{name}+engine-H" not in copies:
+            continue
+        model = without_hooks(runner.model)
+        engine = RecoveryEngine(model, codec=runner.engine.codec.name)
+        compile_units(engine, layer_regions=regions)
+        twin = Runner(model, engine, loss_fn=loss_fn)
+        out[name] = (plain(model, loss_fn), model)
+        out[f"{name}+engine-H"] = (partial(twin.run, method="all-h", accumulate=True, regions=regions), model)
+    return {n: out[n] for n in copies}
 
 
 def update(run, model, mbs) -> float:
@@ -97,22 +108,31 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--workload", default="cpu-small")
     p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--copies", default=",".join(COPIES), help="comma list, decoder first: " + ", ".join(COPIES))
+    p.add_argument("--decoder-budget", type=float, default=1.0, help="activation_memory_budget of the decoder copy")
     p.add_argument("--json", required=True)
     a = p.parse_args()
+    copies = [c.strip() for c in a.copies.split(",") if c.strip()]
+    if not copies or copies[0] != "decoder" or set(copies) - set(COPIES):
+        p.error(f"--copies: a comma list that starts with decoder, of {', '.join(COPIES)}")
     torch.manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()  # the code that runs
     args = types.SimpleNamespace(updates=1, calib_tokens=None, seed=0, model_config=None, arch=None)
     inputs = build_inputs(WORKLOADS[a.workload], args, torch.device("cpu"), 0)
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
-    vs = variants(runner)
+    vs = variants(runner, copies, a.decoder_budget)
     mbs = inputs.updates[0]
     peaks = {}
+    warmed = {}
     for name, (run, model) in vs.items():
+        if id(run) in warmed:  # decoder-aa: the decoder's copy, warmed up once
+            peaks[name] = peaks[warmed[id(run)]]
+            continue
         for _ in range(2):  # compiles: a static graph, then (units) a dynamic one
             update(run, model, mbs + inputs.dev)
         with MemoryMeter(torch.device("cpu")) as m:
             run(mbs[0])
-        peaks[name] = m.report.peak_bytes
+        peaks[name], warmed[id(run)] = m.report.peak_bytes, name
         print(f"[probe] {name}: warmed up, peak {peaks[name]} B", flush=True)
     names, times, order = list(vs), {n: [] for n in vs}, []
     for rep in range(a.repeats):
@@ -124,7 +144,9 @@ def main():
     med = {n: statistics.median(t) for n, t in times.items()}
     paired = {n: statistics.median(x / y for x, y in zip(times[n], times["decoder"])) for n in names}
     out = {"workload": a.workload, "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": commit,
-           "command": f"python benchmarks/compile_regions_probe.py --workload {a.workload} --repeats {a.repeats}",
+           "command": f"python benchmarks/compile_regions_probe.py --workload {a.workload} --repeats {a.repeats}"
+                      f" --copies {','.join(copies)} --decoder-budget {a.decoder_budget}",
+           "decoder_budget": a.decoder_budget,
            "tokens_per_update": sum(mb.num_tokens for mb in mbs), "order": order, "times": times,
            "median_seconds": med, "paired_median_over_decoder": paired, "peak_bytes_one_microbatch": peaks}
     with open(a.json, "w") as f:

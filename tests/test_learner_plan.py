@@ -21,8 +21,9 @@ from hilore_actor.workloads import replayed_microbatches
 CHUNKED = partial(microbatch_loss, chunked_head=True)
 
 
-def _model(seed):
-    cfg = tiny_config("qwen2", hidden_size=128, intermediate_size=704, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=1024)
+def _model(seed, layers: int = 4):
+    cfg = tiny_config("qwen2", hidden_size=128, intermediate_size=704, num_layers=layers, num_heads=4, num_kv_heads=2,
+                      vocab_size=1024)
     model = build_model(cfg, lora=LoraSpec(8, 16), seed=seed)
     model.train()
     return model
@@ -143,7 +144,7 @@ def _calibrate_rank(rank, world, port, seed, out_dir):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = _model(seed)
+        model = _model(seed, layers=2)  # what is shared does not depend on depth: two layers, half the passes
         batches = replayed_microbatches(model, 3, 256, seed=seed)
         cal = shared_calibration(Runner(model, RecoveryEngine(model), loss_fn=CHUNKED), batches, ["L"])
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
@@ -171,7 +172,7 @@ def test_ranks_share_one_calibration(fresh_seed, tmp_path):
     mp.spawn(_calibrate_rank, args=(2, port, fresh_seed, str(tmp_path)), nprocs=2, join=True)
     got = [Calibration(**json.loads((tmp_path / f"rank{r}.json").read_text())) for r in range(2)]
     assert got[0] == got[1]
-    model = _model(fresh_seed)
+    model = _model(fresh_seed, layers=2)
     batches = replayed_microbatches(model, 3, 256, seed=fresh_seed)
     runner = Runner(model, RecoveryEngine(model), loss_fn=CHUNKED)
     want = merge([calibrate_levels(runner, batches[r::2], ["L"])["L"] for r in range(2)])
