@@ -63,10 +63,11 @@ RUNS: List[Run] = [
          "gc+full can run faster than gc on this CPU: the chunked head costs time, and buys memory.",
          "Pieces ran at different commits: the hilore piece (hilore-coarse and hilore, with gc-aa) is the latest, "
          "planned by the current planner; the peers' pieces keep their adjacent floors.",
-         "With this much room, hilore-coarse (whole-unit H/L/R) keeps half the units H, where hilore keeps them "
-         "P: hilore's gradient error is lower, and in the paired repeats its time is about 2% behind "
-         "hilore-coarse's (the table below), though the profile gave its plan 0.14 s a microbatch more saving "
-         "(4.47 s against 4.32 s, in the log): on this plan the profile's times are off by more than that margin."]),
+         "With this much room, hilore-coarse (whole-unit H/L/R) keeps units H where hilore keeps them P "
+         "(the plans below): hilore's gradient error is lower, and in the paired repeats its time is behind "
+         "hilore-coarse's (`hilore` over `hilore-coarse` below), though the profile gave its plan the larger "
+         "saving (each plan's \"saves ... by profile\" line in `cpu-real-b.3.log`): on these plans the "
+         "profile's times miss by more than the difference between them."]),
     Run("cpu-real-compile", "View (b) on cpu-real with compiled units",
         "The cpu-real-b workload and room at 1.10; gc+compile (layer checkpointing around compiled units) "
         "and hilore+compile plan and run on one copy whose recovery units are compiled, and compile-budget "
