@@ -22,11 +22,15 @@ Run it with ``TORCH_LOGS=recompiles`` to see whether a copy recompiles between r
 time, the order and the in-microbatch peaks go to the JSON. ``--copies`` times a subset (every
 copy is warmed up and held in memory, so on cpu-real a few copies are what fits the time);
 ``--decoder-budget`` builds ``decoder`` at the activation_memory_budget compile-budget chose in a
-benchmark run (1.0: the compiled model's own no-gc).
+benchmark run (1.0: the compiled model's own no-gc); ``--region-budget`` builds the unit and
+layer-region copies at an activation_memory_budget of their own (``compile_units``'s
+``activation_budget``), so the regions can be timed at the decoder's memory trade.
 
 python benchmarks/compile_regions_probe.py --workload cpu-small --repeats 6 --json OUT
 python benchmarks/compile_regions_probe.py --workload cpu-real --repeats 8 --copies decoder,decoder-aa,regions,regions+engine-H \
     --decoder-budget 0.9375 --json OUT
+python benchmarks/compile_regions_probe.py --workload cpu-real --repeats 6 --copies decoder,decoder-aa,regions,regions+engine-H \
+    --decoder-budget 0.9375 --region-budget 0.9375 --json OUT
 """
 import argparse
 import copy
@@ -69,7 +73,7 @@ def plain(model, loss_fn):
 COPIES = ("decoder", "decoder-aa", "layers", "units", "units+engine-H", "regions", "regions+engine-H")
 
 
-def variants(runner, copies=COPIES, decoder_budget: float = 1.0):
+def variants(runner, copies=COPIES, decoder_budget: float = 1.0, region_budget: float = 1.0):
     """name -> (run one microbatch, the copy's model, whose gradients ``update`` zeroes), for
     ``copies`` (only those are built); built after ``compiled_runner``'s ``torch._dynamo.reset()``,
     so every copy's graphs stay cached."""
@@ -88,7 +92,7 @@ def variants(runner, copies=COPIES, decoder_budget: float = 1.0):
             continue
         model = without_hooks(runner.model)
         engine = RecoveryEngine(model, codec=runner.engine.codec.name)
-        compile_units(engine, layer_regions=regions)
+        compile_units(engine, activation_budget=region_budget, layer_regions=regions)
         twin = Runner(model, engine, loss_fn=loss_fn)
         out[name] = (plain(model, loss_fn), model)
         out[f"{name}+engine-H"] = (partial(twin.run, method="all-h", accumulate=True, regions=regions), model)
@@ -110,6 +114,8 @@ def main():
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--copies", default=",".join(COPIES), help="comma list, decoder first: " + ", ".join(COPIES))
     p.add_argument("--decoder-budget", type=float, default=1.0, help="activation_memory_budget of the decoder copy")
+    p.add_argument("--region-budget", type=float, default=1.0,
+                   help="activation_memory_budget of the units and regions copies")
     p.add_argument("--json", required=True)
     a = p.parse_args()
     copies = [c.strip() for c in a.copies.split(",") if c.strip()]
@@ -120,7 +126,9 @@ def main():
     args = types.SimpleNamespace(updates=1, calib_tokens=None, seed=0, model_config=None, arch=None)
     inputs = build_inputs(WORKLOADS[a.workload], args, torch.device("cpu"), 0)
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
-    vs = variants(runner, copies, a.decoder_budget)
+    if not (0.0 <= a.decoder_budget <= 1.0 and 0.0 <= a.region_budget <= 1.0):
+        p.error("--decoder-budget and --region-budget: values within [0, 1]")
+    vs = variants(runner, copies, a.decoder_budget, a.region_budget)
     mbs = inputs.updates[0]
     peaks = {}
     warmed = {}
@@ -145,8 +153,8 @@ def main():
     paired = {n: statistics.median(x / y for x, y in zip(times[n], times["decoder"])) for n in names}
     out = {"workload": a.workload, "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": commit,
            "command": f"python benchmarks/compile_regions_probe.py --workload {a.workload} --repeats {a.repeats}"
-                      f" --copies {','.join(copies)} --decoder-budget {a.decoder_budget}",
-           "decoder_budget": a.decoder_budget,
+                      f" --copies {','.join(copies)} --decoder-budget {a.decoder_budget} --region-budget {a.region_budget}",
+           "decoder_budget": a.decoder_budget, "region_budget": a.region_budget,
            "tokens_per_update": sum(mb.num_tokens for mb in mbs), "order": order, "times": times,
            "median_seconds": med, "paired_median_over_decoder": paired, "peak_bytes_one_microbatch": peaks}
     with open(a.json, "w") as f:
