@@ -13,7 +13,9 @@
 #   cpu-ref-compile   view (b) at 1.10 with compiled units on cpu-ref (random weights; about 45 minutes)
 #   cpu-real-compile  view (b) at 1.10 with compiled units: gc, gc+compile, hilore+compile and
 #                    compile-budget, the +compile rows timed inside compile-budget's phase (paired)
-#   cpu-real-compile-regions  the same with compiled layer regions (--compile-layer-regions;
+#   cpu-real-compile-regions  the same with compiled layer regions (--compile-layer-regions) whose
+#                    graphs trade memory as compile-budget's did in cpu-real-compile
+#                    (--compile-activation-budget 0.9375, the activation_memory_budget it chose there;
 #                    about 105 minutes)
 #   cpu-real-power    view (a) at 1.10 and 1.25, gc and hilore only (gc-aa beside them), in pieces
 #                    of 8 repeats: cpu-real-power:1 .. :N, then cpu-real-power:pool pools every
@@ -64,7 +66,7 @@ for spec in "$@"; do
                          --bisect-steps 2 --calibration "$OUTDIR/cpu-real-a.calibration.json")
                       only=gc,gc+compile,hilore+compile,compile-budget ;;
     cpu-real-compile-regions) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512
-                                 --no-loo --bisect-steps 2 --compile-layer-regions
+                                 --no-loo --bisect-steps 2 --compile-layer-regions --compile-activation-budget 0.9375
                                  --calibration "$OUTDIR/cpu-real-a.calibration.json")
                               only=gc,gc+compile,hilore+compile,compile-budget ;;
     cpu-real-power) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo
