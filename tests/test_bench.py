@@ -88,14 +88,18 @@ def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("regions", [[], ["--compile-layer-regions"]], ids=["units", "layer-regions"])
-def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg, regions):
+def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg, regions, capsys):
     """gc+compile and HiLoRe+compile run on one copy whose units (and layers) are compiled:
     all-H and all-R there give eager no-gc's gradient up to inductor's rounding, HiLoRe's plan
-    fits B, and every +compile row is timed in the main phase beside gc and gc-aa (about 2 min)."""
+    fits B, and every +compile row is timed in the main phase beside gc and gc-aa (about 2 min).
+    With layer regions every layer of the copy gets its region (the copy carries none of the
+    first engine's hooks, which would make compile_units keep per-unit regions)."""
     out = tmp_path / "r.json"
     rc = main(["--model-config", str(tiny_cfg), "--methods", "no-gc,gc,gc+compile,all-h+compile,all-r+compile,hilore-hr+compile",
                "--budgets", "1.2", "--repeats", "2", "--updates", "1", "--no-loo", "--json", str(out)] + regions)
     assert rc == 0
+    printed = capsys.readouterr().out
+    assert f"[bench] compiled {8 + (2 if regions else 0)} unit modules" in printed  # 2 layers of 4 units
     data = json.loads(out.read_text())
     recs = {r["method"]: r for r in data["records"]}
     for m in ("all-h+compile", "all-r+compile", "gc+compile"):

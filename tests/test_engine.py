@@ -291,6 +291,34 @@ def test_bundles_never_hold_parameters_and_count_storage_once():
         loss.backward()
 
 
+def _hook_ids(model):
+    return {(name, attr, k) for name, m in model.named_modules() for attr, d in vars(m).items()
+            if attr.startswith("_") and attr.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
+            and isinstance(d, dict) for k in d}
+
+
+def test_unhooked_copy_drops_the_engines_hooks_and_keeps_the_users():
+    """A copy for another engine or a compiled peer: none of this engine's hooks, every other
+    hook kept, the original untouched; a second engine on the copy gives no-gc's gradients."""
+    model = tiny("llama", "full")
+    calls = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    user = _hook_ids(model)
+    engine = RecoveryEngine(model)
+    hooked = _hook_ids(model)
+    assert len(hooked) > len(user)
+    twin = engine.unhooked_copy()
+    assert _hook_ids(twin) == user and _hook_ids(model) == hooked
+    ids, pos = packed_microbatch(64, VOCAB, n_seqs=2)
+    ref, _ = run(model, ids, pos)
+    other = RecoveryEngine(twin)
+    calls.clear()
+    for plan in ("all-h", "all-r"):
+        g, _ = run(twin, ids, pos, other, plan)
+        assert all(torch.equal(g[n], ref[n]) for n in ref), plan
+    assert len(calls) == 3  # the user's hook: one forward each, one R replay (layer 0's attention)
+
+
 def test_unknown_layer_structure_falls_back_to_layer_checkpointing():
     class Block(torch.nn.Module):
         def __init__(self):

@@ -205,7 +205,6 @@ def _sac_budget(name, budget_ratio, head, runner, ctx) -> Method:
 def _on_compiled_units(name: str, budget_ratio: Optional[float], ctx: MethodContext) -> Method:
     """``name`` without ``+compile``, made over the copy with compiled units (built once, and
     compiled on the development microbatches so that no compile is timed)."""
-    import copy
     import dataclasses
 
     from ..allocation import Runner
@@ -217,7 +216,7 @@ def _on_compiled_units(name: str, budget_ratio: Optional[float], ctx: MethodCont
         raise ValueError(f"{name!r}: {COMPILE} applies to {', '.join(COMPILABLE)}")
     runner = ctx.runners[ctx.head]
     if ctx.compiled_units is None:
-        model = copy.deepcopy(runner.model)
+        model = runner.engine.unhooked_copy()  # the copy gets its own engine, and its layers their regions
         engine = RecoveryEngine(model, codec=runner.engine.codec.name)
         n = compile_units(engine, activation_budget=ctx.compile_activation_budget, layer_regions=ctx.compile_layer_regions)
         twin = Runner(model, engine, loss_fn=runner.loss_fn)

@@ -119,7 +119,6 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = 
     these settings nor the module copy, so building one resets it: only one compiled peer may
     be live at a time (the benchmark measures each in an isolated phase, interleaved with gc)."""
     import contextlib
-    import copy
 
     import torch._dynamo
     import torch._functorch.config as fconf
@@ -134,7 +133,8 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = 
             "allowed_dtypes": "torch.float32;torch.bfloat16", "size_in_mb": 1, "quant_type": "torch.float8_e5m2",
         }
     torch._dynamo.reset()  # compiled graphs do not key on these settings: start clean
-    model = copy.deepcopy(runner.model)
+    # the peer compiles the model alone: no hooks of HiLoRe's engine traced into its graph
+    model = runner.engine.unhooked_copy()
     if head == "chunked" and head_is_linear(model):  # the answer is kept per head module, which _DecoderOnly shares
         target = _DecoderOnly(model, torch.compile(model.get_decoder(), dynamic=False))
     else:
@@ -147,7 +147,9 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = 
             stack.enter_context(iconf.patch(post_grad_fusion_options=fusion))
             return inner(target, mb)
 
-    return Runner(model, loss_fn=loss)
+    r = Runner(model, loss_fn=loss)
+    r.engine.detach()  # runs "as-is" only: the engine Runner attaches would be traced into the graph
+    return r
 
 
 def compiled_peak(runner, budget: float, head: str, dev) -> Tuple[object, int]:

@@ -149,6 +149,27 @@ class RecoveryEngine:
             h.remove()
         self._hooks = []
 
+    def unhooked_copy(self) -> torch.nn.Module:
+        """A deep copy of the model without this engine's hooks, for another engine or a
+        compiled peer. A plain ``copy.deepcopy`` keeps them, bound to a copy of this engine:
+        ``compile_units`` then sees hooks that are not its engine's and keeps per-unit regions,
+        and ``torch.compile`` of the copy traces them into its graph."""
+        import copy
+
+        own: Dict[int, set] = {}  # id of a hook dict of the model -> ids of this engine's hooks in it
+        for h in self._hooks:
+            for ref in (h.hooks_dict_ref, *h.extra_dict_ref):
+                d = ref()
+                if d is not None:
+                    own.setdefault(id(d), set()).add(h.id)
+        twin = copy.deepcopy(self.model)
+        for m, c in zip(self.model.modules(), twin.modules()):
+            for attr, d in vars(m).items():
+                if isinstance(d, dict) and id(d) in own:
+                    for k in own[id(d)]:
+                        vars(c)[attr].pop(k, None)
+        return twin
+
     def step(
         self, plan: Union[str, Dict[str, str], None] = None, actions: Union[str, Dict[str, str], None] = None,
         track_error: bool = True,
