@@ -15,8 +15,8 @@
 #                    compile-budget, the +compile rows timed inside compile-budget's phase (paired)
 #   cpu-real-compile-regions  the same with compiled layer regions (--compile-layer-regions) whose
 #                    graphs trade memory as compile-budget's did in cpu-real-compile
-#                    (--compile-activation-budget 0.9375, the activation_memory_budget it chose there;
-#                    about 105 minutes)
+#                    (--compile-activation-budget 0.9375, the activation_memory_budget it chose there);
+#                    one update a timed repeat, so that it fits in about an hour
 #   cpu-real-power    view (a) at 1.10 and 1.25, gc and hilore only (gc-aa beside them), in pieces
 #                    of 8 repeats: cpu-real-power:1 .. :N, then cpu-real-power:pool pools every
 #                    piece's paired ratios (merge --pool); about an hour a piece; REPEATS=N sets a
@@ -41,7 +41,7 @@ ALL=no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static
 PIECES=(no-gc,gc,gc+full,sac gc,sac-budget gc,hilore-coarse,hilore gc,compile-budget gc,all-l,hilore-hr,hilore-static)
 mkdir -p "$OUTDIR"
 for spec in "$@"; do
-  run=${spec%%:*} only= repeats=7
+  run=${spec%%:*} only= repeats=7 updates=3
   piece=${spec#"$run"}; piece=${piece#:}
   case "$run" in
     cpu-small-sweep) a=(--workload cpu-small --budgets 1.05,1.10,1.25,1.5,2.0 --calib 4 --calib-tokens 512 --no-loo) ;;
@@ -68,7 +68,7 @@ for spec in "$@"; do
     cpu-real-compile-regions) a=(--workload cpu-real --budget-from gc+full --budgets 1.10 --calib 2 --calib-tokens 512
                                  --no-loo --bisect-steps 2 --compile-layer-regions --compile-activation-budget 0.9375
                                  --calibration "$OUTDIR/cpu-real-a.calibration.json")
-                              only=gc,gc+compile,hilore+compile,compile-budget ;;
+                              only=gc,gc+compile,hilore+compile,compile-budget updates=1 ;;
     cpu-real-power) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo
                        --calibration "$OUTDIR/cpu-real-a.calibration.json")
                     only=gc,hilore repeats=${REPEATS:-8} ;;
@@ -95,7 +95,7 @@ for spec in "$@"; do
     case "$run" in *-b) calib=${run%-b}-a ;; esac
     a+=(--calibration "$OUTDIR/$calib.calibration.json")
   fi
-  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats "$repeats" --updates 3 \
+  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats "$repeats" --updates "$updates" \
     --json "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" --markdown "$OUTDIR/$name.md" 2>&1 \
     | grep --line-buffered -v '^USDT' | tee "$OUTDIR/$name.log"
 done
