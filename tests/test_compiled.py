@@ -145,7 +145,7 @@ def regions_tiny(seed, layers=2):
                         lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed)
     model.train()
     engine = RecoveryEngine(model)
-    assert compile_units(engine, layer_regions=True) == 8 + layers
+    assert compile_units(engine, layer_regions=True) == 4 * layers + layers  # 4 unit modules a layer
     return model, engine
 
 
@@ -204,6 +204,38 @@ def test_an_h_region_keeps_its_units_h_and_the_knapsack_knows(fresh_seed):
         loss = grpo_loss(model, ids, pos)
         step.set_actions({names[0]: "L"})
         loss.backward()
+
+
+def test_the_online_choice_keeps_h_regions_and_fits_the_rest_into_what_they_leave(fresh_seed):
+    """An H region's units are H before the knapsack runs: they leave it (it needs R per item)
+    and their bytes leave the budget; the other units are chosen in what remains, as a brute
+    force over their H/R choices picks."""
+    import itertools
+
+    from hilore_actor.allocation import HiLoRe, Runner
+    from hilore_actor.allocation.profiling import UnitCosts
+
+    print("seed", fresh_seed)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    model, engine = regions_tiny(fresh_seed, layers=3)
+    names = engine.unit_names
+    hl = HiLoRe(Runner(model, engine), 10**12, None, mode="hilore-hr", loo=False, log=lambda *a: None)
+    dm = {n: int(torch.randint(1000, 5000, (1,), generator=gen)) for n in names}
+    dtau = {n: float(torch.rand(1, generator=gen)) for n in names}
+    costs = UnitCosts("t", 1.0, 0, dtau={n: {"H": dtau[n]} for n in names}, dm={n: {"H": dm[n]} for n in names})
+    plan = {n: "exact" for n in names}
+    plan[names[5]] = "compressed"  # the last layer runs per unit: only layers 0 and 1 are H regions
+    held = sum(dm[n] for n in names[:4])
+    for room in (held - 1, held + dm[names[4]] // 2, held + dm[names[4]], held + 10**6):
+        actions = hl.allocate(costs, {}, room, 0.0, plan=plan)
+        assert all(actions[n] == "H" for n in names[:4]), (room, actions)
+        assert actions[names[5]] == "R"  # "compressed" admits L alone, which hilore-hr does not offer
+        free = names[4:5]
+        best = max((c for c in itertools.product("HR", repeat=len(free))
+                    if held + sum(dm[n] for n, a in zip(free, c) if a == "H") <= max(room, held)),
+                   key=lambda c: sum(dtau[n] for n, a in zip(free, c) if a == "H"))
+        assert tuple(actions[n] for n in free) == best, (room, actions, best)
+    assert all(a == "H" for a in hl.allocate(costs, {}, held + 10**6, 0.0).values())  # no plan: no region fixed
 
 
 def test_layer_regions_reuse_their_graphs_and_uncompile(fresh_seed):

@@ -122,12 +122,8 @@ class HiLoRe:
         self._measured: Dict[tuple, tuple] = {}  # plan -> (seconds, peak, actions), this preparation's
 
     # ---- allocation -----------------------------------------------------------------------
-    def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float],
-                fixed: bool = False) -> List[Option]:
-        """R, H and every L level ``plan`` (the unit's representation, None: any) admits;
-        ``fixed``: H alone (the unit ran inside an H layer region: ``recovery.compiled``)."""
-        if fixed:
-            return [Option("H", *option_cost(sp_costs, unit, "H"), 0.0)]
+    def options(self, sp_costs: UnitCosts, unit: str, plan: Optional[str], risks: Dict[str, float]) -> List[Option]:
+        """R, H and every L level ``plan`` (the unit's representation, None: any) admits."""
         opts = [Option("R", 0.0, 0.0, 0.0)]
         labels = [a for a in self.kinds if a in sp_costs.dm[unit]]
         if unit in self.token_wise:
@@ -140,14 +136,19 @@ class HiLoRe:
     def allocate(self, costs: UnitCosts, risks: Dict[str, Dict[str, float]], memory_budget: float, risk_budget: float,
                  plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11). With
-        ``plan``, the units of its H layer regions keep H (``recovery.compiled.region_units``)."""
+        ``plan``, the units of its H layer regions keep H (``recovery.compiled.region_units``):
+        they leave the knapsack, which needs a free option (R) per item, and their H bytes leave
+        the memory budget (below zero, every other unit R)."""
         from ..recovery.compiled import region_units
 
         names = self.engine.unit_names
         fixed = region_units(self.engine, plan) if plan else set()
-        items = [self.options(costs, n, plan.get(n) if plan else None, risks.get(n, {}), n in fixed) for n in names]
-        picks = solve(items, memory_budget, risk_budget, self.grid, self.grid)
-        return {n: items[i][picks[i]].action for i, n in enumerate(names)}
+        free = [n for n in names if n not in fixed]
+        held = sum(option_cost(costs, n, "H")[1] for n in fixed)
+        items = [self.options(costs, n, plan.get(n) if plan else None, risks.get(n, {})) for n in free]
+        picks = solve(items, memory_budget - held, risk_budget, self.grid, self.grid) if items else []
+        chosen = {n: items[i][picks[i]].action for i, n in enumerate(free)}
+        return {n: chosen.get(n, "H") for n in names}
 
     def risks(self, exposure: Optional[Dict[str, float]] = None,
               rest: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, float]]:
