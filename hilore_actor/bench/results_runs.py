@@ -81,6 +81,14 @@ RUNS: List[Run] = [
          "a user runs one compiled model, so its fast mode is the one to beat.",
          "hilore+compile's units stay eager between them (residual adds, the engine's hooks), and each "
          "unit's graph saves its own inputs, which one whole-decoder graph could recompute."]),
+    Run("cpu-real-compile-regions", "View (b) on cpu-real with compiled layer regions",
+        "As `cpu-real-compile`, with one compiled region per decoder layer (`--compile-layer-regions`, run "
+        "where a microbatch keeps the whole layer H or R) and every unit and region graph at the "
+        "activation_memory_budget compile-budget chose in `cpu-real-compile` (`--compile-activation-budget`); "
+        "one update a timed repeat. Its compile-budget copy is compiled without HiLoRe's idle engine hooks, "
+        "which earlier compile-budget rows carried in their graphs.",
+        ["hilore+compile and compile-budget are timed in one phase, so their paired ratio is in `phases` in the "
+         "JSON (docs/compile.md gives it beside that phase's A/A spread): level within the floor, not above it."]),
     Run("cpu-ref-a", "View (a) on cpu-ref: random weights, B from gc's device peak",
         "A random-weight Qwen2 shape (hidden 512, 12 layers) on replayed microbatches: a mechanism "
         "check; its gradient errors say nothing about a real model.",
