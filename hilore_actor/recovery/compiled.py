@@ -95,11 +95,7 @@ def compile_units(engine, activation_budget: float = 1.0, layer_regions: bool = 
         n += 1
     engine.compiled = True
     if layer_regions:
-        own: Dict[int, set] = {}  # id of a hook dict -> the engine's hook ids in it
-        for h in engine._hooks:
-            d = h.hooks_dict_ref()
-            if d is not None:
-                own.setdefault(id(d), set()).add(h.id)
+        own = engine.own_hooks()
         for layer in engine.layer_specs:
             if REGION in layer.module.__dict__:
                 continue

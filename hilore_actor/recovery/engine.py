@@ -149,6 +149,16 @@ class RecoveryEngine:
             h.remove()
         self._hooks = []
 
+    def own_hooks(self) -> Dict[int, set]:
+        """id of a hook dict of the model -> ids of this engine's hooks in it."""
+        own: Dict[int, set] = {}
+        for h in self._hooks:
+            for ref in (h.hooks_dict_ref, *h.extra_dict_ref):
+                d = ref()
+                if d is not None:
+                    own.setdefault(id(d), set()).add(h.id)
+        return own
+
     def unhooked_copy(self) -> torch.nn.Module:
         """A deep copy of the model without this engine's hooks, for another engine or a
         compiled peer. A plain ``copy.deepcopy`` keeps them, bound to a copy of this engine:
@@ -156,12 +166,7 @@ class RecoveryEngine:
         and ``torch.compile`` of the copy traces them into its graph."""
         import copy
 
-        own: Dict[int, set] = {}  # id of a hook dict of the model -> ids of this engine's hooks in it
-        for h in self._hooks:
-            for ref in (h.hooks_dict_ref, *h.extra_dict_ref):
-                d = ref()
-                if d is not None:
-                    own.setdefault(id(d), set()).add(h.id)
+        own = self.own_hooks()
         twin = copy.deepcopy(self.model)
         for m, c in zip(self.model.modules(), twin.modules()):
             for attr, d in vars(m).items():
