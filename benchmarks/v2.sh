@@ -17,6 +17,8 @@
 #                    graphs trade memory as compile-budget's did in cpu-real-compile
 #                    (--compile-activation-budget 0.9375, the activation_memory_budget it chose there);
 #                    one update a timed repeat, so that it fits in about an hour
+#   cpu-real-compile-a  view (a) at 1.10 with the same compiled layer regions: gc, gc+compile and
+#                    hilore+compile (the aim against gc+compile), one update a repeat (about 50 minutes)
 #   cpu-real-power    view (a) at 1.10 and 1.25, gc and hilore only (gc-aa beside them), in pieces
 #                    of 8 repeats: cpu-real-power:1 .. :N, then cpu-real-power:pool pools every
 #                    piece's paired ratios (merge --pool); about an hour a piece; REPEATS=N sets a
@@ -69,6 +71,10 @@ for spec in "$@"; do
                                  --no-loo --bisect-steps 2 --compile-layer-regions --compile-activation-budget 0.9375
                                  --calibration "$OUTDIR/cpu-real-a.calibration.json")
                               only=gc,gc+compile,hilore+compile,compile-budget updates=1 ;;
+    cpu-real-compile-a) a=(--workload cpu-real --budgets 1.10 --calib 2 --calib-tokens 512 --no-loo
+                           --compile-layer-regions --compile-activation-budget 0.9375
+                           --calibration "$OUTDIR/cpu-real-a.calibration.json")
+                        only=gc,gc+compile,hilore+compile updates=1 ;;
     cpu-real-power) a=(--workload cpu-real --budgets 1.10,1.25 --calib 2 --calib-tokens 512 --no-loo
                        --calibration "$OUTDIR/cpu-real-a.calibration.json")
                     only=gc,hilore repeats=${REPEATS:-8} ;;
