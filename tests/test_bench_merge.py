@@ -75,6 +75,47 @@ def test_hilore_over_coarse_pairs_repeats_of_one_piece_only(fresh_seed):
     assert versus(recs[2:]) == ""
 
 
+def test_a_paired_ratio_stands_beside_the_floor_of_its_own_phases(fresh_seed):
+    """report.versus: hilore+compile over compile-budget with the A/A floor (gc over gc-aa) of
+    the phase that timed both, not of the other phase, by brute force; the reading says above
+    only when the intervals do not overlap."""
+    import random
+    import statistics
+
+    from hilore_actor.bench.report import reading, versus
+    from hilore_actor.bench.stats import bootstrap_ci
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    n = 7
+    gc = [rng.uniform(40, 50) for _ in range(n)]
+    main = {"gc": gc, "gc-aa": [g * 1.5 for g in gc], "hilore+compile@1.10": [g / 1.3 for g in gc]}
+    aa = [g * rng.uniform(0.97, 1.03) for g in gc]
+    cb = [g / 1.3 * rng.uniform(0.98, 1.02) for g in gc]
+    for speedup, want in ((1.0, "within the floor"), (1.25, "above the floor")):
+        hc = [c * a / g / speedup for c, a, g in zip(cb, aa, gc)]  # the floor's own ratios, times speedup
+        phase = {"gc": gc, "gc-aa": aa, "hilore+compile@1.10": hc, "compile-budget@1.10": cb}
+        header = {"phases": [{"label": "main", "times": main}, {"label": "compile-budget@1.10", "times": phase}]}
+        recs = [{"method": "hilore+compile", "budget_ratio": 1.1, "update_seconds_all": hc},
+                {"method": "compile-budget", "budget_ratio": 1.1, "update_seconds_all": cb}]
+        out = versus(recs, "hilore+compile", "compile-budget", header=header)
+        ratios, floor = [c / h for c, h in zip(cb, hc)], [g / a for g, a in zip(gc, aa)]
+        assert f"| 1.10 | {statistics.median(ratios):.3f} [" in out, out
+        assert f"| {n} | {statistics.median(floor):.3f} [" in out, out
+        lo, hi = bootstrap_ci(ratios)
+        flo, fhi = bootstrap_ci(floor)
+        brute = "above the floor" if lo > fhi else "below the floor" if hi < flo else "within the floor"
+        assert brute == want and out.rstrip().endswith(f"| {want} |"), out
+        # an unbudgeted peer (gc+compile) is paired under its one key
+        gcc = [g / 1.03 for g in gc]
+        phase["gc+compile"] = gcc
+        out = versus(recs + [{"method": "gc+compile", "budget_ratio": None, "update_seconds_all": gcc}],
+                     "hilore+compile", "gc+compile", header=header)
+        assert f"| 1.10 | {statistics.median(g / h for g, h in zip(gcc, hc)):.3f} [" in out, out
+    assert reading({"speed_ci95": [0.90, 0.95]}, {"speed_ci95": [0.98, 1.02]}) == "below the floor"
+    assert reading({"speed_ci95": [0.90, 0.99]}, None) == "-"
+
+
 def timed_piece(rng, plan, n=5):
     """A piece with raw times: gc, gc-aa and hilore @ 1.1 timed n repeats, with its phase."""
     gc = [rng.uniform(40, 50) for _ in range(n)]

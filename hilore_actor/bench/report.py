@@ -14,6 +14,11 @@ FIELDS = ("method", "head", "budget_ratio", "update_seconds", "tokens_per_second
           "paired_gc_seconds_all", "bimodal_times", "fits_budget")
 
 
+# The paired comparisons a result prints when one phase timed both: HiLoRe over its whole-unit form,
+# and HiLoRe on compiled units over the compiled peers.
+VERSUS = (("hilore", "hilore-coarse"), ("hilore+compile", "compile-budget"), ("hilore+compile", "gc+compile"))
+
+
 def fmt(v, spec=".3f"):
     return "-" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
 
@@ -79,7 +84,7 @@ def markdown(records: List[Dict], header: Dict) -> str:
                    f"{r['peak_device_bytes'] / 2**20:.1f} | {fmt(r['grad_rel_err_mean'], '.4f')} | {fmt(r['grad_rel_err_max'], '.4f')} | "
                    f"{fmt(r['h_frac'], '.2f')} | {fmt(r['l_frac'], '.2f')} | {fmt(r.get('p_frac'), '.2f')} | "
                    f"{fmt(r['r_frac'], '.2f')} | {_note(r)} |")
-    return "\n".join(out) + "\n" + versus(records, header=header) + plans(records)
+    return "\n".join(out) + "\n" + "".join(versus(records, m, ref, header=header) for m, ref in VERSUS) + plans(records)
 
 
 def phases_of(header: Dict) -> List[Tuple[Optional[str], str, Dict[str, List[float]]]]:
@@ -89,13 +94,15 @@ def phases_of(header: Dict) -> List[Tuple[Optional[str], str, Dict[str, List[flo
     return [(p["name"], ph["label"], ph["times"]) for p in pieces for ph in p.get("phases") or []]
 
 
-def paired(header: Dict, method: str, reference: str) -> Optional[Dict]:
+def paired(header: Dict, method: str, reference: str, within: Optional[List[str]] = None) -> Optional[Dict]:
     """``method`` over ``reference`` (keys as ``timing.key``: ``name`` or ``name@1.10``) from
-    every phase that timed both, pairs kept within their repeat and pooled over phases (a
-    ``speed_summary``, its "over gc" over ``reference``, with the phases it used); None when
-    no phase timed both: then the two are not compared."""
+    every phase that timed both (``within``: only those of these phases), pairs kept within
+    their repeat and pooled over phases (a ``speed_summary``, its "over gc" over ``reference``,
+    with the phases it used); None when no phase timed both: then the two are not compared."""
     ref, times, used = [], [], []
     for piece, label, t in phases_of(header):
+        if within is not None and f"{piece or 'this run'}: {label}" not in within:
+            continue
         if method in t and reference in t:
             n = min(len(t[method]), len(t[reference]))
             ref += t[reference][:n]
@@ -106,27 +113,42 @@ def paired(header: Dict, method: str, reference: str) -> Optional[Dict]:
     return dict(speed_summary(ref, times), phases=used)
 
 
+def reading(s: Dict, floor: Optional[Dict]) -> str:
+    """Where a paired ratio's interval lies against the A/A floor's (gc-aa over gc in the same
+    phases): a difference is read only when the intervals do not overlap."""
+    if not floor or not s.get("speed_ci95") or not floor.get("speed_ci95"):
+        return "-"
+    (lo, hi), (flo, fhi) = s["speed_ci95"], floor["speed_ci95"]
+    return "above the floor" if lo > fhi else "below the floor" if hi < flo else "within the floor"
+
+
 def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore-coarse", header: Optional[Dict] = None) -> str:
     """``method`` over ``reference`` at each budget, as the median of their paired times
-    (reference / method, both timed in the same repeats) with a bootstrap 95% interval; from
-    the phases' raw times when the result has them, else from records of one piece; pairs
-    from different pieces or phases are never formed."""
+    (reference / method, both timed in the same repeats) with a bootstrap 95% interval, beside
+    the A/A floor of the same phases; from the phases' raw times when the result has them, else
+    from records of one piece (no floor); pairs from different pieces or phases are never formed."""
     out = []
     budgets = sorted({r.get("budget_ratio") for r in records if r["method"] == method and r.get("update_seconds_all")},
                      key=lambda b: b or 0)
     for b in budgets:
-        s = paired(header or {}, f"{method}@{b:.2f}", f"{reference}@{b:.2f}") if b is not None else None
+        budgeted = any(r["method"] == reference and r.get("budget_ratio") is not None for r in records)
+        ref_key = f"{reference}@{b:.2f}" if budgeted else reference  # an unbudgeted peer (gc+compile) has one key
+        s = paired(header or {}, f"{method}@{b:.2f}", ref_key) if b is not None else None
+        floor = paired(header or {}, "gc-aa", "gc", within=s["phases"]) if s else None
         if s is None:
             r = next(r for r in records if r["method"] == method and r.get("budget_ratio") == b and r.get("update_seconds_all"))
-            ref = next((x for x in records if x["method"] == reference and x.get("budget_ratio") == b
+            ref = next((x for x in records if x["method"] == reference and x.get("budget_ratio") in (b, None)
                         and x.get("piece") == r.get("piece") and x.get("update_seconds_all")), None)
             if ref is None:
                 continue  # timed in different pieces: not a pair (neither is ever a compiled peer's phase)
             s = speed_summary(ref["update_seconds_all"], r["update_seconds_all"])  # its "over gc" is over ``reference``
-        out.append(f"| {fmt(b, '.2f')} | {s['speed_over_gc']:.3f} {_ci(s)} | {len(s['speed_ratios'])} |")
+        aa = f"{floor['speed_over_gc']:.3f} {_ci(floor)}" if floor else "-"
+        out.append(f"| {fmt(b, '.2f')} | {s['speed_over_gc']:.3f} {_ci(s)} | {len(s['speed_ratios'])} | {aa} | "
+                   f"{reading(s, floor)} |")
     if not out:
         return ""
-    return (f"\n### `{method}` over `{reference}` (paired repeats)\n\n| B | speed [95% CI] | repeats |\n|---|---|---|\n"
+    return (f"\n### `{method}` over `{reference}` (paired repeats)\n\n"
+            "| B | speed [95% CI] | repeats | A/A floor of those phases [95% CI] | reading |\n|---|---|---|---|---|\n"
             + "\n".join(out) + "\n")
 
 

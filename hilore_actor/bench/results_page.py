@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..learner.plan import plan_counts
-from .report import _note, definitions, fmt, paired, plans, versus
+from .report import VERSUS, _note, definitions, fmt, paired, plans, versus
 from . import results_studies
-from .results_runs import CURRENT_PLANNER, EXACT_PEERS, HEADLINE, RUNS
+from .results_runs import CURRENT_PLANNER, EXACT_PEERS, HEADLINE, HOOKED_COMPILE_BUDGET, HOOKED_NOTE, RUNS
 from .stats import bootstrap_ci, log_spread, repeats_to_resolve, resolvable_difference
 
 MIB = 2 ** 20
@@ -78,11 +78,13 @@ def over_peer(data: Dict, peer: Dict, b: float) -> str:
     return f"hilore / it {interval(s['speed_over_gc'], s.get('speed_ci95'))}, paired" if s else "not paired"
 
 
-def peer_cell(data: Dict, h: Optional[Dict], peer: Optional[Dict], b: float) -> str:
-    """The fastest exact peer, and HiLoRe over it when one phase timed both."""
+def peer_cell(data: Dict, h: Optional[Dict], peer: Optional[Dict], b: float, hooked: bool = False) -> str:
+    """The fastest exact peer, and HiLoRe over it when one phase timed both; ``hooked``: the run's
+    compile-budget graph traced an engine's idle hooks (marked stale)."""
     if not peer:
         return "-"
-    text = f"{peer['method']} {fmt(peer['speed_over_gc'])}"
+    stale = " stale" if hooked and peer["method"] == "compile-budget" else ""
+    text = f"{peer['method']} {fmt(peer['speed_over_gc'])}{stale}"
     return text if peer["method"] == "gc" or h is None else f"{text} ({over_peer(data, peer, b)})"
 
 
@@ -265,8 +267,9 @@ def run_section(run, data: Dict) -> str:
            f"`benchmarks/results/{run.name}.json` (and `.md`, `.png`).", "",
            run.stale or CURRENT_PLANNER, "", _workload(data), "", definitions(data), ""]
     out += _table(data) + [""] + _observations(data) + [""]
-    out += [f"- {n}" for n in run.notes] + ([""] if run.notes else [])
-    for extra in (versus(data["records"], header=data), plans(data["records"])):
+    notes = run.notes + ([HOOKED_NOTE] if run.name in HOOKED_COMPILE_BUDGET else [])
+    out += [f"- {n}" for n in notes] + ([""] if notes else [])
+    for extra in [versus(data["records"], m, ref, header=data) for m, ref in VERSUS] + [plans(data["records"])]:
         if extra:
             out += [extra.strip(), ""]
     out += ["### Pieces", ""] + _pieces(data, run.name)
@@ -290,7 +293,7 @@ def headline(results: Path) -> str:
             f"| `{name}` | {b:.2f} x {data['budget_from']} ({data['budget_scope']}) | "
             f"{interval(r['speed_over_gc'], r.get('speed_ci95'))} | {floor_cell(floor)} | "
             f"{'-' if ab is None else ('yes' if ab else 'no')} | {fmt(r.get('gap_recovered'), '.0%')} | "
-            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | {peer_cell(data, r, peer, b)} |")
+            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | {peer_cell(data, r, peer, b, name in HOOKED_COMPILE_BUDGET)} |")
     return "\n".join(out) + "\n"
 
 
@@ -302,7 +305,8 @@ HEADLINE_KEY = ("The paper reports +10.16% throughput over gradient checkpointin
                 "floor: gc against a second gc interleaved in the same phase (gc-aa), or, for results without it, "
                 "gc against itself in adjacent repeats of the same piece (marked adjacent); \"above floor\" only "
                 "when the whole interval is above it. The fastest exact peer stands with its own speed over its own "
-                "gc; HiLoRe over it is printed only when one phase timed both (else \"not paired\"). Recompute removed: the share of gc's recompute time (gc - no-gc) "
+                "gc; HiLoRe over it is printed only when one phase timed both (else \"not paired\"); \"stale\": a "
+                "compile-budget row whose graph traced an engine's idle hooks (the run's notes). Recompute removed: the share of gc's recompute time (gc - no-gc) "
                 "saved. Gradient error: relative to no-gc, mean over 3 updates.")
 
 
