@@ -23,7 +23,7 @@ EXACT_PEERS = ("gc", "gc+full", "no-gc", "sac", "sac-budget", "compile-budget")
 
 # Runs whose compile-budget rows were measured on a copy that still carried a recovery engine's idle
 # hooks, traced into its graph (a deep copy kept them; `RecoveryEngine.unhooked_copy` now drops them).
-HOOKED_COMPILE_BUDGET = ("cpu-real-a", "cpu-real-b", "cpu-ref-a", "cpu-ref-b", "cpu-small-sweep", "cpu-real-compile")
+HOOKED_COMPILE_BUDGET = ("cpu-real-a", "cpu-ref-a", "cpu-ref-b", "cpu-small-sweep", "cpu-real-compile")
 HOOKED_NOTE = ("Stale compile-budget row: its whole-decoder graph was compiled on a copy that still carried a "
                "recovery engine's idle hooks, traced into the graph (outside a step they only count module "
                "depths). Not re-measured; `cpu-real-compile-regions` times compile-budget without them.")
@@ -68,8 +68,9 @@ RUNS: List[Run] = [
          "paired comparison): with this much room inductor's fused kernels, not the memory plan, would set the "
          "pace (these HiLoRe rows run eager units).",
          "gc+full can run faster than gc on this CPU: the chunked head costs time, and buys memory.",
-         "Pieces ran at different commits: the hilore piece (hilore-coarse and hilore, with gc-aa) is the latest, "
-         "planned by the current planner; the peers' pieces keep their adjacent floors.",
+         "Pieces ran at different commits: the hilore piece (hilore-coarse and hilore, with gc-aa) is planned by "
+         "the current planner; the compile-budget piece (with gc-aa) was re-run after its copy stopped carrying "
+         "a recovery engine's idle hooks; the other peers' pieces keep their adjacent floors.",
          "With this much room, hilore-coarse (whole-unit H/L/R) keeps units H where hilore keeps them P "
          "(the plans below): hilore's gradient error is lower, and in the paired repeats its time is behind "
          "hilore-coarse's (`hilore` over `hilore-coarse` below), though the profile gave its plan the larger "
