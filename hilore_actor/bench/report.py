@@ -130,8 +130,8 @@ def versus(records: List[Dict], method: str = "hilore", reference: str = "hilore
     out = []
     budgets = sorted({r.get("budget_ratio") for r in records if r["method"] == method and r.get("update_seconds_all")},
                      key=lambda b: b or 0)
+    budgeted = any(r["method"] == reference and r.get("budget_ratio") is not None for r in records)
     for b in budgets:
-        budgeted = any(r["method"] == reference and r.get("budget_ratio") is not None for r in records)
         ref_key = f"{reference}@{b:.2f}" if budgeted else reference  # an unbudgeted peer (gc+compile) has one key
         s = paired(header or {}, f"{method}@{b:.2f}", ref_key) if b is not None else None
         floor = paired(header or {}, "gc-aa", "gc", within=s["phases"]) if s else None
