@@ -36,6 +36,8 @@ EXTRAS = {
     # compile llama-cpp-python, which we never use. scripts/setup.sh does that.
     "smollm2": ["gguf>=0.10"],
     "openrlhf": ["openrlhf==0.11.2"],
+    # Weights & Biases logging (--use_wandb); imported only when it is on
+    "wandb": ["wandb>=0.31"],
     # verl 0.9.1 itself goes in with --no-deps (its transformers<5.11 pin excludes OpenRLHF's
     # 5.15.0 and this project's range); these are the imports of its actor path.
     "verl": ["tensordict>=0.8.0,<=0.10.0,!=0.9.0", "hydra-core>=1.3", "codetiming", "datasets"],

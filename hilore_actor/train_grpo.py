@@ -11,7 +11,7 @@ One controller (this process) drives, per step:
       budget coordinator) -> weights to rollout workers -> metrics, checkpoint
 
 The pieces live in ``hilore_actor/train/`` (config, job, learner, workers, placement, faults,
-checkpoint, metrics), ``hilore_actor/learner/`` (plan, step, coordinator) and
+checkpoint, metrics, evaluation), ``hilore_actor/learner/`` (plan, step, coordinator) and
 ``hilore_actor/rollout/replay.py``; this file is the recipe. Flags: ``--help``.
 """
 from __future__ import annotations
@@ -22,13 +22,16 @@ import signal
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Dict, List
 
 import torch
 
+from hilore_actor.data.reward_function import RewardError
 from hilore_actor.train.config import ConfigError, parse_config, plan_tokens, world_size
 from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
 from hilore_actor.train.job import Job, JobError
+from hilore_actor.train.metrics import learner_means, rollout_metrics
 
 
 def checkpoint_root(cfg) -> str:
@@ -37,13 +40,24 @@ def checkpoint_root(cfg) -> str:
     return os.path.abspath(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
 
 
-def load_prompts(cfg):
-    """The task, checked before any worker starts (a malformed dataset fails here)."""
-    from hilore_actor.data import load_task
+def load_prompts(cfg, dataset=None):
+    """The task (``dataset``, default ``--data.prompt_dataset``) with its reward: the task's
+    verifier, or ``--reward.path``'s function. Checked before any worker starts: a malformed
+    dataset or reward function fails here."""
+    from hilore_actor.data import DatasetError, load_task
 
     options = json.loads(cfg.data.task_options) if cfg.data.task_options else None
-    return load_task(cfg.data.prompt_dataset, size=cfg.data.max_samples, seed=cfg.train.seed, options=options,
-                     instruction=cfg.data.instruction)
+    task = load_task(dataset or cfg.data.prompt_dataset, size=cfg.data.max_samples, seed=cfg.train.seed, options=options,
+                     instruction=cfg.data.instruction, prompt_key=cfg.data.input_key, answer_key=cfg.data.label_key)
+    chat = next((e for e in task.examples if isinstance(e.prompt, list)), None)
+    if chat is not None and not cfg.data.apply_chat_template:
+        raise DatasetError(f"{chat.metadata['source']}: the prompt is a list of chat messages, which needs "
+                           "--data.apply_chat_template (drop '--data.apply_chat_template false')")
+    if cfg.reward.path:
+        from hilore_actor.data.reward_function import load_reward_function
+
+        task.scorer = load_reward_function(cfg.reward.path, cfg.reward.name)
+    return task
 
 
 def step_prompts(task, cfg, step: int):
@@ -81,20 +95,27 @@ def run(cfg) -> int:
     from hilore_actor.learner.coordinator import call
     from hilore_actor.models.source import check_model_spec, load_tokenizer
     from hilore_actor.train.checkpoint import CheckpointDir
-    from hilore_actor.train.metrics import MetricsLog, summary
+    from hilore_actor.train import run_dir
+    from hilore_actor.train.evaluation import due, evaluate, load_eval_task
+    from hilore_actor.train.metrics import MetricsLog, pick_samples, summary, wandb_options
 
     check_model_spec(cfg.actor.model_name_or_path)
     task = load_prompts(cfg)
+    eval_task = load_eval_task(cfg, load_prompts)  # --eval.dataset, read and checked as the task is
     tok = load_tokenizer(cfg.actor.model_name_or_path)
+    if any(isinstance(e.prompt, list) for e in task.examples) and not getattr(tok, "chat_template", None):
+        raise JobError(f"{cfg.data.prompt_dataset} holds chat messages and the tokenizer of "
+                       f"{cfg.actor.model_name_or_path} has no chat template to render them")
     from hilore_actor.rollout.hf_generate import apply_chat
 
-    longest = max(len(apply_chat(tok, e.prompt)) for e in task.examples)
+    longest = max(len(apply_chat(tok, e.prompt, cfg.data.apply_chat_template)) for e in task.examples)
     if longest > cfg.data.prompt_max_len:
         raise JobError(f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
                        f"{cfg.data.prompt_max_len}; raise it or shorten the prompts")
     cfg.hilore.plan_tokens = plan_tokens(cfg, longest)  # the largest microbatch these prompts can make
+    run_dir.resolve(cfg)  # the last of the checks before Ray: it creates the run's folder
     ckpts = CheckpointDir(checkpoint_root(cfg))
-    start, resume_dir = 0, None
+    start, resume_dir, replan = 0, None, []
     if cfg.ckpt.load_enable:
         last, skipped = ckpts.resumable()
         if last is None:
@@ -102,6 +123,10 @@ def run(cfg) -> int:
                            + (f" ({len(skipped)} damaged: see above)" if skipped else ""))
         start, resume_dir = CheckpointDir.meta(last)["step"], str(last)
         print(f"[train] resuming from {last} (after step {start})", flush=True)
+        from hilore_actor.train.config import flatten_ns
+        from hilore_actor.train.resume import check
+
+        replan = check(last, flatten_ns(cfg))  # before Ray: refused flags end here, re-planned ones are said
     if start >= cfg.max_steps:
         print(f"[train] nothing to do: the checkpoint is at step {start} and --max_steps is {cfg.max_steps}")
         return 0
@@ -114,10 +139,11 @@ def run(cfg) -> int:
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=cfg.log_workers)
     t0 = time.perf_counter()
+    how = ("restores its budget and plan from the checkpoint" if resume_dir and not replan else
+           f"measures gc and plans its units on a {cfg.hilore.plan_tokens}-token microbatch first (minutes for a real "
+           f"model on CPU; --log_workers shows it)")
     print(f"[train] starting {world_size(cfg)} learner rank(s), {max(cfg.vllm.num_engines, cfg.rollout.num_workers)} rollout "
-          f"worker(s) and a reference worker; each learner measures gc and plans its units on a "
-          f"{cfg.hilore.plan_tokens}-token microbatch first (minutes for a real model on CPU; --log_workers shows it)",
-          flush=True)
+          f"worker(s) and a reference worker; each learner {how}", flush=True)
     job = Job(cfg, resume_dir, str(ckpts.root))
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
@@ -125,11 +151,13 @@ def run(cfg) -> int:
     peaks = [(i["plan_peak_over_budget"], i.get("plan_peak_phase")) for i in job.infos if "plan_peak_over_budget" in i]
     plan_peak, peak_phase = max(peaks, key=lambda x: x[0]) if peaks else (None, None)  # None: a checkpoint from before
     print(f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
-          f"{info['budget_bytes'] / 2**20:.0f} MiB ({cfg.hilore.budget}, {info.get('budget_scope', 'activations')} scope; "
+          f"{info['budget_bytes'] / 2**20:.0f} MiB ({info.get('budget_spec', cfg.hilore.budget)}, "  # B in force
+          f"{info.get('budget_scope', 'activations')} scope; "
           f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident {info.get('resident_bytes', 0) / 2**20:.0f} "
           f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
           f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s", flush=True)
-    log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None)
+    log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None,
+                     wandb=wandb_options(cfg))
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
                file=sys.stdout, dynamic_ncols=True)
     job.sync_weights()
@@ -137,7 +165,7 @@ def run(cfg) -> int:
     restarts_before = call(job.coordinator.restart_count)
     buffer = replay_buffer(cfg, resume_dir)
     for step in bar:
-        rewards, out, per_update, rollout_s, ref_s, replayed = train_step(job, task, cfg, step, stop, buffer)
+        rewards, out, per_update, rollout_s, ref_s, replayed = train_step(job, task, cfg, step, stop, buffer, tok)
         m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
         if buffer is not None:
             from hilore_actor.rollout.replay import stats
@@ -153,7 +181,13 @@ def run(cfg) -> int:
             for key in cmp[0]:
                 m[key] = max(c[key] for c in cmp)
             m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
-        log.log(step + 1, m)
+        samples = pick_samples(step_prompts(task, cfg, step), out["texts"], rewards.tolist(),
+                               cfg.rollout.n_samples_per_prompt, cfg.logger.samples_per_step)
+        if eval_task is not None and due(cfg, step + 1):
+            evals, eval_samples = evaluate(job, eval_task, cfg, step, partial(score, eval_task, G=1, tok=tok))
+            m.update(evals)
+            samples += eval_samples
+        log.log(step + 1, m, samples)
         for upd in per_update:
             skips.update(any(r["skipped"] for r in upd), step + 1)
         if job.calibration_pending:  # the first step ran H/R; from the next one on, the wanted mode
@@ -178,7 +212,18 @@ def run(cfg) -> int:
     return 0
 
 
-def train_step(job, task, cfg, step: int, stop, buffer=None):
+def score(task, out, examples, G: int, tok=None) -> List[float]:
+    """The rollouts' rewards; a batched reward function also gets the rendered prompts and the
+    queries (prompt + response), decoded as OpenRLHF passes them."""
+    exs = [examples[i // G] for i in range(len(out["texts"]))]
+    prompts = queries = None
+    if tok is not None and getattr(task.scorer, "needs_text", False):
+        prompts = [tok.decode(ids[:p], skip_special_tokens=False) for ids, p, _ in out["seqs"]]
+        queries = [tok.decode(ids, skip_special_tokens=False) for ids, _, _ in out["seqs"]]
+    return task.score_all(out["texts"], exs, prompts, queries)
+
+
+def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
     """One GRPO step: rollouts -> rewards -> group advantages (+ replayed rollouts) -> packed
     rows per rank -> reference log-probs -> the learners' updates (weights to the rollout
     workers after each). Returns (rewards, rollouts, per update every rank's metrics,
@@ -191,7 +236,7 @@ def train_step(job, task, cfg, step: int, stop, buffer=None):
     out = job.generate([e.prompt for e in examples], step)
     stop.inject(step)
     rollout_s = time.perf_counter() - t
-    rewards = torch.tensor([task.score(txt, examples[i // G]) for i, txt in enumerate(out["texts"])], dtype=torch.float32)
+    rewards = torch.tensor(score(task, out, examples, G, tok), dtype=torch.float32)
     adv = group_advantages(rewards, G, cfg.algo.advantage.estimator)
     seqs = [(s, p, float(a)) for (s, p, _), a in zip(out["seqs"], adv)]
     replayed = draw_replay(buffer, cfg, step)
@@ -272,7 +317,10 @@ def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None):
     (stage / STATE_FILE).write_text(json.dumps(call(job.coordinator.state)))
     if buffer is not None:
         torch.save(buffer.state_dict(), stage / "replay.pt")
-    return ckpts.commit(stage, step, {"metrics": m}, keep=keep)
+    from hilore_actor.train.resume import saved_config
+
+    # the flags, so that --resume can refuse or re-plan what differs before Ray starts (train/resume.py)
+    return ckpts.commit(stage, step, {"metrics": m, "config": saved_config(job.cfg)}, keep=keep)
 
 
 def _say_recoveries(m: Dict, step: int, restarts_before: int) -> None:
@@ -294,6 +342,7 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
     return {
         "reward_mean": float(rewards.mean()), "accuracy": float((rewards == 1).float().mean()),
         "response_length": statistics.fmean(s[2] for s in out["seqs"]),
+        **rollout_metrics(rewards.tolist(), [s[2] for s in out["seqs"]]), **learner_means(last, ("entropy",)),
         "loss": mean("loss"), "policy_loss": mean("policy_loss"), "kl": mean("kl_mean"), "clip_fraction": mean("clip_fraction"),
         "grad_norm": last[0]["grad_norm"], "lr": last[0]["lr"],
         "skipped_updates": sum(any(r.get("skipped") for r in upd) for upd in per_update),
@@ -337,10 +386,12 @@ def _gradient_error(per_update) -> Dict:
 def print_report(path, cfg) -> None:
     """The reward curve and, with --compare_gc, the update time against gc, from metrics.jsonl."""
     rows = [json.loads(ln) for ln in open(path) if ln.strip()]
-    print("\nstep  reward  accuracy  resp.len  loss       update s  peak/B" + ("  gc s    " + cfg.actor.backend + " s  speed" if cfg.compare_gc else ""))
+    print("\nstep  reward  accuracy  resp.len  loss        entropy  update s  peak/B"
+          + ("  gc s    " + cfg.actor.backend + " s  speed" if cfg.compare_gc else ""))
     for r in rows:
         line = (f"{r['step']:>4}  {r['reward_mean']:.3f}   {r['accuracy']:.3f}     {r['response_length']:>6.1f}  "
-                f"{r['loss']:+.5f}  {r['update_seconds']:>7.2f}  {r['peak_over_budget_max']:.3f}")
+                f"{r['loss']:+10.3e}  {_num(r.get('entropy'), '7.3f')}  {r['update_seconds']:>7.2f}  "
+                f"{r['peak_over_budget_max']:.3f}")
         if "compare_speedup_vs_gc" in r:
             line += f"  {r['compare_gc_seconds']:>6.2f}  {r['compare_' + cfg.actor.backend + '_seconds']:>8.2f}  x{r['compare_speedup_vs_gc']:.3f}"
         print(line)
@@ -348,6 +399,14 @@ def print_report(path, cfg) -> None:
         gc = sum(r["compare_gc_seconds"] for r in rows)
         ours = sum(r[f"compare_{cfg.actor.backend}_seconds"] for r in rows)
         print(f"update time on the same microbatches, all steps: gc {gc:.1f}s, {cfg.actor.backend} {ours:.1f}s (x{gc / ours:.3f})")
+    for r in (r for r in rows if "eval_accuracy" in r):
+        print(f"held-out after step {r['step']}: accuracy {r['eval_accuracy']:.3f}, reward {r['eval_reward_mean']:.3f} "
+              f"({r['eval_prompts']} prompts, greedy)")
+
+
+def _num(v, fmt: str) -> str:
+    """A report cell: the number, or '-' right-aligned where the row has none."""
+    return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
 
 
 def main(argv=None) -> int:
@@ -361,6 +420,9 @@ def main(argv=None) -> int:
     except (JobError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # the user's reward function raised during the run
+        print(f"error: {e}; full trace: {_trace_file(cfg, e)}; {_last_checkpoint(cfg)}", file=sys.stderr)
+        return 1
     except TooManySkipped as e:
         from hilore_actor.train.checkpoint import CheckpointDir
 
@@ -382,20 +444,42 @@ def _worker_failure(e: Exception, cfg) -> int:
 
     import ray.exceptions as rex
 
-    from hilore_actor.train.checkpoint import CheckpointDir
-
     if not isinstance(e, (rex.RayTaskError, rex.RayActorError)):
         raise e
-    last = CheckpointDir(checkpoint_root(cfg)).latest()
-    where = f"the last checkpoint is {last}; rerun with --resume to continue from it" if last else "no checkpoint was written yet"
+    where = f"{_last_checkpoint(cfg)}; full trace: {_trace_file(cfg, e)}"
     found = re.findall(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", str(e), flags=re.M)
     if found and (isinstance(e, rex.RayTaskError) or getattr(e, "actor_init_failed", False)):
         name, msg = found[-1]
-        print(f"error: {name}: {msg}\n({where})", file=sys.stderr)
+        print(f"error: {name}: {msg} ({where})", file=sys.stderr)
         return 2 if name in USER_ERRORS else 1
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"error: a Ray worker died during training ({type(e).__name__}: {first}); {where}", file=sys.stderr)
     return 1
+
+
+def _last_checkpoint(cfg) -> str:
+    from hilore_actor.train.checkpoint import CheckpointDir
+
+    last = CheckpointDir(checkpoint_root(cfg)).latest()
+    return f"the last checkpoint is {last}; rerun with --resume to continue from it" if last else "no checkpoint was written yet"
+
+
+def _trace_file(cfg, e: BaseException) -> str:
+    """The exception's whole trace (a worker's remote one included) in ``<save_path>/error.log``,
+    so the terminal shows one line."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(e)) + (f"\n{e}\n" if "RayTaskError" in type(e).__name__ else "")
+    for folder in (cfg.save_path, tempfile.gettempdir()):
+        try:
+            path = os.path.join(folder, "error.log")
+            with open(path, "a") as f:
+                f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}")
+            return path
+        except OSError:
+            continue
+    return "(not written)"
 
 
 if __name__ == "__main__":

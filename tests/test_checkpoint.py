@@ -75,3 +75,42 @@ def test_checkpoints_from_before_checksums_are_taken_as_they_are(tmp_path):
     del meta["files"]
     (ck.latest() / "meta.json").write_text(json.dumps(meta))
     assert ck.resumable(log=lambda m: None)[0] == ck.latest()
+
+
+def test_resume_compares_the_saved_flags_refuses_replans_or_applies(tmp_path):
+    """``train/resume.py`` on a committed checkpoint: the model, the optimizer's settings and the data
+    are refused in one line naming flag and values; budget settings re-plan ("1.10" and 1.1 are one
+    budget); --max_steps is applied; a checkpoint saved without flags checks what its files tell."""
+    from hilore_actor.train.config import flatten_ns, parse_config
+    from hilore_actor.train.resume import ResumeError, check, replan_flags, saved_config
+
+    def flags(*argv):
+        cfg = parse_config(["--preset", "tiny", *argv])
+        cfg.hilore.plan_tokens = 128
+        return cfg
+
+    ck = CheckpointDir(tmp_path / "ck")
+    stage = ck.staging(2)
+    (stage / "rng_rank0.pt").write_bytes(b"")
+    (stage / "rng_rank1.pt").write_bytes(b"")
+    (stage / "hilore_rank0.json").write_text(json.dumps({"info": {"budget_spec": "1.10", "plan_tokens": 128}}))
+    step = ck.commit(stage, 2, {"config": saved_config(flags())})
+    said = []
+    assert check(step, flatten_ns(flags("--max_steps", "9", "--hilore.budget", "1.1")), said.append) == [] and not said
+    assert check(step, flatten_ns(flags("--hilore.budget", "1.3")), said.append) == ["hilore.budget"]
+    assert said == ["[train] --resume with --hilore.budget '1.3' (the checkpoint's '1.10'): every rank plans anew "
+                    "(budget and plan) instead of restoring the checkpoint's"]
+    for argv, want in ((["--pretrain", "tiny:llama"], "(--pretrain) 'tiny:llama' (the checkpoint's 'tiny:qwen2')"),
+                       (["--ds.lora.rank", "4"], "--ds.lora.rank 4 (the checkpoint's 8)"),
+                       (["--actor.num_gpus_per_node", "1"], "the world size"),
+                       (["--actor.adam.lr", "0.01"], "optimizer state would silently restore"),
+                       (["--data.max_samples", "9"], "--data.max_samples 9 (the checkpoint's 1024)")):
+        with pytest.raises(ResumeError) as e:
+            check(step, flatten_ns(flags(*argv)), said.append)
+        assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+    meta = json.loads((step / "meta.json").read_text())
+    (step / "meta.json").write_text(json.dumps(dict(meta, config=None)))  # saved before flags were kept
+    assert replan_flags(step, flatten_ns(flags("--pretrain", "tiny:llama"))) == []
+    assert replan_flags(step, flatten_ns(flags("--hilore.budget", "2GiB"))) == ["hilore.budget"]
+    with pytest.raises(ResumeError, match="the world size"):
+        check(step, flatten_ns(flags("--actor.num_gpus_per_node", "1")), said.append)

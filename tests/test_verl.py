@@ -262,6 +262,32 @@ def test_a_worker_without_cuda_stops_with_one_message(verl_env, monkeypatch):
         engine_mod.HiLoReFSDPEngine(mc, FSDPEngineConfig(strategy="fsdp2"), FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
 
 
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_the_training_engine_turns_verls_activation_offload_off(verl_env, monkeypatch, capsys, forward_only):
+    """Through verl's own main_ppo (the patch; no launcher to turn it off) the training engine
+    still turns activation offload off, with one line, before verl's engine builds the model;
+    the forward-only reference engine is left as configured."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    import hilore_actor.verl.engine as engine_mod
+
+    path, seed = verl_env
+    _hilore(monkeypatch)
+    seen = []
+    monkeypatch.setattr(engine_mod, "_need_device", lambda: None)
+    monkeypatch.setattr(FSDPEngineWithLMHead, "__init__", lambda self, mc, *a: seen.append(mc.enable_activation_offload))
+    mc = HFModelConfig(path=path, load_tokenizer=False, enable_activation_offload=True)
+    engine_mod.HiLoReFSDPEngine(mc, FSDPEngineConfig(strategy="fsdp2", forward_only=forward_only),
+                                FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+    assert seen == [forward_only]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ([] if forward_only else [
+        "[hilore] actor_rollout_ref.model.enable_activation_offload=true is turned off: HiLoRe's plan decides per "
+        "unit what is kept, compressed or recomputed"])
+
+
 def test_registration_is_idempotent(verl_env):
     from verl.workers.engine import EngineRegistry
 

@@ -1,5 +1,8 @@
 """HiLoRe's verl launcher (``hilore_actor/verl/main_ppo.py``): verl's own config composed with
 HiLoRe's overrides, accepted or refused with one message. No engine runs here."""
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("verl")
@@ -48,9 +51,10 @@ def test_the_example_recipe_composes_and_validates(monkeypatch):
     assert cfg.actor_rollout_ref.actor.strategy == "hilore" and cfg.actor_rollout_ref.model.lora_rank == 16
 
 
-def test_launcher_composes_a_real_grpo_config(monkeypatch):
+def test_launcher_composes_a_real_grpo_config(monkeypatch, capsys):
     """verl's own config, composed with HiLoRe's overrides, passes verl's validation; the actor
-    config names the hilore backend and the workers get the settings and job facts."""
+    config names the hilore backend and the workers get the settings and job facts. verl's
+    default gradient checkpointing is turned off with one line: HiLoRe's plan replaces it."""
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     from hilore_actor.verl.main_ppo import REGISTER, compose, launch_args
@@ -58,7 +62,11 @@ def test_launcher_composes_a_real_grpo_config(monkeypatch):
 
     overrides, env = launch_args(GRPO + ["+actor_rollout_ref.actor.hilore.enable=true",
                                          "+actor_rollout_ref.actor.hilore.budget=1.25", "actor_rollout_ref.actor.hilore.mode=hilore-hr"])
+    assert capsys.readouterr().out.splitlines() == [
+        "[hilore] actor_rollout_ref.model.enable_gradient_checkpointing=true is turned off: HiLoRe's plan recomputes "
+        "per unit instead"]
     cfg = compose(overrides)
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False
     validate_config(cfg, use_reference_policy=True, use_critic=False)
     assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).strategy == "hilore"
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == env and env["VERL_USE_EXTERNAL_MODULES"] == REGISTER
@@ -121,3 +129,48 @@ def test_megatron_and_a_missing_verl_stop_the_launcher_with_one_message(capsys, 
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: verl is not installed") and "verl==0.9.1" in err and len(err.splitlines()) == 1
+
+
+def _launcher(*args):
+    """The launcher as a user runs it: (exit code, stdout, stderr)."""
+    done = subprocess.run([sys.executable, "-m", "hilore_actor.verl.main_ppo", *args], capture_output=True, text=True,
+                          timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_help_lists_every_hilore_override_with_its_default():
+    """``--help`` exits 0 on a CPU machine and names each override from the one flag table
+    (``learner/settings.py``) and the verl-only keys, each with its default."""
+    from hilore_actor.learner.settings import HILORE_FLAGS
+    from hilore_actor.verl.main_ppo import shown
+    from hilore_actor.verl.settings import PREFIX, VERL_KEYS
+
+    code, out, err = _launcher("--help")
+    assert code == 0 and "Traceback" not in out + err, err
+    entries, key = {}, None
+    for line in out.splitlines():
+        if line.startswith(f"  +{PREFIX}"):
+            key = line.strip()[len("+" + PREFIX):-len("=VALUE")]
+            entries[key] = ""
+        elif key is not None and line.startswith(" " * 6):
+            entries[key] += " " + line.strip()
+    keys = [(k, d) for k, (d, _) in VERL_KEYS.items()] + [(n[len("hilore."):], shown(d)) for n, _, d, _ in HILORE_FLAGS]
+    assert list(entries) == [k for k, _ in keys]
+    for key, default in keys:
+        assert entries[key].endswith(f"(default: {default})"), (key, entries[key])
+    assert "verl.trainer.main_ppo --help" in out
+
+
+@pytest.mark.parametrize("bad,word", [("+actor_rollout_ref.actor.hilore.budget=lots", "budget"),
+                                      ("actor_rollout_ref.actor.strategy=megatron", "Megatron is not supported"),
+                                      ("--config-name=ppo_megatron_trainer", "Megatron is not supported"),
+                                      ("actor_rollout_ref.actor.no_such_option=1", "no_such_option")])
+def test_the_launchers_error_is_its_last_line(bad, word):
+    """A refused command line ends the launcher's output with its one-line error, exit code 2,
+    no traceback: verl's import-time warnings (no accelerator, engines not installed) do not
+    follow it, since the checks read verl's config without importing verl."""
+    code, out, err = _launcher(*GRPO, "+actor_rollout_ref.actor.hilore.enable=true", bad)
+    assert code == 2 and "Traceback" not in out + err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and word in last, err
+    assert not out.strip(), out

@@ -157,17 +157,99 @@ def test_verls_recipes_pass_the_launcher_and_verls_validation(monkeypatch, vllm_
     assert launch_args(recipe) == (recipe, {})
 
 
-@pytest.mark.parametrize("recipe,key", [(LORA_3B + ["actor_rollout_ref.model.enable_activation_offload=True"],
-                                         "enable_activation_offload")])
-def test_activation_offload_stops_the_launcher_with_one_message(capsys, recipe, key):
-    """What HiLoRe's engine cannot run with (``main_ppo.UNSUPPORTED``) stops the launcher: exit
-    code 2, one line naming the option and why."""
-    from hilore_actor.verl.main_ppo import main
+# examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh (OFFLOAD=False,
+# TRAIN_BATCH_SIZE=512, MICRO_BATCH_SIZE=8 as the script sets them): activation offload and
+# gradient checkpointing on, SGLang multi-turn, its own --config-path/--config-name (MULTITURN_YAML,
+# the example's YAML, its search path the installed verl's config). Its interaction_config_path
+# override is left out: verl 0.9.1's rollout config has no such key (verl's main_ppo refuses it too).
+MULTITURN_05B = [
+    "--config-name=gsm8k_multiturn_grpo_w_interaction", "algorithm.adv_estimator=grpo", "data.train_batch_size=512",
+    "data.max_prompt_length=1024", "data.max_response_length=3072", "data.filter_overlong_prompts=True",
+    "data.truncation=error", "data.return_raw_chat=True", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.model.enable_activation_offload=True", "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=512", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=sglang",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]',
+    "trainer.project_name=gsm8k_async_rl",
+    "trainer.experiment_name=qwen2.5-0.5b_function_rm-gsm8k-sgl-multi-w-interaction-n8",
+    "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=20",
+    "data.train_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/train.parquet",
+    "data.val_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/test.parquet", "trainer.total_epochs=15"]
+MULTITURN_YAML = """hydra:
+  searchpath:
+    - file://{verl_config}
 
-    assert main(recipe + [ENABLE]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and key in err and "saved-tensor hooks" in err
-    assert len(err.splitlines()) == 1
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  max_prompt_length: 1024
+  max_response_length: 1024
+  train_batch_size: 256
+  return_raw_chat: True
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_user_turns: 5
+"""
+OFFLOAD_KEY = "actor_rollout_ref.model.enable_activation_offload"
+GC_KEY = "actor_rollout_ref.model.enable_gradient_checkpointing"
+
+
+@pytest.mark.parametrize("name", ["sglang-multiturn-0.5b", "lora-3b+activation-offload",
+                                  "fsdp2-offload-7b+activation-offload", "lora-3b-gc-off+activation-offload"])
+def test_activation_offload_and_gradient_checkpointing_are_turned_off_with_one_line_each(
+        capsys, tmp_path, vllm_lora_helper, name):
+    """verl's activation offload and HF gradient checkpointing (``main_ppo.REPLACED``) are
+    HiLoRe's plan's job: a recipe that turns them on passes the launcher and verl's
+    ``validate_config`` with HiLoRe on, both set to false once each, and the launcher says so in
+    one line per option; a recipe that turns gradient checkpointing off gets no line for it."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import validate_config
+
+    from hilore_actor.verl.main_ppo import compose, launch_args, verl_config_dir
+
+    on = f"{OFFLOAD_KEY}=True"
+    recipe = {"lora-3b+activation-offload": LORA_3B + [on],
+              "fsdp2-offload-7b+activation-offload": OFFLOAD_7B + FSDP2 + [on],
+              "lora-3b-gc-off+activation-offload": LORA_3B + [f"{GC_KEY}=False", on]}.get(name)
+    if recipe is None:
+        yaml = MULTITURN_YAML.format(verl_config=verl_config_dir())
+        (tmp_path / "gsm8k_multiturn_grpo_w_interaction.yaml").write_text(yaml)
+        recipe = [f"--config-path={tmp_path}"] + MULTITURN_05B
+    gc_on = "gc-off" not in name
+    overrides, env = launch_args(recipe + [ENABLE])
+    lines = capsys.readouterr().out.splitlines()
+    key = lambda a: a.lstrip("+").partition("=")[0]  # noqa: E731
+    theirs = [] if gc_on else [a for a in recipe if key(a) == GC_KEY]  # checkpointing off: the recipe's, as given
+    want = theirs + [f"{OFFLOAD_KEY}=false"] + ([f"{GC_KEY}=false"] if gc_on else [])
+    assert [a for a in overrides if key(a) in (OFFLOAD_KEY, GC_KEY)] == want
+    assert lines == [f"[hilore] {OFFLOAD_KEY}=true is turned off: HiLoRe's plan decides per unit what is kept, "
+                     "compressed or recomputed"] + ([f"[hilore] {GC_KEY}=true is turned off: HiLoRe's plan recomputes "
+                                                     "per unit instead"] if gc_on else [])
+    cfg = compose(overrides)
+    validate_config(cfg, use_reference_policy=True, use_critic=False)
+    assert cfg.actor_rollout_ref.actor.strategy == "hilore" and env
+    assert OmegaConf.select(cfg, OFFLOAD_KEY) is False and OmegaConf.select(cfg, GC_KEY) is False
+    if name.startswith("sglang"):
+        assert cfg.actor_rollout_ref.rollout.multi_turn.enable and cfg.actor_rollout_ref.rollout.name == "sglang"
+    capsys.readouterr()
+    assert launch_args(recipe) == (recipe, {}) and not capsys.readouterr().out  # HiLoRe off: verl's own savers stay
 
 
 def _fused_model(monkeypatch, seed):

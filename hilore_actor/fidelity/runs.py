@@ -88,6 +88,8 @@ class Run:
             cmd += ["--hilore.calibration", str(calibration)]
         if self.state(steps) == "partial":
             cmd.append("--resume")
+        elif self.dir.is_dir():  # a run that stopped before its first checkpoint: start it again
+            cmd.append("--overwrite_output_dir")
         return cmd
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict
 import torch
 
 from .coefficients import coefficients_from
-from .inputs import prepare_loss_inputs
+from .inputs import masked_mean, prepare_loss_inputs
 from .loss import loss_from
 
 
@@ -55,19 +55,28 @@ class LossOutput:
     stats: Dict[str, torch.Tensor]
 
 
-def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False) -> LossOutput:
+def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False, entropy: bool = False) -> LossOutput:
     """Forward the packed microbatch, then Eq. 1 and Eq. 4 on its response tokens.
     ``chunked_head``: token log-probs through the chunked head (``models/chunked_head.py``) instead
-    of the model's full logits."""
+    of the model's full logits. ``entropy``: ``stats["entropy"]``, the policy's mean per-token
+    entropy (temperature 1) over the trained response tokens (``action_mask``); detached, so
+    the loss and its gradient are unchanged."""
+    ent = None
     if chunked_head:
         from ..models.chunked_head import chunked_token_log_probs
 
-        logp = chunked_token_log_probs(model, mb.input_ids, mb.position_ids)
+        logp = chunked_token_log_probs(model, mb.input_ids, mb.position_ids, entropy=entropy)
+        if entropy:
+            logp, ent = logp
     else:
-        from ..models.logprobs import output_log_probs
+        from ..models.logprobs import output_log_probs, token_entropy
 
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, return_dict=True)
         logp = output_log_probs(out, mb.input_ids)
+        if entropy and getattr(out, "logits", None) is not None:  # a fused head without logits: no entropy
+            ent = token_entropy(out.logits[:, :-1].detach())
     inp = prepare_loss_inputs(logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options)
     loss, stats = loss_from(inp)  # Eq. 1
+    if ent is not None:
+        stats["entropy"] = masked_mean(ent, mb.action_mask.to(ent.dtype))
     return LossOutput(loss, coefficients_from(inp), mb.action_mask, stats)  # Eq. 4, from the same prepared inputs

@@ -7,6 +7,8 @@ only, so the two integrations cannot drift apart.
 """
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
@@ -109,10 +111,38 @@ def hilore_errors(hcfg) -> List[str]:
         errors.append(f"--hilore.budget_scope {hcfg.budget_scope!r}: choose {' or '.join(SCOPES)}")
     if str(hcfg.budget).strip().lower() != "auto":
         try:
-            parse_budget(hcfg.budget)
+            kind, value = parse_budget(hcfg.budget)
         except BudgetError as e:
             errors.append(f"--hilore.budget: {e}")
+        else:
+            if kind == "ratio" and value < 1.0:  # resolve_budget's minimum is at least gc's peak
+                errors.append(f"--hilore.budget {hcfg.budget}: a ratio below 1 is below what gradient checkpointing "
+                              "needs (B is at least gc's peak, and at least the all-R peak; both are measured at start-up)")
+    for name, low, what in (("delta", 0.0, ">= 0"), ("tolerance", 0.0, ">= 0"), ("refresh_every", 1, ">= 1"),
+                            ("calibration_batches", 1, ">= 1"), ("profile_repeats", 1, ">= 1"),
+                            ("plan_tokens", 1, ">= 1")):
+        v = getattr(hcfg, name)
+        if v is not None and not (float(v) >= low and math.isfinite(float(v))):
+            errors.append(f"--hilore.{name} {v}: must be {what}")
+    if hcfg.calibration and Path(hcfg.calibration).exists():
+        errors += _calibration_errors(hcfg)
     return errors
+
+
+def _calibration_errors(hcfg) -> List[str]:
+    """A calibration file to reuse must be one, for these codecs: found before any worker starts."""
+    from ..allocation.calibration import check_levels, load_levels
+
+    path = Path(hcfg.calibration)
+    if not path.is_file():
+        return [f"--hilore.calibration {path}: not a file"]
+    try:
+        check_levels(load_levels(path), hcfg.codec, f"--hilore.calibration {path}")
+    except ValueError as e:
+        return [str(e)]
+    except Exception as e:  # a JSON of another shape
+        return [f"--hilore.calibration {path}: not a hilore calibration file ({type(e).__name__}: {e})"]
+    return []
 
 
 def token_rows(hcfg) -> Tuple[float, ...]:

@@ -20,6 +20,18 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int 
     return torch.cat(out).view(labels.shape)
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_rows: int = 256) -> torch.Tensor:
+    """Per-position entropy of ``softmax(logits)`` in float32, without a graph (a logged
+    statistic), ``chunk_rows`` rows at a time so no full-vocabulary float32 copy is made."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for i in range(0, flat.shape[0], chunk_rows):
+        logp = torch.log_softmax(flat[i : i + chunk_rows].float(), dim=-1)
+        out[i : i + chunk_rows] = -(logp.exp() * logp).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
 def sequence_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None) -> torch.Tensor:
     """``[B, L-1]`` log-probs of ``input_ids[:, 1:]`` given their prefixes (packed rows: pass
     ``position_ids`` that restart at 0 for each sequence)."""

@@ -3,8 +3,8 @@
 The runtime plugin: OpenRLHF's own CLI, unchanged, with HiLoRe's policy actor.
 
 1. Our flags come out of argv: ``--actor_backend {deepspeed,hilore}`` (also
-   ``--actor.backend``) and every ``--hilore.*`` (see ``python -m hilore_actor.train_grpo
-   --help`` for their meaning and defaults). Everything else goes to OpenRLHF.
+   ``--actor.backend``) and every ``--hilore.*`` (``--help`` gives their meaning and
+   defaults). Everything else goes to OpenRLHF.
 2. OpenRLHF's argparse block lives under ``if __name__ == "__main__"`` in
    ``openrlhf/cli/train_ppo_ray.py``. We run that block's own code (parsed from the module's
    source) with the module's globals, so its parser, defaults and validation run as they are;
@@ -13,7 +13,8 @@ The runtime plugin: OpenRLHF's own CLI, unchanged, with HiLoRe's policy actor.
    and calls OpenRLHF's ``train``.
 
 Also usable as ``ray job submit -- python -m hilore_actor.openrlhf.train_ppo_ray ...``.
-Without OpenRLHF, or without a GPU, it stops with a message, not a traceback.
+Without OpenRLHF, or without a GPU, it stops with a message, not a traceback. ``--help`` lists
+OpenRLHF's flags and ours on any machine, vllm or not (``print_help``).
 """
 from __future__ import annotations
 
@@ -107,6 +108,77 @@ def run_cli_main(module, argv: List[str], train: Callable, path: Optional[str] =
         sys.argv = saved
 
 
+PROG = "python -m hilore_actor.openrlhf.train_ppo_ray"
+HELP_TITLE = "HiLoRe (taken out of the command line before OpenRLHF parses it)"
+
+
+def add_our_flags(parser) -> None:
+    """``--actor_backend`` and the ``--hilore.*`` flags (the learner room's table, with their
+    defaults) as one group of ``parser``, for ``--help``; ``split_flags`` parses them."""
+    from ..learner.settings import add_flags
+
+    group = parser.add_argument_group(HELP_TITLE)
+    group.add_argument("--actor_backend", "--actor.backend", choices=BACKENDS, default="deepspeed",
+                       help="the policy actor: OpenRLHF's own (deepspeed, the default) or HiLoRe's (hilore)")
+    add_flags(group)
+
+
+def help_parser_class():
+    """``argparse.ArgumentParser`` that adds our group as it parses, named as this module."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("prog", PROG)
+            super().__init__(*args, **kwargs)
+
+        def parse_known_args(self, args=None, namespace=None):
+            if not any(g.title == HELP_TITLE for g in self._action_groups):
+                add_our_flags(self)
+            return super().parse_known_args(args, namespace)
+
+    return Parser
+
+
+def print_help() -> int:
+    """OpenRLHF's own help with ours as one more group. Its parser is built by running its CLI's
+    ``__main__`` block from the source, the module not imported (it imports vllm, which installs
+    only on a CUDA machine), so ``--help`` works on any machine. Without OpenRLHF, or if the block
+    needs more than argparse, only our group, with one line saying where OpenRLHF's help is."""
+    import argparse
+    import datetime
+    import types
+
+    note = None
+    try:
+        spec = importlib.util.find_spec("openrlhf")
+        if spec is None:
+            raise PluginError(f"OpenRLHF is not installed (pip install 'hilore-actor[openrlhf]', "
+                              f"openrlhf=={OPENRLHF_VERSION}): its own flags are not listed")
+        path = os.path.join(list(spec.submodule_search_locations)[0], "cli", "train_ppo_ray.py")
+        shim = types.ModuleType("argparse")
+        shim.__dict__.update(vars(argparse), ArgumentParser=help_parser_class())
+        namespace = {"__name__": "__main__", "__file__": path, "argparse": shim, "os": os,
+                     "datetime": datetime.datetime}  # the module's imports the block uses
+        saved, sys.argv = sys.argv, [path, "--help"]
+        try:
+            exec(compile(main_block(path), path, "exec"), namespace)
+        finally:
+            sys.argv = saved
+    except SystemExit as e:  # argparse's --help
+        return int(e.code or 0)
+    except PluginError as e:
+        note = str(e)
+    except Exception as e:  # a block that needs the module's other imports
+        note = (f"OpenRLHF's own flags are not listed ({type(e).__name__}: {e}): its help needs its GPU install "
+                f"(python -m openrlhf.cli.train_ppo_ray --help there)")
+    parser = help_parser_class()(description="OpenRLHF's train_ppo_ray with HiLoRe's policy actor.")
+    add_our_flags(parser)
+    parser.print_help()
+    print(f"\nnote: {note}")
+    return 0
+
+
 def unsupported(args, settings: Optional[Dict] = None) -> List[str]:
     """OpenRLHF settings the drop-in cannot run yet, each with the reason."""
     ds = getattr(args, "ds", None)
@@ -158,6 +230,8 @@ def use_hilore(args, settings: Optional[Dict] = None):
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        return print_help()
     try:
         backend, raw, rest = split_flags(argv)
         settings = hilore_config(raw) if backend == "hilore" else None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Union
 
 import torch
 
@@ -18,16 +18,23 @@ class Rollout:
     group_size: int
 
 
-def apply_chat(tokenizer, prompt: str) -> List[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+def apply_chat(tokenizer, prompt: Union[str, List[Dict[str, str]]], template: bool = True) -> List[int]:
+    """A prompt's token ids: a string as one user message, or a list of chat messages, through
+    the tokenizer's chat template (``--data.apply_chat_template``; a tokenizer without one
+    takes the string as it is); ``template=False``: the string's own tokens."""
+    if isinstance(prompt, list):
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    if template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
     return tokenizer(prompt)["input_ids"]
 
 
 @torch.no_grad()
 def generate_groups(
     model, tokenizer, prompts: Sequence[str], group_size: int, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-    top_p: float = 1.0, batched: bool = False, greedy: bool = False,
+    top_p: float = 1.0, batched: bool = False, greedy: bool = False, chat_template: bool = True,
 ) -> Rollout:
     """Sample ``group_size`` responses for every prompt (group-contiguous order).
 
@@ -42,7 +49,7 @@ def generate_groups(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p)
     device = next(model.parameters()).device
-    chats = [apply_chat(tokenizer, p) for p in prompts]
+    chats = [apply_chat(tokenizer, p, chat_template) for p in prompts]
     batches = [chats] if batched else [[c] for c in chats]
     seqs, prompt_lens, resp_lens, texts = [], [], [], []
     for batch in batches:

@@ -7,7 +7,8 @@ Every rank writes into ``.step_<N>.tmp``; only when all have returned does the d
 ``meta.json`` and rename the folder, then replace ``latest`` (temp file + ``os.replace``). A
 crash at any point leaves the previous checkpoint and ``latest`` untouched.
 
-``meta.json`` also lists every file's size and SHA-256 (``files``). ``resumable`` checks them
+``meta.json`` also keeps the run's flags (``config``: ``resume.py`` refuses or re-plans what a
+``--resume`` changes) and lists every file's size and SHA-256 (``files``). ``resumable`` checks them
 (a disk that filled up, a copy cut short, a flipped bit) and falls back to the newest older
 checkpoint that checks out, saying which one it skipped and why: a damaged checkpoint is never
 loaded. Checkpoints from before checksums (no ``files``) are taken as they are.

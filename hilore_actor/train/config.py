@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..learner.settings import HILORE_FLAGS, hilore_errors
+from ..learner.settings import HILORE_FLAGS, boolean, hilore_errors
 
 BACKENDS = ("hilore", "gc", "none")
 
@@ -38,6 +38,12 @@ FLAGS = [
     ("data.prompt_max_len", int, 256, "prompts longer than this (in tokens) are an error"),
     ("data.instruction", str, None, "text appended to every prompt (default: the task's answer-format line)"),
     ("data.task_options", str, None, "reasoning-gym dataset options as JSON, e.g. '{\"max_digits\": 1}'"),
+    ("data.apply_chat_template", boolean, True, "render prompts with the tokenizer's chat template (a JSONL prompt "
+     "field holding chat messages needs it); false: the prompt text as it is"),
+    ("reward.path", str, None, "your reward function: a .py file or an importable module, with verl's "
+     "compute_score(data_source, solution_str, ground_truth, extra_info) per response or OpenRLHF's "
+     "reward_func(queries, prompts, labels) batched (default: the task's own verifier)"),
+    ("reward.name", str, None, "the function's name in --reward.path (default: compute_score, else reward_func)"),
     # rollout
     ("rollout.batch_size", int, 4, "prompts per training step"),
     ("rollout.n_samples_per_prompt", int, 4, "responses sampled per prompt (the GRPO group size G)"),
@@ -92,7 +98,11 @@ FLAGS = [
     ("replay.priority", str, "abs_advantage", "draw rollouts with probability ~ |advantage|^alpha (abs_advantage) or uniform"),
     ("replay.alpha", float, 1.0, "priority exponent of abs_advantage"),
     # output
-    ("save_path", str, "runs/grpo", "output folder: metrics.jsonl, TensorBoard events, final weights (alias --ckpt.output_dir)"),
+    ("save_path", str, "runs/grpo", "output folder: metrics.jsonl, TensorBoard events, checkpoints, final weights "
+     "(alias --ckpt.output_dir); a folder you name must not hold a run (use --resume or --overwrite_output_dir); "
+     "left unnamed, each run gets a new folder under it"),
+    ("overwrite_output_dir", "flag", False, "start a fresh run in a --save_path that holds one: its metrics, "
+     "TensorBoard events, samples, checkpoints and final weights are deleted first"),
     ("ckpt.path", str, None, "checkpoint folder (default <save_path>/checkpoints)"),
     ("ckpt.save_steps", int, 1, "checkpoint every N steps (-1: only at the end)"),
     ("ckpt.max_num", int, 2, "complete checkpoints kept"),
@@ -104,10 +114,30 @@ FLAGS = [
      "one (every layer recomputed) on the same microbatches, outside the optimizer's path, and log their relative "
      "error and cosine (grad_rel_error, grad_cosine_min; extra passes each step, not in update_seconds)"),
     ("log_workers", "flag", False, "show the workers' own output (planning messages, warnings) on the driver"),
+    # logging (train/metrics.py) and held-out evaluation (train/evaluation.py)
+    ("logger.wandb.enable", "flag", False, "also log to Weights & Biases: the TensorBoard scalars under the same "
+     "names, sample generations, the flags (pip install 'hilore-actor[wandb]'; WANDB_MODE=offline writes the run "
+     "under <save_path>/wandb without network; alias --use_wandb)"),
+    ("logger.wandb.key", str, None, "W&B API key; turns W&B on, as OpenRLHF's (default: WANDB_API_KEY or wandb login)"),
+    ("logger.wandb.org", str, None, "W&B entity (alias --wandb_org)"),
+    ("logger.wandb.group", str, None, "W&B run group (alias --wandb_group)"),
+    ("logger.wandb.project", str, "hilore_train_grpo", "W&B project (alias --wandb_project)"),
+    ("logger.wandb.run_name", str, None, "W&B run name (default: the --save_path folder's name; alias "
+     "--wandb_run_name)"),
+    ("logger.samples_per_step", int, 2, "sample generations (prompt, response, reward) per step, each of another "
+     "prompt, into <save_path>/samples.jsonl, TensorBoard text and a W&B table (0: none)"),
+    ("eval.dataset", str, None, "held-out prompts: a .jsonl file read as --data.prompt_dataset is (same keys and "
+     "reward); greedy responses through the rollout workers, scored every --eval.steps steps and after the last "
+     "(eval/accuracy: share of reward 1, eval/reward_mean)"),
+    ("eval.steps", int, 0, "evaluate every N steps (0 or -1: only after the last step)"),
+    ("eval.max_samples", int, 256, "held-out prompts evaluated: the first N of --eval.dataset"),
 ]
 FLAGS += HILORE_FLAGS  # the --hilore.* flags, shared with the OpenRLHF drop-in (learner/settings.py)
 ALIASES = {"pretrain": "actor.model_name_or_path", "actor_backend": "actor.backend", "resume": "ckpt.load_enable",
            "ckpt.output_dir": "save_path", "prompt_data": "data.prompt_dataset"}
+ALIASES.update({"use_wandb": "logger.wandb.enable", "wandb_org": "logger.wandb.org",  # older OpenRLHF's names
+                "wandb_group": "logger.wandb.group", "wandb_project": "logger.wandb.project",
+                "wandb_run_name": "logger.wandb.run_name"})
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # The README's main command: a real model on a small arithmetic task, in minutes on 2 cores.
@@ -134,8 +164,21 @@ ZERO3_COMPILE = ("--hilore.compile does not run under --ds.zero_stage 3: ZeRO-3 
                  "hooks that torch.compile would trace into the compiled units; use ZeRO-2 or leave --hilore.compile off")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (a close flag name suggested) instead of the usage block."""
+
+    def error(self, message):
+        import difflib
+
+        words = [w for w in message.replace(",", " ").split() if w.startswith("--")]
+        known = [o for a in self._actions for o in a.option_strings]
+        close = [m for w in words for m in difflib.get_close_matches(w.split("=")[0], known, n=1)]
+        hint = f"; did you mean {', '.join(close)}?" if close else "; --help lists the flags"
+        self.exit(2, f"error: {message}{hint}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m hilore_actor.train_grpo",
         description="GRPO training on Ray with a HiLoRe learner: rollout workers -> rewards and group advantages -> "
         "reference log-probs -> N DeepSpeed learner ranks whose activations are stored, compressed or recomputed "
@@ -155,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         shown = f"{help_} (default: {default})"
         if typ == "flag":
             p.add_argument(*names, dest=name, action="store_true", help=help_)
+        elif typ is boolean:  # `--flag` alone is true, as OpenRLHF's store_true switches; `--flag false` turns it off
+            p.add_argument(*names, dest=name, type=typ, nargs="?", const=True, metavar="true|false", help=shown)
         else:
             nargs = spec[4] if len(spec) > 4 else None
             p.add_argument(*names, dest=name, type=typ, nargs=nargs, metavar=name.split(".")[-1].upper(), help=shown)
@@ -193,8 +238,29 @@ def load_yaml(path: str) -> Dict[str, Any]:
         k = ALIASES.get(k, k)
         if k not in DEFAULTS:
             raise ConfigError(f"--config {path}: unknown key {k!r} (see --help for the flags)")
-        out[k] = v
+        out[k] = _typed(k, v, path)
     return out
+
+
+TYPES = {spec[0]: spec[1] for spec in FLAGS}
+
+
+def _typed(key: str, value, path: str):
+    """A YAML value as its flag's type (what argparse does for the command line)."""
+    typ = TYPES[key]
+    if value is None or typ is str and not isinstance(value, (list, dict)):
+        return value if value is None else str(value)
+    try:
+        if typ == "flag":
+            return boolean(value)
+        if isinstance(value, (list, tuple)):
+            return [typ(x) for x in value]
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return typ(value)
+    except (TypeError, ValueError):
+        name = "true|false" if typ == "flag" else getattr(typ, "__name__", str(typ))
+        raise ConfigError(f"--config {path}: {key}: {value!r} is not a {name}") from None
 
 
 def hierarchize(flat: Dict[str, Any]) -> SimpleNamespace:
@@ -214,8 +280,11 @@ def hierarchize(flat: Dict[str, Any]) -> SimpleNamespace:
 
 
 def flatten_ns(ns: SimpleNamespace, prefix: str = "") -> Dict[str, Any]:
+    """The namespace back to dotted flags (``user_set``, which flags the user gave, is left out)."""
     out = {}
     for k, v in vars(ns).items():
+        if not prefix and k == "user_set":
+            continue
         if isinstance(v, SimpleNamespace):
             out.update(flatten_ns(v, f"{prefix}{k}."))
         else:
@@ -229,14 +298,19 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> SimpleNamespace:
     flat = dict(DEFAULTS)
     if "preset" in args:
         flat.update(PRESETS[args["preset"]])
-    if "config" in args:
-        flat.update(load_yaml(args["config"]))
-    flat.update({k: v for k, v in args.items() if k not in ("config", "preset")})
+    given = {k: v for k, v in args.items() if k not in ("config", "preset")}
+    yaml_flags = load_yaml(args["config"]) if "config" in args else {}
+    flat.update(yaml_flags)
+    flat.update(given)
     flat["preset"] = args.get("preset")
     for k in ("actor.adam.betas", "actor.eps_clip_low_high"):
         if flat[k] is not None:
-            flat[k] = tuple(float(x) for x in flat[k])
+            try:
+                flat[k] = tuple(float(x) for x in flat[k])
+            except (TypeError, ValueError):
+                raise ConfigError(f"--{k} {flat[k]!r}: expected two numbers") from None
     cfg = hierarchize(flat)
+    cfg.user_set = sorted(set(yaml_flags) | set(given))  # the flags the user gave (YAML or command line)
     validate(cfg)
     return cfg
 
@@ -306,10 +380,10 @@ def validate(cfg) -> None:
         if cfg.train.batch_size % G:
             errors.append(f"the group size --rollout.n_samples_per_prompt {G} does not divide --train.batch_size "
                           f"{cfg.train.batch_size}: an update must hold whole groups")
-        if seqs % cfg.train.batch_size:
+        elif seqs % cfg.train.batch_size:  # one mistake, one line: the first of these that fails
             errors.append(f"--train.batch_size {cfg.train.batch_size} does not divide the {seqs} sequences of a rollout "
                           f"batch (--rollout.batch_size {cfg.rollout.batch_size} x --rollout.n_samples_per_prompt {G})")
-        if cfg.train.batch_size % (world * cfg.train.micro_batch_size):
+        elif cfg.train.batch_size % (world * cfg.train.micro_batch_size):
             errors.append(f"--train.batch_size {cfg.train.batch_size} is not a multiple of ranks x micro batch = "
                           f"{world} x {cfg.train.micro_batch_size}")
     if cfg.algo.advantage.estimator in ("group_norm", "rloo") and G < 2:
@@ -340,6 +414,89 @@ def validate(cfg) -> None:
         if not errors and replay_sequences(cfg) == 0:
             errors.append(f"--replay.ratio {r.ratio} x {cfg.rollout.batch_size * G} fresh rollouts is less than one update "
                           f"of --train.batch_size {cfg.train.batch_size}: nothing would be replayed")
+    from .evaluation import eval_errors  # W&B installed and logged in, --eval.* (before Ray starts)
+    from .metrics import logging_errors
+
+    errors += logging_errors(cfg) + eval_errors(cfg)
+    errors += value_errors(cfg)
     errors += hilore_errors(cfg.hilore)
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
     if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        raise ConfigError(f"{len(errors)} problems:\n  - " + "\n  - ".join(errors))
+
+
+# (flag, test, what it must be): ranges the job's parts would otherwise refuse late, or not at all
+RANGES = [
+    ("rollout.temperature", lambda v: v > 0, "> 0"), ("rollout.top_p", lambda v: 0 < v <= 1, "within (0, 1]"),
+    ("actor.adam.lr", lambda v: v >= 0, ">= 0"), ("actor.adam.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("actor.adam.betas", lambda v: all(0 <= b < 1 for b in v), "two values within [0, 1)"),
+    ("actor.eps_clip", lambda v: v > 0, "> 0"), ("actor.max_norm", lambda v: v > 0, "> 0"),
+    ("actor.eps_clip_low_high", lambda v: v is None or all(b > 0 for b in v), "two values > 0"),
+    ("actor.dual_clip", lambda v: v is None or v > 1, "> 1"),
+    ("actor.lr_warmup_ratio", lambda v: 0 <= v <= 1, "within [0, 1]"), ("algo.kl.init_coef", lambda v: v >= 0, ">= 0"),
+    ("actor.num_nodes", lambda v: v >= 1, ">= 1"), ("data.max_samples", lambda v: v >= 1, ">= 1"),
+    ("data.prompt_max_len", lambda v: v >= 1, ">= 1"), ("ds.lora.rank", lambda v: v >= 0, ">= 0 (0: all weights)"),
+    ("ds.lora.alpha", lambda v: v > 0, "> 0"), ("ds.lora.dropout", lambda v: 0 <= v < 1, "within [0, 1)"),
+    ("vllm.num_engines", lambda v: v >= 0, ">= 0"), ("vllm.gpu_memory_utilization", lambda v: 0 < v <= 1, "within (0, 1]"),
+    ("rollout.num_gpus", lambda v: v >= 0, ">= 0"), ("ref.num_gpus", lambda v: v >= 0, ">= 0"),
+    ("rollout.max_restarts", lambda v: v >= 0, ">= 0"), ("train.max_skipped_updates", lambda v: v >= 0, ">= 0"),
+    ("ckpt.save_steps", lambda v: v >= 1 or v == -1, ">= 1, or -1 (only at the end)"),
+    ("ckpt.max_num", lambda v: v >= 1, ">= 1"), ("threads", lambda v: v is None or v >= 1, ">= 1"),
+]
+
+
+def _finite(v) -> bool:
+    import math
+
+    return all(math.isfinite(x) for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, float))
+
+
+def value_errors(cfg) -> List[str]:
+    """Values out of range, unknown choices, and settings that would be silently ignored."""
+    import json
+
+    from ..grpo import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+
+    flat, errors = flatten_ns(cfg), []
+    for name, ok, want in RANGES:
+        v = flat[name]
+        if not _finite(v):
+            errors.append(f"--{name} {v}: must be a finite number, {want}")
+        elif not ok(v):
+            errors.append(f"--{name} {v}: must be {want}")
+    for name, choices in (("algo.advantage.estimator", ESTIMATORS), ("algo.kl.estimator", KL_ESTIMATORS),
+                          ("actor.loss_agg_mode", LOSS_AGG_MODES)):
+        if flat[name] not in choices:
+            errors.append(f"--{name} {flat[name]!r}: choose one of {', '.join(choices)}")
+    try:
+        from transformers import SchedulerType
+
+        if cfg.actor.lr_scheduler not in {t.value for t in SchedulerType}:
+            errors.append(f"--actor.lr_scheduler {cfg.actor.lr_scheduler!r}: choose one of "
+                          f"{', '.join(t.value for t in SchedulerType)}")
+    except ImportError:  # transformers absent: the learner reports it
+        pass
+    if cfg.data.task_options:
+        try:
+            opts = json.loads(cfg.data.task_options)
+        except ValueError as e:
+            opts = e
+        if not isinstance(opts, dict):
+            errors.append(f"--data.task_options {cfg.data.task_options!r}: expected a JSON object ({opts})")
+    ignored = [k for k in getattr(cfg, "user_set", ()) if k.startswith("replay.") and k != "replay.enable"]
+    if ignored and not cfg.replay.enable:
+        errors.append(f"{', '.join('--' + k for k in ignored)} given without --replay.enable: add it, or drop "
+                      f"{'them' if len(ignored) > 1 else 'it'}")
+    if cfg.reward.name and not cfg.reward.path:
+        errors.append("--reward.name names a function of --reward.path: pass the file or module too")
+    if cfg.vllm.num_engines > 0:
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
+        elif importlib.util.find_spec("vllm") is None:
+            errors.append("--vllm.num_engines > 0 needs vllm: pip install 'hilore-actor[gpu]'")
+    return errors

@@ -92,17 +92,18 @@ class Job:
         ref = self.ray.put(w)
         self.get([r.load_weights.remote(ref) for r in self.rollout])
 
-    def generate(self, prompts: List[str], step: int) -> Dict:
+    def generate(self, prompts: List[str], step: int, greedy: bool = False) -> Dict:
         """The step's rollouts. A rollout worker that dies is restarted by Ray (up to
         ``--rollout.max_restarts`` times); the restarted workers get the current weights and the
-        step's rollouts are redone with the same seeds, so the step runs once, as it would have."""
+        step's rollouts are redone with the same seeds, so the step runs once, as it would have.
+        ``greedy``: one argmax response per prompt (held-out evaluation, ``evaluation.py``)."""
         from ray.exceptions import RayActorError
 
         from ..learner.coordinator import call
 
         for attempt in range(self.cfg.rollout.max_restarts):
             try:
-                return self._generate(prompts, step)
+                return self._generate(prompts, step, greedy)
             except RayActorError as e:
                 print(f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
                       f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
@@ -110,12 +111,13 @@ class Job:
                 for w in self.rollout:  # each answers once Ray has restarted it (call waits while it restarts)
                     call(w.weight_kind)
                 self.sync_weights()
-        return self._generate(prompts, step)  # restarts used up: a death now ends the job (train_grpo._worker_failure)
+        # restarts used up: a death now ends the job (train_grpo._worker_failure)
+        return self._generate(prompts, step, greedy)
 
-    def _generate(self, prompts: List[str], step: int) -> Dict:
+    def _generate(self, prompts: List[str], step: int, greedy: bool = False) -> Dict:
         k = len(self.rollout)
         chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
-        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step)
+        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step, greedy)
                          for i, (w, c) in enumerate(zip(self.rollout, chunks)) if c])
         seqs, texts = [], []
         for o in outs:

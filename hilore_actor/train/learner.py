@@ -66,14 +66,22 @@ class Learner:
         model, _ = load_policy(cfg.actor.model_name_or_path, dtype=self.dtype, lora=lora_spec(cfg), seed=cfg.train.seed)
         model.to(self.device)
         self.backend = cfg.actor.backend
-        self.chunked_head = self.backend == "hilore" and cfg.hilore.chunked_head and cfg.ds.zero_stage < 3  # the chunked head reads the head weight directly
+        # the chunked head reads the head weight directly (not under ZeRO-3). Whether the logits are the head on the
+        # decoder's output is checked here, on the bare model, on every path: the check fails on the DeepSpeed engine
+        # (its ``config`` is DeepSpeed's dict), which would fall back to the full logits, so a resumed rank (no
+        # planning pass on the bare model) peaked 1.7x above an uninterrupted one. The verdict is kept per head.
+        self.chunked_head = self.backend == "hilore" and cfg.hilore.chunked_head and cfg.ds.zero_stage < 3
+        if self.chunked_head:
+            from ..models.chunked_head import head_is_linear
+
+            self.chunked_head = head_is_linear(model)
         self.plan = self._plan(model, resume_dir)
         if self.backend == "gc":
             from ..recovery import apply_baseline
 
             apply_baseline(model, "gc")
         self.ds = self._deepspeed(model)
-        self.plan.rebase(self._resident())  # device scope: measured resident bytes replace the estimate
+        self.plan.rebase(self._resident(for_budget=True))  # device scope: measured bytes replace the estimate
         self.budget = self.plan.budget
         self.rec = None
         if self.backend == "hilore":
@@ -87,8 +95,10 @@ class Learner:
         torch.manual_seed(cfg.train.seed + 1000 * rank)
 
     # ---- setup ------------------------------------------------------------------------------
-    def loss_fn(self, model, mb):
-        return microbatch_loss(model, mb, chunked_head=self.chunked_head)
+    def loss_fn(self, model, mb, entropy: bool = True):
+        """The loss the rank trains and plans with; with the policy's entropy over the response
+        tokens as a statistic (``actor/entropy``), so planning measures the bytes it takes too."""
+        return microbatch_loss(model, mb, chunked_head=self.chunked_head, entropy=entropy)
 
     def loss_options(self) -> Dict:
         cfg = self.cfg
@@ -104,7 +114,7 @@ class Learner:
 
         cfg = self.cfg
         saved = Path(resume_dir) / f"hilore_rank{self.rank}.json" if resume_dir else None
-        if saved is not None and saved.is_file():  # resume: same budget and plan, no re-profiling
+        if saved is not None and saved.is_file() and not self._replan(resume_dir):  # same budget and plan, no profiling
             return restore_rank_plan(model, json.loads(saved.read_text()), cfg.hilore, self.loss_fn, self.backend, self._log)
         return plan_before_wrapping(
             # the driver sets --hilore.plan_tokens from the real prompts; --data.prompt_max_len bounds them
@@ -118,6 +128,14 @@ class Learner:
             # ZeRO-3 passes outside DeepSpeed's gradient path are not possible, so synthetic ones before it
             calibrate_later=cfg.ds.zero_stage < 3, log=self._log)
 
+    def _replan(self, resume_dir: str) -> bool:
+        """Whether ``--resume`` changed a memory setting (``train/resume.py``; the driver said so): the
+        saved budget and plan were made for the old value, so this rank plans anew as a fresh one."""
+        from .config import flatten_ns
+        from .resume import replan_flags
+
+        return bool(replan_flags(resume_dir, flatten_ns(self.cfg)))
+
     def _rebase_after_warm_up(self) -> None:
         """Once, after the first microbatch and optimizer step: ZeRO-2/3 allocate their reduce
         buckets and gradient partitions in the first backward and AdamW its state in the first
@@ -125,19 +143,22 @@ class Learner:
         if getattr(self, "_warmed_up", False):
             return
         self._warmed_up = True
-        if self.plan.rebase(self._resident()):
+        if self.plan.rebase(self._resident(for_budget=True)):
             self.budget = self.plan.budget
             if self.coordinator is not None:
                 call(self.coordinator.register, self.rank, self.budget)
 
-    def _resident(self) -> int:
-        """What the rank holds between microbatches, when B's scope counts it (device)."""
+    def _resident(self, for_budget: bool = False) -> int:
+        """What the rank holds between microbatches, when B's scope counts it (device);
+        ``for_budget``: also ZeRO-3's persistent weights the next forward gathers for good."""
         if self.plan.scope != "device":
             return 0
         from ..learner.scope import resident_now
 
         ds = getattr(self, "ds", None)
-        return resident_now(self.device, ds.module, ds.optimizer) if ds is not None else 0
+        if ds is None:
+            return 0
+        return resident_now(self.device, ds.module, ds.optimizer, persistent_to_come=for_budget)
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:
@@ -354,7 +375,8 @@ class Learner:
         params = [p for p in module.parameters() if p.requires_grad]
         back = lambda loss: torch.autograd.grad(loss, params)  # noqa: E731
         gc = Runner(module, self.rec or _NoEngine(), loss_fn=microbatch_loss, backward=back)
-        ours = Runner(module, self.rec or _NoEngine(), loss_fn=self.loss_fn, backward=back)
+        # the backend's loss without the logged entropy, as gc's: the timing compares backends
+        ours = Runner(module, self.rec or _NoEngine(), loss_fn=partial(self.loss_fn, entropy=False), backward=back)
         mbs = [self._microbatch(r) for r in self.rows[: self.gas]]
         times = {"gc": [], self.backend: []}  # one entry when the backend is gc
         for _ in range(repeats):
@@ -373,17 +395,12 @@ class Learner:
 
     # ---- weights and checkpoints -------------------------------------------------------------
     def export_weights(self, kind: str) -> Optional[Dict[str, torch.Tensor]]:
-        """Every rank must call this (ZeRO-3 gathers parameters); rank 0 returns the weights."""
-        from ..models.weights import export_weights
+        """Every rank must call this: under ZeRO-3 each module's parameters are gathered in turn
+        (a collective), never the whole model; rank 0 returns the weights."""
+        from ..models.weights import export_weights, zero3_gather
 
-        module = self.ds.module
-        gathered = contextlib.nullcontext()
-        if self.cfg.ds.zero_stage == 3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-        with gathered:
-            return export_weights(module, kind) if self.rank == 0 else None
+        gather = zero3_gather if self.cfg.ds.zero_stage == 3 else None
+        return export_weights(self.ds.module, kind, gather=gather, keep=self.rank == 0)
 
     def save(self, path: str) -> None:
         """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""

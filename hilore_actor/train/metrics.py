@@ -1,26 +1,120 @@
-"""Per-step metrics: one JSON object per line in ``<save_path>/metrics.jsonl``, TensorBoard
-scalars, and a one-line summary for the progress bar."""
+"""Per-step metrics: one JSON object per line in ``<save_path>/metrics.jsonl``; the same scalars
+in TensorBoard and, with ``--use_wandb``, in Weights & Biases, both under the names ``tag`` gives
+(grouped by area: ``reward/mean``, ``actor/entropy``, ``memory/peak_over_budget/0`` ...); a few
+sample generations per step in ``samples.jsonl`` (and TensorBoard text, a W&B table); and a
+one-line summary for the progress bar. wandb is imported only when it is on."""
 from __future__ import annotations
 
 import json
 import math
 import os
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
+
+# metrics.jsonl key -> TensorBoard / W&B name; nested keys keep their tail (peak_over_budget/0)
+TAGS = {
+    "reward_mean": "reward/mean", "reward_std": "reward/std", "reward_min": "reward/min", "reward_max": "reward/max",
+    "accuracy": "reward/accuracy",
+    "response_length": "rollout/response_length", "response_length_max": "rollout/response_length_max",
+    "loss": "actor/loss", "policy_loss": "actor/policy_loss", "kl": "actor/kl", "entropy": "actor/entropy",
+    "clip_fraction": "actor/clip_fraction", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
+    "skipped_updates": "actor/skipped_updates",
+    "fresh_clip_fraction": "actor/fresh_clip_fraction", "replay_clip_fraction": "actor/replay_clip_fraction",
+    "update_seconds": "perf/update_seconds", "rollout_seconds": "perf/rollout_seconds",
+    "ref_seconds": "perf/ref_seconds", "tokens_per_second": "perf/tokens_per_second",
+    "peak_over_budget": "memory/peak_over_budget", "peak_over_budget_max": "memory/peak_over_budget_max",
+    "plan_peak_over_budget": "memory/plan_peak_over_budget", "oom_reruns": "memory/oom_reruns",
+    "coordinator": "coordinator", "coordinator_restarts": "coordinator/restarts",
+    "replayed": "replay/replayed", "replay_microbatches": "hilore/replay_microbatches",
+}
+# then by prefix, first match wins (longer prefixes first)
+PREFIX_TAGS = (
+    ("eval_", "eval/"), ("compare_", "perf/compare_"), ("grad_", "hilore/grad_"), ("fraction_", "hilore/fraction_"),
+    ("fresh_", "hilore/fresh_"), ("replay_fraction_", "hilore/replay_fraction_"), ("replay_", "replay/"),
+)
+PREFIX_TAGS = tuple(sorted(PREFIX_TAGS, key=lambda p: -len(p[0])))
+SAMPLES_TAG = "rollout/samples"  # sample generations: TensorBoard text, a W&B table
+
+
+def tag(key: str) -> str:
+    """The TensorBoard and W&B name of a metrics.jsonl key (nested keys joined by ``/``): one
+    mapping for both writers, so they hold the same scalars under the same names. A key no
+    area claims goes under ``train/``."""
+    head, sep, rest = key.partition("/")
+    name = TAGS.get(head)
+    if name is None:
+        name = next((to + head[len(pre):] for pre, to in PREFIX_TAGS if head.startswith(pre)), "train/" + head)
+    return name + sep + rest
+
+
+def scalars(metrics: Dict) -> Dict[str, float]:
+    """``{tag: value}``: every finite number of a step's metrics, nested dicts flattened."""
+    return {tag(k): v for k, v in _scalars(metrics).items()}
+
+
+def rollout_metrics(rewards: Sequence[float], response_lengths: Sequence[int]) -> Dict[str, float]:
+    """The spread of a step's rewards (population std: 0 for one response) and its longest
+    response, beside ``reward_mean`` and ``response_length`` (the mean)."""
+    r = [float(x) for x in rewards]
+    mean = sum(r) / len(r)
+    return {"reward_std": math.sqrt(sum((x - mean) ** 2 for x in r) / len(r)), "reward_min": min(r),
+            "reward_max": max(r), "response_length_max": max(response_lengths)}
+
+
+def learner_means(rows: Sequence[Dict], keys: Sequence[str]) -> Dict[str, float]:
+    """Means over ranks of statistics a learner may not report (then the key is absent)."""
+    out = {}
+    for k in keys:
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+def pick_samples(examples, texts: Sequence[str], rewards: Sequence[float], group_size: int, k: int,
+                 split: str = "train") -> List[Dict]:
+    """``k`` generations to read beside the curves: the first response to each of the first
+    ``k`` prompts (then the second responses, when there are fewer prompts)."""
+    n = len(texts)
+    order = [p * group_size + j for j in range(group_size) for p in range(n // group_size)]
+    return [{"split": split, "prompt": examples[i // group_size].prompt, "response": texts[i],
+             "reward": float(rewards[i]), "answer": examples[i // group_size].answer} for i in order[:max(k, 0)]]
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, list):  # chat messages
+        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)
+    return str(prompt)
+
+
+def _keep_until(path: Path, resume_step: Optional[int]) -> None:
+    """On resume keep the rows of the steps the checkpoint covers (later ones are recomputed);
+    on a fresh start remove the file."""
+    if resume_step is not None and path.is_file():
+        kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+        path.write_text("".join(ln + "\n" for ln in kept))
+    elif path.exists():
+        path.unlink()
+
+
+def _append(path: Path, rows: Sequence[Dict]) -> None:
+    with path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class MetricsLog:
-    def __init__(self, save_path, tensorboard_dir: Optional[str] = None, resume_step: Optional[int] = None):
+    def __init__(self, save_path, tensorboard_dir: Optional[str] = None, resume_step: Optional[int] = None,
+                 wandb: Optional[Dict] = None):
         self.path = Path(save_path) / "metrics.jsonl"
+        self.samples_path = Path(save_path) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.is_file():
-            # keep the steps the checkpoint covers; drop later ones (they are recomputed)
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
-        elif self.path.exists():
-            self.path.unlink()
+        _keep_until(self.path, resume_step)
+        _keep_until(self.samples_path, resume_step)
         self.tb_dir = tensorboard_dir or str(Path(save_path) / "tensorboard")
         self._tb = None
+        self._wandb = _start_wandb(wandb) if wandb else None
 
     def _writer(self):
         if self._tb is None:
@@ -32,21 +126,113 @@ class MetricsLog:
                 self._tb = SummaryWriter(self.tb_dir)
         return self._tb or None
 
-    def log(self, step: int, metrics: Dict) -> None:
-        rec = dict(step=step, **metrics)
-        with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    def log(self, step: int, metrics: Dict, samples: Sequence[Dict] = ()) -> None:
+        """The step's row, its scalars (TensorBoard, W&B) and its sample generations."""
+        _append(self.path, [dict(step=step, **metrics)])
+        if samples:
+            _append(self.samples_path, [dict(step=step, **s) for s in samples])
+        values = scalars(metrics)
         tb = self._writer()
         if tb is not None:
-            for k, v in _scalars(metrics).items():
+            for k, v in values.items():
                 tb.add_scalar(k, v, step)
+            if samples:
+                tb.add_text(SAMPLES_TAG, _markdown(samples), step)
             tb.flush()
+        if self._wandb is not None:
+            if samples:  # this step's rows (a table per step keeps the run's size linear in steps)
+                cols = ["split", "prompt", "response", "reward", "answer"]
+                rows = [[_prompt_text(s[c]) if c == "prompt" else s[c] for c in cols] for s in samples]
+                values = dict(values, **{SAMPLES_TAG: self._wandb.Table(columns=cols, data=rows)})
+            self._wandb.log(values, step=step)
 
     def close(self) -> None:
         if self._tb:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _markdown(samples: Sequence[Dict]) -> str:
+    """Samples as TensorBoard text (markdown): one block each."""
+    def quote(t):
+        return "\n".join("    " + ln for ln in str(t).splitlines()) or "    (empty)"
+
+    return "\n\n".join(f"**{s['split']} sample, reward {s['reward']:.4g}** (answer: {s.get('answer', '')!s})\n\n"
+                       f"prompt:\n\n{quote(_prompt_text(s['prompt']))}\n\nresponse:\n\n{quote(s['response'])}"
+                       for s in samples)
+
+
+def wandb_options(cfg) -> Optional[Dict]:
+    """``wandb.init``'s arguments from ``--logger.wandb.*`` (None when W&B is off): the run lives
+    in ``<save_path>/wandb``, its config is the flags (without the API key)."""
+    w = cfg.logger.wandb
+    if not (w.enable or w.key):
+        return None
+    from .config import flatten_ns
+
+    config = {k: v for k, v in flatten_ns(cfg).items() if k != "logger.wandb.key"}
+    return dict(project=w.project, entity=w.org, group=w.group, name=w.run_name or Path(cfg.save_path).resolve().name,
+                dir=str(cfg.save_path), config=config, key=w.key)
+
+
+def _start_wandb(opts: Dict):
+    """``wandb.init``; a failure (no login, no network in online mode) is one line, not a trace."""
+    import wandb
+
+    opts = dict(opts)
+    key = opts.pop("key", None)
+    if key:
+        os.environ["WANDB_API_KEY"] = key  # read by wandb.init; not written to ~/.netrc
+    Path(opts["dir"]).mkdir(parents=True, exist_ok=True)
+    try:
+        wandb.init(**opts)
+    except Exception as e:  # noqa: BLE001  wandb raises many kinds (UsageError, CommError, AuthenticationError ...)
+        from .job import JobError
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise JobError(f"W&B did not start ({type(e).__name__}: {first}); WANDB_MODE=offline logs without network, "
+                       "`wandb sync` uploads later") from None
+    return wandb
+
+
+WANDB_ONLINE = ("online", "run", "shared")
+
+
+def logging_errors(cfg) -> List[str]:
+    """``validate``'s part for these flags: W&B installed and, online, logged in (checked
+    without network, before Ray starts)."""
+    errors = []
+    if cfg.logger.samples_per_step < 0:
+        errors.append(f"--logger.samples_per_step must be >= 0, got {cfg.logger.samples_per_step}")
+    w = cfg.logger.wandb
+    if not (w.enable or w.key):
+        return errors
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return errors + ["--use_wandb needs the wandb package: pip install 'hilore-actor[wandb]' (or wandb)"]
+    import wandb
+
+    try:
+        mode = wandb.setup().settings.mode
+    except Exception as e:  # noqa: BLE001  e.g. WANDB_MODE=nonsense (a pydantic ValidationError)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        why = next((ln for ln in lines if "should be" in ln), lines[0])  # pydantic's line naming the choices
+        env = os.environ.get("WANDB_MODE")
+        return errors + [f"--use_wandb: W&B's settings do not load (WANDB_MODE={env!r}): {why}"]
+    if mode in WANDB_ONLINE and not w.key:
+        try:
+            ok = wandb.login(prompt=False)  # no network: it reads WANDB_API_KEY / ~/.netrc
+        except Exception as e:  # noqa: BLE001  a malformed WANDB_API_KEY
+            ok, why = False, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        else:
+            why = "no API key"
+        if not ok:
+            errors.append(f"--use_wandb: W&B is online and has {why}: run `wandb login`, set WANDB_API_KEY or "
+                          "--logger.wandb.key, or log offline with WANDB_MODE=offline")
+    return errors
 
 
 def _scalars(d: Dict, prefix: str = "") -> Dict[str, float]:
@@ -60,8 +246,12 @@ def _scalars(d: Dict, prefix: str = "") -> Dict[str, float]:
 
 
 def summary(m: Dict) -> str:
-    parts = [f"reward {m['reward_mean']:.3f}", f"acc {m['accuracy']:.2f}", f"loss {m['loss']:+.4f}",
+    parts = [f"reward {m['reward_mean']:.3f}", f"acc {m['accuracy']:.2f}", f"loss {m['loss']:+.4g}",
              f"update {m['update_seconds']:.1f}s", f"peak/B {m['peak_over_budget_max']:.3f}"]
+    if m.get("entropy") is not None:
+        parts.insert(3, f"entropy {m['entropy']:.3f}")
+    if "eval_accuracy" in m:
+        parts.append(f"eval acc {m['eval_accuracy']:.3f}")
     if "grad_rel_error" in m:
         parts.append(f"grad err {m['grad_rel_error']:.4f}")
     if "compare_speedup_vs_gc" in m:

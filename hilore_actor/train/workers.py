@@ -54,13 +54,15 @@ class HFRolloutWorker:
 
         load_weights(self.model, {k: v.to(self.device) for k, v in weights.items()}, self.weight_kind())
 
-    def generate(self, prompts: Sequence[str], seed: int, step: int = -1) -> Dict:
+    def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False) -> Dict:
+        """G sampled responses per prompt; ``greedy`` (held-out evaluation): one argmax response each."""
         from ..rollout.hf_generate import generate_groups
 
         _fault(self.index, step)
         c = self.cfg.rollout
-        r = generate_groups(self.model, self.tok, prompts, c.n_samples_per_prompt, c.max_new_tokens, c.temperature, seed,
-                            c.top_p, batched=True)
+        r = generate_groups(self.model, self.tok, prompts, 1 if greedy else c.n_samples_per_prompt, c.max_new_tokens,
+                            c.temperature, seed, c.top_p, batched=True, greedy=greedy,
+                            chat_template=self.cfg.data.apply_chat_template)
         return {"sequences": r.sequences.cpu(), "prompt_lens": r.prompt_lens, "response_lens": r.response_lens,
                 "texts": r.texts}
 
@@ -98,15 +100,17 @@ class VLLMRolloutWorker:
         sync_weights(self.llm, weights)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
-    def generate(self, prompts: Sequence[str], seed: int, step: int = -1) -> Dict:
+    def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False) -> Dict:
+        """G sampled responses per prompt; ``greedy`` (held-out evaluation): one at temperature 0 each."""
         import vllm
 
         _fault(self.index, step)
         from ..rollout.hf_generate import apply_chat
 
         c = self.cfg.rollout
-        ids = [apply_chat(self.tok, p) for p in prompts]
-        params = vllm.SamplingParams(n=c.n_samples_per_prompt, temperature=c.temperature, top_p=c.top_p,
+        ids = [apply_chat(self.tok, p, self.cfg.data.apply_chat_template) for p in prompts]
+        params = vllm.SamplingParams(n=1 if greedy else c.n_samples_per_prompt,
+                                     temperature=0.0 if greedy else c.temperature, top_p=1.0 if greedy else c.top_p,
                                      max_tokens=c.max_new_tokens, seed=seed)
         outs = self.llm.generate([vllm.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
         seqs, plens, rlens, texts = [], [], [], []

@@ -6,8 +6,10 @@ verl picks the actor's engine from ``EngineRegistry`` by ``actor_rollout_ref.act
 
 1. the FSDP version it wraps with restored into its config (verl branches on the strategy
    string when it wraps the model), so FSDP2 (default) or FSDP1 runs as verl runs it;
-2. HF gradient checkpointing left off on the training engine (the recovery engine decides per
-   unit); the reference model, built on the same backend with ``forward_only``, is verl's;
+2. HF gradient checkpointing and verl's activation offload left off on the training engine (the
+   recovery engine decides per unit; the launcher turns both off already, verl's own ``main_ppo``
+   under the patch may not); the reference model, built on the same backend with
+   ``forward_only``, is verl's;
 3. after verl has built and wrapped the model: B and the plan (``learner/plan.py``, on the
    wrapped model, rank 0 leading the others: ``learner/lockstep.py``), the recovery engine on
    it, and the budget
@@ -57,6 +59,12 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.hilore = None  # the training engine's Microbatches, once initialized
         _need_device()
         object.__setattr__(engine_config, "strategy", self.hilore_job.get("fsdp", "fsdp2"))
+        if not engine_config.forward_only and getattr(model_config, "enable_activation_offload", False):
+            # the launcher turns it off; verl's own main_ppo (the patch) may not: its hooks would
+            # take the saved tensors from HiLoRe's (main_ppo.REPLACED)
+            print("[hilore] actor_rollout_ref.model.enable_activation_offload=true is turned off: HiLoRe's plan "
+                  "decides per unit what is kept, compressed or recomputed", flush=True)
+            object.__setattr__(model_config, "enable_activation_offload", False)
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
     def _build_module(self):

@@ -13,20 +13,24 @@ and runs ``verl.trainer.main_ppo.main`` with:
   ``VERL_USE_EXTERNAL_MODULES=hilore_actor.verl.register``.
 
 A recipe's own ``actor_rollout_ref.actor.strategy=fsdp|fsdp2`` is kept as the FSDP version
-HiLoRe's engine wraps with (``fsdp_version``). Without ``enable=true`` verl runs unchanged. A
-bad override, a missing verl, an actor strategy other than FSDP (``strategy=megatron``,
-``--config-name ppo_megatron_trainer``), or an actor option the engine cannot run with
-(``UNSUPPORTED``: activation offload) stops here with one message; a worker
-without CUDA stops in the worker (``engine.py``).
+HiLoRe's engine wraps with (``fsdp_version``). Without ``enable=true`` verl runs unchanged. The
+actor's own memory savers that HiLoRe's plan replaces (``REPLACED``: verl's activation offload,
+HF gradient checkpointing) are turned off, one line each. A bad override, a missing verl, or an
+actor strategy other than FSDP (``strategy=megatron``, ``--config-name ppo_megatron_trainer``)
+stops here with one line and exit code 2; these checks compose verl's config from its YAML files
+without importing verl, so none of verl's import-time warnings follows that line. A worker
+without CUDA stops in the worker (``engine.py``). ``--help`` lists HiLoRe's overrides (``usage``).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
+import textwrap
 from typing import Dict, List, Optional, Tuple
 
-from .settings import CONFIG_ENV, PREFIX, parse, split_overrides, to_env
+from .settings import CONFIG_ENV, PREFIX, VERL_KEYS, parse, split_overrides, to_env
 
 REGISTER = "hilore_actor.verl.register"
 STRATEGY = "actor_rollout_ref.actor.strategy"
@@ -53,18 +57,29 @@ def hydra_options(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
 
 def compose(argv: List[str]):
     """verl's trainer config (``ppo_trainer`` unless ``--config-name`` says otherwise) with the
-    overrides of ``argv``, as its ``main`` would see it."""
+    overrides of ``argv``, as its ``main`` would see it; ``ValueError`` (one line) where Hydra
+    refuses them. verl's YAML files are read where its package lies, verl not imported: its
+    import warns and logs on a machine without an accelerator, which would bury that error."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    import verl.trainer.main_ppo as main_ppo
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     overrides, options = hydra_options(argv)
-    config_dir = os.path.abspath(options.get("config_path", os.path.join(os.path.dirname(main_ppo.__file__), "config")))
+    config_dir = os.path.abspath(options.get("config_path", verl_config_dir()))
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return hydra_compose(config_name=options.get("config_name", "ppo_trainer"), overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            return hydra_compose(config_name=options.get("config_name", "ppo_trainer"), overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError("verl's config: " + " ".join(str(e).split())) from None
+
+
+def verl_config_dir() -> str:
+    """``verl/trainer/config`` of the installed verl, found without importing verl."""
+    spec = importlib.util.find_spec("verl")
+    return os.path.join(list(spec.submodule_search_locations)[0], "trainer", "config")
 
 
 def job_facts(cfg) -> Dict:
@@ -100,25 +115,30 @@ def fsdp_version(rest: List[str], chosen: Optional[str]) -> Tuple[List[str], str
     return keep, strategy or chosen or "fsdp2"
 
 
-# Actor options HiLoRe's engine cannot run with: (config keys, why), checked on the composed config.
-UNSUPPORTED = (
-    (("actor_rollout_ref.model.enable_activation_offload",),
-     "verl's activation offload pushes its own saved-tensor hooks around every decoder layer "
-     "(verl/utils/activation_offload.py), which take the saved tensors from HiLoRe's, and under gradient "
-     "checkpointing wraps each layer in torch's reentrant checkpoint; HiLoRe's plan decides what each unit keeps"),
+# The actor's memory savers HiLoRe's plan replaces: (config key, why it goes). Left on, verl's
+# activation offload would push its own saved-tensor hooks around every decoder layer
+# (verl/utils/activation_offload.py), taking the saved tensors from HiLoRe's, and HF gradient
+# checkpointing (on in verl's defaults) would recompute every layer whatever the plan keeps.
+REPLACED = (
+    ("actor_rollout_ref.model.enable_activation_offload",
+     "HiLoRe's plan decides per unit what is kept, compressed or recomputed"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing",
+     "HiLoRe's plan recomputes per unit instead"),
 )
 
 
-def unsupported(cfg) -> List[str]:
-    """``KEY=true (why)`` for each ``UNSUPPORTED`` option the composed config turns on."""
+def replaced(cfg, rest: List[str]) -> Tuple[List[str], List[str]]:
+    """(``rest`` with each ``REPLACED`` option the composed config turns on set to false, one
+    line per such option saying so). The reference model shares the model options; it only runs
+    forward, where neither saver does anything."""
     from omegaconf import OmegaConf
 
-    out = []
-    for keys, why in UNSUPPORTED:
-        on = [k for k in keys if bool(OmegaConf.select(cfg, k, default=False))]
-        if on:
-            out.append(f"{on[0]}=true ({why})")
-    return out
+    notes = []
+    for key, why in REPLACED:
+        if bool(OmegaConf.select(cfg, key, default=False)):
+            rest = [a for a in rest if a.lstrip("+").partition("=")[0] != key] + [f"{key}=false"]
+            notes.append(f"[hilore] {key}=true is turned off: {why}")
+    return rest, notes
 
 
 def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
@@ -133,11 +153,10 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     if strategy not in ("fsdp", "fsdp2"):
         raise ValueError(f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
                          f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true")
-    problems = unsupported(cfg)
-    if problems:
-        raise ValueError("HiLoRe's verl engine does not support " + "; ".join(problems)
-                         + f" yet: turn them off or drop +{PREFIX}enable=true")
     facts = job_facts(cfg)
+    rest, notes = replaced(cfg, rest)
+    for note in notes:
+        print(note, flush=True)
     value = to_env(settings, {**facts, **verl_only})
     env = {CONFIG_ENV: value, "VERL_USE_EXTERNAL_MODULES": REGISTER}
     extra = [f"{STRATEGY}=hilore"] + [
@@ -145,14 +164,45 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     return rest + extra, env
 
 
+def shown(value) -> str:
+    """A default as an override writes it."""
+    if value is None or value == "":
+        return "unset"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def usage() -> str:
+    """The launcher's ``--help``: HiLoRe's overrides with their defaults, from the one flag table
+    (``learner/settings.py``) and ``settings.VERL_KEYS``, so the help cannot drift from the checks.
+    verl's own help is its whole config, printed by verl's ``main_ppo --help``."""
+    from ..learner.settings import HILORE_FLAGS
+
+    rows = [(k, d, h) for k, (d, h) in VERL_KEYS.items()]
+    for name, _, default, help_ in HILORE_FLAGS:
+        if name == "hilore.chunked_head":
+            help_ += "; no effect under verl, whose engine computes the log-probs"
+        rows.append((name[len("hilore."):], shown(default), help_.replace("--hilore.", "+" + PREFIX)))
+    lines = [f"usage: python -m hilore_actor.verl.main_ppo [--config-name NAME] [--config-path DIR] <verl overrides> "
+             f"+{PREFIX}enable=true [+{PREFIX}KEY=VALUE ...]", "",
+             "verl's own main_ppo with HiLoRe's actor engine (actor_rollout_ref.actor.strategy=hilore). verl's",
+             "overrides and config: python -m verl.trainer.main_ppo --help.", "",
+             f"HiLoRe's overrides (+{PREFIX}KEY=VALUE):"]
+    for key, default, help_ in rows:
+        lines.append(f"  +{PREFIX}{key}=VALUE")
+        lines += textwrap.wrap(f"{help_} (default: {default})", width=100, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        import hydra  # noqa: F401
-        import verl  # noqa: F401
-    except ImportError as e:
-        print(f"error: verl is not installed ({e}); install it as the README's install table says "
-              "(pip install -e \".[verl]\" && pip install --no-deps verl==0.9.1)", file=sys.stderr)
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return 0
+    missing = [m for m in ("hydra", "verl") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: verl is not installed (no module named {missing[0]!r}); install it as the README's install "
+              "table says (pip install -e \".[verl]\" && pip install --no-deps verl==0.9.1)", file=sys.stderr)
         return 2
     try:
         overrides, env = launch_args(argv)

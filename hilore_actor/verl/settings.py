@@ -19,10 +19,10 @@ from typing import Dict, List, Tuple
 
 CONFIG_ENV = "HILORE_VERL_CONFIG"
 PREFIX = "actor_rollout_ref.actor.hilore."
-# verl-only keys beside the shared --hilore.* settings
-VERL_KEYS = {"enable": "turn HiLoRe on (true) or run verl unchanged (false, the default)",
-             "fsdp": "FSDP version under HiLoRe's engine: fsdp2 (default) or fsdp; "
-                     "actor_rollout_ref.actor.strategy=fsdp|fsdp2 says the same"}
+# verl-only keys beside the shared --hilore.* settings: key -> (default, help)
+VERL_KEYS = {"enable": ("false", "turn HiLoRe on (true) or run verl unchanged (false)"),
+             "fsdp": ("fsdp2", "FSDP version under HiLoRe's engine: fsdp2 or fsdp; "
+                      "actor_rollout_ref.actor.strategy=fsdp|fsdp2 says the same")}
 
 
 def split_overrides(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
