@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One GPU check (docs/benchmark.md, "One GPU check"): a self-check, then gpu-ref (gc, no-gc,
-# hilore-hr and hilore at B = 1.10 x gc), a reduced verl engine check and the CUDA tests, each
-# under its own timeout; logs, results and summary.json go to $OUT (a temp dir when unset).
-# Exit status 0 only if every stage that was not skipped passed.
+# One GPU check (docs/benchmark.md, "One GPU check"): a self-check, then gpu-ref (gc, no-gc and
+# hilore-hr at B = 1.10 x gc), a reduced verl engine check and the CUDA tests, each under its own
+# timeout; logs, results and summary.json go to $OUT (a temp dir when unset), each stage's as it goes.
+# Exit status 0 only if every stage that was not skipped passed. Each stage's estimate and timeout:
+# benchmarks/gpu_check_plan.py (every timeout >= 2 x its estimate, at most 540 s in all).
 # Usage: bash benchmarks/gpu_check.sh [--dry-run]
-#   --dry-run: self-check (no GPU needed), check every stage's command line, print the plan.
+#   --dry-run: self-check (no GPU needed), check every stage's command line and the plan, print it.
 # Environment: PYTHON (default python3), OUT, GPU_CHECK_SITE (where .whl/*.whl go, /tmp/site),
 #   GPU_CHECK_BENCH_ARGS / GPU_CHECK_VERL_ARGS / GPU_CHECK_TEST_ARGS: words appended to a stage.
 set -uo pipefail
@@ -14,7 +15,7 @@ DRY=0
 case "${1:-}" in
   "") ;;
   --dry-run) DRY=1 ;;
-  -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
   *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
@@ -27,19 +28,25 @@ if ! mkdir -p "$OUT" || ! touch "$OUT/.write-test"; then
 fi
 rm -f "$OUT/.write-test"
 
-# ---- stages: name, timeout (s), log file, command (the sum of timeouts must stay <= 540) ----
+# ---- stages: name, log file, command; estimates and timeouts come from benchmarks/gpu_check_plan.py ----
 STAGES=(selfcheck gpu-ref verl cuda-tests)
-declare -A LIMIT=([selfcheck]=30 [gpu-ref]=290 [verl]=110 [cuda-tests]=100)
 declare -A LOG=([selfcheck]=selfcheck.txt [gpu-ref]=gpu-ref.log [verl]=verl.log [cuda-tests]=cuda-tests.log)
-declare -A STATUS=() SECS=()
+declare -A LIMIT=() ESTIMATE=() STATUS=() SECS=()
 read -r -a EXTRA_BENCH <<< "${GPU_CHECK_BENCH_ARGS:-}"
 read -r -a EXTRA_VERL <<< "${GPU_CHECK_VERL_ARGS:-}"
 read -r -a EXTRA_TEST <<< "${GPU_CHECK_TEST_ARGS:-}"
-BENCH=(--workload gpu-ref --device cuda --methods gc,no-gc,hilore-hr,hilore --budgets 1.10 --budget-from gc
-       --budget-scope device --head chunked --repeats 3 --updates 1 --calib 2 --calib-tokens 1024 --no-loo
+# gpu-ref's work is cut to fit its timeout with 2 x headroom (hilore, with calibration, profiling of L and P
+# and four risk scales, does not: it runs in the verl stage, on a small model)
+BENCH=(--workload gpu-ref --device cuda --methods gc,no-gc,hilore-hr --budgets 1.10 --budget-from gc
+       --budget-scope device --head chunked --repeats 3 --updates 1 --no-loo
        --json "$OUT/gpu-ref.json" "${EXTRA_BENCH[@]}")
 VERL=(--out "$OUT/verl.json" --workdir /tmp/hilore-verl-gpu-check "${EXTRA_VERL[@]}")
-TESTS=("tests/test_gpu_check.py::TestCuda" tests/test_memory.py tests/test_engine.py "${EXTRA_TEST[@]}")
+# only tests that run CUDA: the CPU suites (tests/test_memory.py, tests/test_engine.py) took 15-163 s here
+TESTS=("tests/test_gpu_check.py::TestCuda" "${EXTRA_TEST[@]}")
+PLANNER=benchmarks/gpu_check_plan.py  # standard library only; with python3 where $PY does not run
+PLAN_PY=$PY; "$PY" -c "" 2> /dev/null || PLAN_PY=python3
+TIMES=$("$PLAN_PY" "$PLANNER" --timeouts -- "${BENCH[@]}") || { echo "error: $PLANNER does not run" >&2; exit 1; }
+while read -r s t e; do LIMIT[$s]=$t; ESTIMATE[$s]=$e; done <<< "$TIMES"
 TOTAL=0; for s in "${STAGES[@]}"; do TOTAL=$((TOTAL + LIMIT[$s])); done
 
 # The verl stage: install the carried wheels (.whl/*.whl) when there are any, then run the check.
@@ -109,9 +116,13 @@ plan() {
   printf '  %-11s %4ss  %s\n' selfcheck "${LIMIT[selfcheck]}" "python, torch, CUDA, GPU, imports, .whl, disk, \$OUT" \
     gpu-ref "${LIMIT[gpu-ref]}" "$PY -m hilore_actor.bench ${BENCH[*]}" \
     verl "${LIMIT[verl]}" "[.whl -> $SITE] $PY -m hilore_actor.verl.gpu_check ${VERL[*]}" \
-    cuda-tests "${LIMIT[cuda-tests]}" "$PY -m pytest -q ${TESTS[*]}"
+    cuda-tests "${LIMIT[cuda-tests]}" "$PY -m pytest ${PYTEST_OPTS[*]} ${TESTS[*]}"
   echo "  total       ${TOTAL}s of timeouts (at most 540s)"
+  echo "estimates ($PLANNER):"
+  "$PLAN_PY" "$PLANNER" --explain -- "${BENCH[@]}"
 }
+# -v: one line per test as it ends, -s: each test's printed numbers as they come (a timeout keeps both)
+PYTEST_OPTS=(-v -s -rfEs)
 
 # run_stage NAME CMD...: the command under the stage's timeout, its output to stdout and the log
 run_stage() {
@@ -145,6 +156,13 @@ print("[gpu-ref] arguments ok:", args.workload, "-", WORKLOADS[args.workload].no
 
 PLAN=$(plan); echo "$PLAN"
 if (( TOTAL > 540 )); then echo "error: the stage timeouts sum to ${TOTAL}s, over 540s" >&2; exit 1; fi
+if ! CHECKED=$("$PLAN_PY" "$PLANNER" --check -- "${BENCH[@]}"); then
+  if [[ $DRY == 1 ]]; then
+    echo "error: the plan breaks its rule (a timeout under 2 x its estimate, or over 540 s in all):" >&2
+    grep 'plan problem' <<< "$CHECKED" >&2; exit 1
+  fi
+  echo "warning: the plan breaks its rule; running anyway (see the dry run):"; grep 'plan problem' <<< "$CHECKED"
+fi
 run_stage selfcheck "$PY" -c "$SELFCHECK"
 echo "$PLAN" >> "$OUT/selfcheck.txt"
 for s in gpu-ref verl cuda-tests; do
@@ -155,13 +173,13 @@ for s in gpu-ref verl cuda-tests; do
     case $s in
       gpu-ref) run_stage "$s" "$PY" -c "$BENCH_PARSE" "${BENCH[@]}" ;;
       verl) run_stage "$s" "$PY" -m hilore_actor.verl.gpu_check "${VERL[@]}" --parse-only ;;
-      cuda-tests) run_stage "$s" "$PY" -m pytest --collect-only -q "${TESTS[@]}" ;;
+      cuda-tests) run_stage "$s" "$PY" -m pytest "${PYTEST_OPTS[@]}" --collect-only -qq "${TESTS[@]}" ;;
     esac
   else
     case $s in
       gpu-ref) run_stage "$s" "$PY" -m hilore_actor.bench "${BENCH[@]}" ;;
       verl) run_stage "$s" env SITE="$SITE" bash -c "$VERL_STAGE" "$PY" -m hilore_actor.verl.gpu_check "${VERL[@]}" ;;
-      cuda-tests) run_stage "$s" "$PY" -m pytest -q -rfEs "${TESTS[@]}" ;;
+      cuda-tests) run_stage "$s" "$PY" -m pytest "${PYTEST_OPTS[@]}" "${TESTS[@]}" ;;
     esac
   fi
 done
@@ -170,11 +188,15 @@ RC=0; ENTRIES=""
 for s in "${STAGES[@]}"; do
   [[ ${STATUS[$s]} == passed || ${STATUS[$s]} == skipped ]] || RC=1
   ENTRIES+="${ENTRIES:+,
-  }{\"name\": \"$s\", \"status\": \"${STATUS[$s]}\", \"seconds\": ${SECS[$s]}, \"timeout_s\": ${LIMIT[$s]}, \"log\": \"${LOG[$s]}\"}"
+  }{\"name\": \"$s\", \"status\": \"${STATUS[$s]}\", \"seconds\": ${SECS[$s]}, \"estimate_s\": ${ESTIMATE[$s]},\
+ \"timeout_s\": ${LIMIT[$s]}, \"log\": \"${LOG[$s]}\"}"
 done
 printf '{"mode": "%s", "out": "%s", "python": "%s", "planned_timeout_s": %d, "exit_status": %d,\n "stages": [\n  %s\n ]}\n' \
   "$([[ $DRY == 1 ]] && echo dry-run || echo run)" "$OUT" "$PY" "$TOTAL" "$RC" "$ENTRIES" > "$OUT/summary.json"
 echo "summary ($OUT/summary.json):"
-for s in "${STAGES[@]}"; do printf '  %-11s %-9s %4ss (timeout %ss)\n' "$s" "${STATUS[$s]}" "${SECS[$s]}" "${LIMIT[$s]}"; done
+for s in "${STAGES[@]}"; do
+  printf '  %-11s %-9s %4ss (estimate %ss, timeout %ss)\n' "$s" "${STATUS[$s]}" "${SECS[$s]}" "${ESTIMATE[$s]}" \
+    "${LIMIT[$s]}"
+done
 echo "exit status $RC"
 exit $RC

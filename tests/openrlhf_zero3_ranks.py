@@ -5,10 +5,11 @@ Per rank, twice on the same weights and experiences: OpenRLHF's own ``PolicyMode
 its gradient checkpointing, then this package's ``HiLoRePolicyModelActor`` (their plain
 classes, in this process). Each runs the real ``init_model_from_pretrained`` (OpenRLHF's CLI
 parses the recipe; ``DeepspeedStrategy``; the model partitioned at load by ZeRO-3's
-``HfDeepSpeedConfig``; ``strategy.prepare``) and two real ``fit`` calls (``ppo_train`` over the
+``HfDeepSpeedConfig``; ``strategy.prepare``) and three real ``fit`` calls (``ppo_train`` over the
 replay buffer, two microbatches per optimizer step). The whole gradient is read as the
 optimizer step begins (``safe_get_full_grad``, a collective). The drop-in plans at its first
-``fit``, in lockstep; the second ``fit`` runs an alternating H/R map.
+``fit``, in lockstep; the second ``fit`` runs an alternating H/R map; in the third only rank 0's
+plan stores nothing (as after a ``tighten`` of its own), which every rank must follow.
 
 CPU stand-ins, and only these: ``torch.cuda`` device calls (``set_device``,
 ``current_device`` -> the CPU, ``synchronize``), OpenRLHF's ``init_device_mesh("cuda")`` on the
@@ -19,6 +20,7 @@ a plain object (no Ray), and the vllm/flash_attn import shims (``openrlhf_shims.
 planning happens after its reload is ``test_openrlhf.py``'s order test.
 ``python openrlhf_zero3_ranks.py MODEL_DIR OUT.json``.
 """
+import copy
 import json
 import os
 import sys
@@ -107,7 +109,7 @@ def rank_main(rank, world, port, model_dir, out):
     coordinator = BudgetCoordinator()
     pa._HiLoRePolicyModelActor._coordinator = staticmethod(lambda: coordinator)
     os.environ[pa.CONFIG_ENV] = json.dumps({"mode": "hilore-hr", "budget": "1.25", "profile_repeats": 1})
-    exps = [experience(100 * rank + i, SAMPLES, P, A, VOCAB) for i in range(2)]  # each rank its own data
+    exps = [experience(100 * rank + i, SAMPLES, P, A, VOCAB) for i in range(3)]  # each rank its own data
     seen = {}
     for name, cls in (("openrlhf-gc", PolicyModelActor), ("hilore", pa.HiLoRePolicyModelActor)):
         args.actor.gradient_checkpointing_enable = True  # the drop-in turns it off itself
@@ -124,7 +126,7 @@ def rank_main(rank, world, port, model_dir, out):
 
 
 def fits(actor, exps, alternate: bool):
-    """Two ``fit`` calls, one experience each; the gradient as each optimizer step begins."""
+    """One ``fit`` call per experience; the gradient as each optimizer step begins."""
     from deepspeed.utils import safe_get_full_grad
 
     from hilore_actor.openrlhf.patching import shadowed
@@ -148,6 +150,11 @@ def fits(actor, exps, alternate: bool):
             out["units"] = actor.hilore.engine.unit_names
             sp = plan.sp
             sp.plan = {n: ("exact", "checkpoint")[j % 2] for j, n in enumerate(actor.hilore.engine.unit_names)}
+        if alternate and i == 2 and torch.distributed.get_rank() == 0:  # the third: rank 0 alone plans all R
+            plan = actor.hilore.plan
+            all_r = copy.copy(plan.for_tokens(MICRO * (P + A)))
+            all_r.plan = dict.fromkeys(all_r.plan, "checkpoint")
+            plan.for_tokens = lambda tokens, sp=all_r: sp
         torch.manual_seed(1 + i)  # ppo_train's shuffle
         with shadowed(strategy, optimizer_step=optimizer_step):
             actor.fit(0.01)

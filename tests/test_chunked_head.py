@@ -92,3 +92,70 @@ def test_a_model_whose_logits_are_not_the_linear_head_keeps_its_own_logits():
     gap = (uncapped - sequence_log_probs(capped, ids)).abs().max()
     print("gap", float(gap))
     assert gap > 1e-2  # the check had something to catch
+
+
+def test_cuda_chunks_are_sized_for_the_device_and_cpu_keeps_its_rule():
+    """On CUDA a chunk streams the whole head: at Qwen's vocabulary the old 32 MiB rule gave 55
+    rows (the head read ~75 times per 4096 tokens); the rule gives >= 1024 there, more for a small
+    vocabulary, and a known room caps it. The CPU rule is the old one, unchanged."""
+    from hilore_actor.models.chunked_head import chunk_row_bytes, head_chunk_rows
+
+    bf16 = torch.bfloat16
+    assert head_chunk_rows("cuda", 151936, 2048, bf16) >= 1024
+    assert head_chunk_rows("cuda", 32768, 2048, bf16) == 2048
+    for v in (97, 32000, 49152, 151936, 256000):
+        assert head_chunk_rows("cpu", v, 2048, bf16) == max(16, 32 * 2**20 // (4 * v))
+    assert head_chunk_rows("cpu", 151936, 2048, bf16, room_bytes=10**12) == 55
+    room = 8 * 300 * chunk_row_bytes(151936, 2048, bf16)
+    assert head_chunk_rows("cuda", 151936, 2048, bf16, room_bytes=room) == 300
+    assert head_chunk_rows("cuda", 151936, 2048, bf16, room_bytes=0) == 16
+    assert head_chunk_rows("cuda", 151936, 2048, bf16, room_bytes=10**12) == head_chunk_rows("cuda", 151936, 2048, bf16)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_the_cuda_chunk_and_a_small_one_match_the_full_head(entropy):
+    """Log-probs, entropies and the gradients of hidden, head and bias through one CUDA-sized
+    chunk (all rows) and through chunks of 7 rows equal the full head's autograd (float64
+    inputs; the head computes in float32)."""
+    from hilore_actor.models.chunked_head import head_chunk_rows
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    n, hdim, vocab = 600, 16, 3001
+    h = torch.randn(n, hdim, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = (0.3 * torch.randn(vocab, hdim, dtype=torch.float64, generator=gen)).requires_grad_()
+    b = torch.randn(vocab, dtype=torch.float64, generator=gen, requires_grad=True)
+    lab = torch.randint(0, vocab, (n,), generator=gen)
+    g, ge = torch.randn(n, dtype=torch.float64, generator=gen), torch.randn(n, dtype=torch.float64, generator=gen)
+    z = torch.nn.functional.linear(h, w, b)
+    ref_lp = z.log_softmax(-1).gather(-1, lab[:, None]).squeeze(-1)
+    ref_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    loss = (ref_lp * g).sum() + ((ref_ent * ge).sum() if entropy else 0)
+    want = torch.autograd.grad(loss, (h, w, b))
+    big = head_chunk_rows("cuda", vocab, hdim, torch.float64)
+    assert big >= n
+    for chunk in (big, 7):
+        out = ChunkedTokenLogProbs.apply(h, w, b, lab, chunk, 1.0, entropy)
+        lp, ent = out if entropy else (out, None)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+        if entropy:
+            torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+        got = torch.autograd.grad((lp * g).sum() + ((ent * ge).sum() if entropy else 0), (h, w, b))
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_the_model_path_and_the_openrlhf_drop_in_share_the_rule(monkeypatch):
+    """``chunked_token_log_probs`` (the job and the benchmark) and the OpenRLHF forward ask
+    ``head_chunk_rows`` with the head's device, vocabulary, width and dtype."""
+    from hilore_actor.models import chunked_head
+    from hilore_actor.openrlhf import chunked_head as orl_head
+
+    assert orl_head.head_chunk_rows is chunked_head.head_chunk_rows
+    seen = []
+    real = chunked_head.head_chunk_rows
+    monkeypatch.setattr(chunked_head, "head_chunk_rows", lambda *a, **k: seen.append(a) or real(*a, **k))
+    model = build_model(tiny_config("qwen2", hidden_size=32, num_layers=1, vocab_size=128))
+    chunked_token_log_probs(model, torch.randint(0, 128, (1, 9)))
+    assert seen == [("cpu", 128, 32, torch.float32)]

@@ -207,25 +207,39 @@ def test_storage_meters_nest_and_ignore_frees_after_exit(monkeypatch):
 
 class FakeCudaAllocator:
     """The caching allocator's counters as ``torch._C`` exposes them (nested stats with a
-    peak per stat and pool; a reset sets each peak to its current value)."""
+    peak per stat and pool; a reset sets each peak to its current value). ``inactive_split_bytes``:
+    free blocks inside segments still partly in use (``free(trap=True)``), reused by ``reuse``."""
 
-    STATS = ("allocated_bytes", "reserved_bytes")
+    STATS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes")
 
     def __init__(self):
         self.current = dict.fromkeys(self.STATS, 0)
         self.peak = dict.fromkeys(self.STATS, 0)
         self.resets = 0
 
+    def _update(self):
+        c = self.current
+        c["reserved_bytes"] = max(c["reserved_bytes"], c["allocated_bytes"] + c["inactive_split_bytes"])
+        for k in self.STATS:
+            self.peak[k] = max(self.peak[k], c[k])
+
     def alloc(self, n):
         self.current["allocated_bytes"] += n
-        self.current["reserved_bytes"] = max(self.current["reserved_bytes"], self.current["allocated_bytes"])
-        for k in self.STATS:
-            self.peak[k] = max(self.peak[k], self.current[k])
+        self._update()
 
-    def free(self, n, release=False):
+    def reuse(self, n):
+        """Allocate ``n`` bytes out of trapped free space (no new segment)."""
+        self.current["inactive_split_bytes"] -= n
+        self.current["allocated_bytes"] += n
+        self._update()
+
+    def free(self, n, release=False, trap=False):
         self.current["allocated_bytes"] -= n
-        if release:  # empty_cache
-            self.current["reserved_bytes"] = self.current["allocated_bytes"]
+        if trap:  # its segment stays partly in use: the block cannot go back to the device
+            self.current["inactive_split_bytes"] += n
+        if release:  # empty_cache: whole free segments only
+            self.current["reserved_bytes"] = self.current["allocated_bytes"] + self.current["inactive_split_bytes"]
+        self._update()
 
     def stats(self, device):
         assert device == 0
@@ -303,3 +317,39 @@ def test_default_allocator_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
     assert default_allocator_settings({}) == DEFAULT_ALLOC_CONF and applied == [DEFAULT_ALLOC_CONF]
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["trapped", "reused"])
+def test_free_space_trapped_in_segments_counts_against_b(fake_cuda, reused):
+    """Without expandable segments, free space inside partly used segments cannot go back to the
+    device before an OOM. A microbatch whose allocated peak (140 MB) is under B (150 MB) while
+    20 MB stay trapped beside it is over B: the coordinator answers ``tighten``. When the
+    microbatch reuses that space first, allocated + trapped bytes never pass 140 MB: the sum of
+    the two counters' peaks (160 MB) is not charged (reserved bytes bound it)."""
+    from types import SimpleNamespace as NS
+
+    from hilore_actor.learner.coordinator import BudgetCoordinator
+    from hilore_actor.learner.step import report, run_microbatch
+
+    a, B = fake_cuda, 150 * MB
+    a.alloc(100 * MB)  # weights and optimizer state
+    a.alloc(20 * MB)
+    a.free(20 * MB, trap=True)  # e.g. the last microbatch's activations, in segments still in use
+    tightened = []
+    plan = NS(budget=B, tighten=lambda by, why, tokens=0: tightened.append(by))
+    coordinator = BudgetCoordinator()
+    coordinator.register(0, B)
+    with run_microbatch(plan, None, "cuda:0", tokens=64, resident=100 * MB) as rec:
+        if reused:
+            a.reuse(20 * MB)
+            a.alloc(20 * MB)
+        else:
+            a.alloc(40 * MB)
+        a.free(40 * MB)
+    d = report(plan, coordinator, 0, 1, 0, rec)
+    assert rec.scope_peak == 140 * MB < B
+    if reused:
+        assert rec.trapped_bytes == 0 and d["action"] == "ok" and tightened == []
+    else:
+        assert rec.trapped_bytes == 20 * MB and rec.budget_peak == 160 * MB
+        assert d["action"] == "tighten" and tightened == [d["by_bytes"]] == [int(10 * MB * 1.05)]

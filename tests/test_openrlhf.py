@@ -7,9 +7,11 @@ and its CLI's argparse block. vllm and flash_attn are import-time shims (``openr
 no code of theirs runs here. What needs a GPU (DeepspeedStrategy, vLLM, the Ray trainer) is not
 run; the README says so.
 """
+import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,6 +221,57 @@ def test_plugin_without_openrlhf_fails_with_a_message(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openrlhf" else real(name, *a))
     assert main(["--actor_backend", "hilore"]) == 2
     assert "OpenRLHF is not installed" in capsys.readouterr().err
+
+
+def _our_flags_in(text):
+    from hilore_actor.learner.settings import HILORE_FLAGS
+
+    missing = [f"--{name}" for name, *_ in HILORE_FLAGS if f"--{name} " not in text]
+    return "--actor_backend {deepspeed,hilore}" in text and not missing
+
+
+def test_help_lists_openrlhfs_flags_and_ours_without_vllm():
+    """``python -m hilore_actor.openrlhf.train_ppo_ray --help`` exits 0 where vllm cannot be
+    imported (blocked here, as on any CPU machine): OpenRLHF's parser is built from its CLI's
+    source, the module (which imports vllm) not imported, with ``--actor_backend`` and every
+    ``--hilore.*`` flag as one more group."""
+    run = ("import runpy, sys; sys.modules['vllm'] = sys.modules['flash_attn'] = None; "
+           "sys.argv = ['train_ppo_ray', '--help']; "
+           "runpy.run_module('hilore_actor.openrlhf.train_ppo_ray', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    out = done.stdout
+    assert out.startswith("usage: python -m hilore_actor.openrlhf.train_ppo_ray")
+    assert "--actor.model_name_or_path" in out and "--vllm.num_engines" in out and "note:" not in out  # OpenRLHF's own
+    assert _our_flags_in(out) and "(default: 1.10)" in out
+
+
+def test_help_without_openrlhf_lists_ours_and_says_why(monkeypatch, capsys):
+    """Without OpenRLHF ``--help`` still exits 0: our group, then one line saying what is missing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openrlhf" else real(name, *a))
+    assert main(["--actor_backend", "hilore", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert _our_flags_in(out) and out.strip().splitlines()[-1].startswith("note: OpenRLHF is not installed")
+
+
+def test_openrlhfs_gradient_checkpointing_is_replaced_with_one_line(orl, monkeypatch, actor_env):
+    """``--actor.gradient_checkpointing_enable`` (in OpenRLHF's recipes) is accepted: the actor
+    turns it off before OpenRLHF builds the model, and says so in one line."""
+    from hilore_actor.openrlhf import policy_actor as pa
+
+    seen, printed = {}, []
+    monkeypatch.setattr(pa, "has_cuda", lambda: True)
+    monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained",
+                        lambda self, st, *a, **k: seen.setdefault("gc", st.args.actor.gradient_checkpointing_enable))
+    st = _strategy_stub([])
+    st.print = printed.append
+    st.args.actor.gradient_checkpointing_enable = True
+    object.__new__(pa._HiLoRePolicyModelActor).init_model_from_pretrained(st, "/models/any")
+    assert seen == {"gc": False}
+    assert printed == ["[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute"]
 
 
 def test_patch_applies_to_the_release_and_adds_the_flag(orl, tmp_path):
@@ -630,7 +683,7 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     assert torch.equal(_grads(actor), g_gc)
 
 
-def test_the_actor_plans_at_its_first_fit_on_the_gpu_openrlhf_set(orl, monkeypatch):
+def test_the_actor_plans_at_its_first_fit_on_the_gpu_openrlhf_set(orl, monkeypatch, actor_env):
     """``init_model_from_pretrained`` plans nothing: under ZeRO-3 the model is partitioned at
     load and with ``--ds.enable_sleep`` its states leave the GPU before it returns. The first
     ``fit`` (OpenRLHF's ``ppo_train`` reloaded the states, vLLM sleeps) plans, on the device
@@ -767,6 +820,100 @@ def test_documented_recipes_reach_the_gpu_check(orl, recipe, capsys):
     assert main(recipe + ["--actor_backend", "hilore"]) == 2
     err = capsys.readouterr().err
     assert "needs CUDA GPUs" in err and "cannot run with" not in err and "Traceback" not in err, err
+
+
+# what the actor's __init__ and init_model_from_pretrained (HiLoRe's and OpenRLHF's) set in its environment
+ACTOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_CUMEM_ENABLE", "MASTER_ADDR", "MASTER_PORT",
+             "WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+@pytest.fixture
+def actor_env(monkeypatch):
+    """Every variable in ``ACTOR_ENV`` absent, and after the test as it was (set, then deleted: the
+    undo also removes what the actor set)."""
+    for k in ACTOR_ENV:
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    return monkeypatch
+
+
+class _CudaStarts(Exception):
+    pass
+
+
+def _allocator_at_cuda_start(monkeypatch, recipe):
+    """OpenRLHF's real actor (HiLoRe's subclass, constructed as Ray does) and its real
+    ``init_model_from_pretrained`` on a CLI-parsed recipe, up to ``_setup_distributed``, where CUDA
+    starts: (``PYTORCH_CUDA_ALLOC_CONF`` after construction, there, the lines printed, the args)."""
+    from types import SimpleNamespace as NS
+
+    import openrlhf.cli.train_ppo_ray as cli
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+
+    from hilore_actor.openrlhf import policy_actor as pa
+
+    parsed, seen, printed = {}, {}, []
+    run_cli_main(cli, split_flags(recipe)[2], lambda args: parsed.setdefault("args", args))
+    actor = pa._HiLoRePolicyModelActor(1, 0, "127.0.0.1", 29500)
+    constructed = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+    def setup_distributed(self, strategy):
+        seen["at_cuda"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        raise _CudaStarts
+
+    monkeypatch.setattr(pa, "has_cuda", lambda: True)
+    monkeypatch.setattr(BaseModelActor, "_setup_distributed", setup_distributed)
+    with pytest.raises(_CudaStarts):
+        actor.init_model_from_pretrained(NS(args=parsed["args"], print=printed.append, prepare=None), "/models/any",
+                                         vllm_engines=[object()])
+    return constructed, seen["at_cuda"], [x for x in printed if "expandable" in x], parsed["args"]
+
+
+def test_the_colocated_recipe_keeps_expandable_segments_off(orl, actor_env):
+    """OpenRLHF's documented recipe (``--train.colocate_all``, NCCL sync, not async) sends the
+    actor's weights to vLLM by CUDA IPC, which cannot export expandable-segment memory where
+    ``pidfd_getfd`` is refused: the actor leaves the allocator variable as the user set it
+    (unset) until CUDA starts, and says so in one line."""
+    constructed, at_cuda, lines, args = _allocator_at_cuda_start(actor_env, DOCUMENTED_RL)
+    assert constructed is None and at_cuda is None and "PYTORCH_ALLOC_CONF" not in os.environ
+    assert len(lines) == 1 and lines[0].startswith("[hilore] allocator: expandable segments left off")
+    assert args.train.colocate_all and args.vllm.sync_backend == "nccl"
+
+
+def test_other_recipes_get_expandable_segments_and_user_settings_stay(orl, actor_env):
+    """Without CUDA IPC (colocated actor and reference only) the actor sets expandable segments
+    before CUDA starts; a value the user set stays as it is, with one warning where it turns
+    expandable segments on for the colocated recipe."""
+    constructed, at_cuda, lines, _ = _allocator_at_cuda_start(actor_env, LORA_ZERO2_GRPO)
+    assert constructed is None and at_cuda == "expandable_segments:True" and lines == []
+    for value, warned in (("expandable_segments:True", True), ("max_split_size_mb:256", False)):
+        actor_env.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+        _, at_cuda, lines, _ = _allocator_at_cuda_start(actor_env, DOCUMENTED_RL)
+        assert at_cuda == value and len(lines) == int(warned)
+        assert not warned or lines[0].startswith("[hilore] warning: your allocator settings turn expandable")
+
+
+@pytest.mark.parametrize("recipe, ipc", [
+    (DOCUMENTED_RL, True),
+    ([a for a in DOCUMENTED_RL if a != "--vllm.enable_sleep"] + ["--train.async_enable"], False),  # async: no sleep
+    (DOCUMENTED_RL + ["--vllm.sync_backend", "gloo"], False),  # argparse: the last value wins
+    (LORA_ZERO2_GRPO, False),
+], ids=["documented", "async", "gloo", "lora-zero2"])
+def test_cuda_ipc_is_read_as_openrlhfs_trainer_decides_it(orl, monkeypatch, recipe, ipc):
+    """``weights_via_cuda_ipc`` against OpenRLHF's own ``ActorPPOTrainer.__init__`` (its
+    ``use_cuda_ipc``) on CLI-parsed recipes."""
+    from types import SimpleNamespace as NS
+
+    import openrlhf.cli.train_ppo_ray as cli
+
+    from hilore_actor.openrlhf.policy_actor import weights_via_cuda_ipc
+
+    parsed = {}
+    run_cli_main(cli, split_flags(recipe)[2], lambda args: parsed.setdefault("args", args))
+    monkeypatch.setattr(orl, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the replay buffer's target device
+    trainer = orl.ActorPPOTrainer(NS(args=parsed["args"]), None, None, None, None, vllm_engines=None)
+    assert trainer.use_cuda_ipc is ipc and weights_via_cuda_ipc(parsed["args"]) is ipc
 
 
 def test_planning_sizes_the_microbatch_as_the_recipe_trains(orl):

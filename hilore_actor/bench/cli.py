@@ -4,7 +4,8 @@ One run: build the model and microbatches (``inputs``), measure the run that def
 (``--budget-from``, in ``--budget-scope``), calibrate once, prepare every method at every
 budget (HiLoRe's unit costs and calibration are shared across budgets), time them interleaved
 (``timing``), measure their peaks and gradient errors, and write the records (``records``,
-``report``).
+``report``). With ``--json``, the file is rewritten after each finished piece of work, and on
+SIGTERM the run stops and writes why (``partial``), so a run cut short keeps what it finished.
 """
 from __future__ import annotations
 
@@ -160,9 +161,12 @@ def calibration_for(args, runner, inputs, names):
     return cal
 
 
-def prepare_methods(names, budgets, ctx):
+def prepare_methods(names, budgets, ctx, on_ready=None):
+    """``on_ready(entry)`` after each method (``partial``): its name, budget, preparation time
+    and HiLoRe's plan with its validation, or why it did not run."""
     from .methods import is_budgeted, make_method
     from .peers import PeerUnavailable
+    from .records import plan_evidence
 
     entries, unavailable = [], []
     for name in names:
@@ -175,14 +179,20 @@ def prepare_methods(names, budgets, ctx):
             except (PeerUnavailable, RuntimeError, ValueError) as e:  # names are valid: this is a result
                 unavailable.append({"method": name, "budget_ratio": b, "unavailable": str(e)})
                 _log(f"[bench] {name}: not run: {e}")
+                if on_ready is not None:
+                    on_ready(dict(unavailable[-1]))
                 continue
             m.prepare_seconds = time.perf_counter() - t
             entries.append(m)
             _log(f"[bench] ready: {name}{'' if b is None else f' @ {b:.2f}'} ({m.prepare_seconds:.0f}s{_rss()})")
+            if on_ready is not None:
+                on_ready({"method": name, "budget_ratio": b, "prepare_seconds": m.prepare_seconds,
+                          **(plan_evidence(m.hilore) if m.hilore is not None else {})})
     return entries, unavailable
 
 
-def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> List[Dict]:
+def measure_records(entries, timings, inputs, budget, budgets, ref_runner, on_record=None) -> List[Dict]:
+    """``on_record(record)`` after each method (``partial``)."""
     from .records import add_gap_recovered, method_record
     from .timing import AA
 
@@ -198,6 +208,8 @@ def measure_records(entries, timings, inputs, budget, budgets, ref_runner) -> Li
             errs = [float((m.grad(u) - g).norm() / g.norm()) for u, g in zip(inputs.updates, ref_grads)]
         measured[m.name] = peaks, errs
         records.append(method_record(m, timings[id(m)], peaks, errs, budget, budgets, inputs.tokens_per_update))
+        if on_record is not None:
+            on_record(records[-1])
         _log(f"[bench] measured {m.name}{'' if m.budget_ratio is None else f' @ {m.budget_ratio:.2f}'}{_rss()}")
     add_gap_recovered(records)
     return records
@@ -235,11 +247,35 @@ def header(args, argv, wl, device, budget, inputs, git: Tuple[Optional[str], Opt
         "repeats": args.repeats, "updates": args.updates, "calib": args.calib, "calib_tokens": args.calib_tokens or wl.calib_tokens,
         "loo": not args.no_loo, "codec": args.codec, "inputs": inputs.provenance,
         "cpu_meter": args.cpu_meter if device.type == "cpu" else None,
-        "command": "python -m hilore_actor.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": command(argv),
     }
 
 
+def command(argv) -> str:
+    return "python -m hilore_actor.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+
 def run(args, argv) -> int:
+    """``run_measured`` with the ``--json`` file kept current (``partial``); SIGTERM stops the
+    run with exit status 143 and the file saying where it stopped."""
+    from .partial import Progress, Stopped, stop_on_sigterm
+
+    _methods(args)  # a bad argument is an error before any file is written
+    progress = Progress(args.json, command(argv), args.workload)
+    with stop_on_sigterm():
+        try:
+            return run_measured(args, argv, progress)
+        except Stopped as e:
+            progress.stopped(f"{e} during {progress.doc['partial']['stage']}")
+            _log(f"[bench] stopped ({e}) during {progress.doc['partial']['stage']}"
+                 + (f"; {args.json} keeps what finished" if args.json else ""))
+            return 143
+        except Exception as e:
+            progress.stopped(f"{type(e).__name__}: {e}")
+            raise
+
+
+def run_measured(args, argv, progress) -> int:
     import torch
 
     from ..recovery import RecoveryEngine
@@ -258,23 +294,29 @@ def run(args, argv) -> int:
     torch.manual_seed(args.seed)
     inputs = build_inputs(wl, args, device, args.calib if needs_calibration(names) else 0, log=_log)
     runners = head_runners(inputs.model, RecoveryEngine(inputs.model, codec=codec_levels(args.codec)[0]))
+    progress.stage("measuring B", done="model and microbatches built")
     budget = measure_budget(runners, inputs, args)
     _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
          f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")
+    head = header(args, argv, wl, device, budget, inputs, git)
+    progress.stage("calibration" if needs_calibration(names) else "preparing methods", done="B measured", **head)
     cal = calibration_for(args, runners[args.head], inputs, names)
+    progress.stage("preparing methods", done="calibration" if cal is not None else None)
     ctx = MethodContext(runners, args.head, budget, cal, inputs.dev, log=_log, loo=not args.no_loo, bisect_steps=args.bisect_steps,
                         compile_activation_budget=args.compile_activation_budget,
                         compile_layer_regions=args.compile_layer_regions)
-    entries, unavailable = prepare_methods(names, budgets, ctx)
+    entries, unavailable = prepare_methods(names, budgets, ctx, on_ready=progress.prepared)
     from .timing import time_methods
 
-    timings, phases = time_methods(entries, inputs.updates, args.repeats, _log)
-    records = measure_records(entries, timings, inputs, budget, budgets, runners[args.head]) + unavailable
-    head = header(args, argv, wl, device, budget, inputs, git)
+    timings, phases = time_methods(entries, inputs.updates, args.repeats, _log, progress=progress.phase_times)
+    progress.stage("measuring peaks and gradients", done="timing")
+    records = measure_records(entries, timings, inputs, budget, budgets, runners[args.head],
+                              on_record=progress.record) + unavailable
     head["phases"] = [{"label": p.label, "times": p.times} for p in phases]
     print(report.table(records))
     if args.json:
         report.write_json(args.json, head, records)
+    progress.finished()
     if args.markdown:
         Path(args.markdown).write_text(report.markdown(records, head))
     if args.plot:

@@ -187,8 +187,10 @@ def _clean(v):
 
 
 def write_json(path, header: Dict, records: List[Dict]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(_clean({**header, "records": records}), indent=1, allow_nan=False))
+    """Through a temporary file beside ``path``: a run killed while writing leaves the last whole file."""
+    from .partial import write_atomic
+
+    write_atomic(path, {**header, "records": records})
 
 
 def plot(path, records: List[Dict], budgets, title: str) -> None:

@@ -48,7 +48,8 @@ class Phase:
     times: Dict[str, List[float]]  # key(method) -> its update seconds, repeat by repeat
 
 
-def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, Timings]) -> None:
+def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, Timings], progress=None) -> None:
+    """``progress(label, {key: times so far}, repeat, repeats)`` after each repeat (``partial``)."""
     for m in group:  # warm-up, never kept
         for u in (updates if getattr(m, "compiled", False) else updates[:1]):
             m.update(u)
@@ -64,6 +65,8 @@ def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, T
             for n, c in u.get("taken", {}).items():
                 t.taken.setdefault(n, Counter()).update(c)
         log(f"[bench] {label}: repeat {rep + 1}/{repeats} done")
+        if progress is not None:
+            progress(label, {key(m): list(out[id(m)].seconds) for m in group}, rep + 1, repeats)
 
 
 def _companion(h, peer) -> bool:
@@ -73,7 +76,7 @@ def _companion(h, peer) -> bool:
             or (h.name.endswith("+compile") and h.budget_ratio in (None, peer.budget_ratio)))
 
 
-def time_methods(entries, updates, repeats: int, log) -> Tuple[Dict[int, Timings], List[Phase]]:
+def time_methods(entries, updates, repeats: int, log, progress=None) -> Tuple[Dict[int, Timings], List[Phase]]:
     """Times of every entry (each keeps the gc and gc-aa times of its own phase in
     ``gc_seconds`` / ``aa_seconds``) and every phase's raw times. A +compile row that joins a
     compiled peer's phase is timed there only (its record: the first such phase), not again
@@ -85,7 +88,7 @@ def time_methods(entries, updates, repeats: int, log) -> Tuple[Dict[int, Timings
     peers = [m for m in entries if m.isolated]
     shared = [h for h in entries if h.name.endswith("+compile") and any(_companion(h, p) for p in peers)]
     main = [m for m in entries if not m.isolated and m not in shared]
-    timing_phase(main, updates, repeats, "main phase", log, out)
+    timing_phase(main, updates, repeats, "main phase", log, out, progress)
     phases.append(Phase("main", {key(m): list(out[id(m)].seconds) for m in main}))
     _pair(main, out, gc, aa, out)
     for m in peers:
@@ -93,7 +96,7 @@ def time_methods(entries, updates, repeats: int, log) -> Tuple[Dict[int, Timings
         ours = [h for h in entries if not h.isolated and _companion(h, m)]
         group = [x for x in (gc, aa, *ours) if x is not None] + [m]
         phase: Dict[int, Timings] = {}
-        timing_phase(group, updates, repeats, f"{m.name} phase", log, phase)
+        timing_phase(group, updates, repeats, f"{m.name} phase", log, phase, progress)
         phases.append(Phase(key(m), {key(x): list(phase[id(x)].seconds) for x in group}))
         firsts = [x for x in group if x is m or (x in shared and id(x) not in out)]
         for x in firsts:

@@ -71,16 +71,27 @@ def _optimizer_tensors(optimizer):
     return out
 
 
-def resident_now(device, module, optimizer=None) -> int:
-    """Bytes held right now between microbatches. CUDA: the allocator's count (everything on
-    the device, exact). CPU: the unique storages of the module's parameters, buffers and
-    gradients and of the optimizer's state (DeepSpeed's flat partitions included)."""
+def resident_now(device, module, optimizer=None, persistent_to_come: bool = False) -> int:
+    """Bytes held between microbatches. CUDA: the allocator's count (everything on the device,
+    exact). CPU: the unique storages of the module's parameters, buffers and gradients and of
+    the optimizer's state (DeepSpeed's flat partitions included). ``persistent_to_come``: add
+    ZeRO-3's persistent weights not gathered yet, which the next forward gathers for good (B's
+    resident bytes, measured before it); not for a microbatch's own start, whose measured peak
+    already holds that gather."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
     params = list(module.parameters())
+    extra = _persistent_to_come(params) if persistent_to_come else 0
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device)) + extra
     return _storage_bytes(params + list(module.buffers()) + [p.grad for p in params if p.grad is not None]
-                          + _optimizer_tensors(optimizer))
+                          + _optimizer_tensors(optimizer)) + extra
+
+
+def _persistent_to_come(params) -> int:
+    """ZeRO-3's persistent weights (``ds_persist``: small ones, kept whole on every rank once
+    gathered) that are not gathered now, at full size."""
+    return sum(p.ds_numel * p.element_size() for p in params
+               if getattr(p, "ds_persist", False) and getattr(getattr(p, "ds_status", None), "name", "") != "AVAILABLE")
 
 
 def auto_budget(device) -> Optional[int]:

@@ -36,6 +36,7 @@ class MicrobatchRecord:
     resident: int = 0  # bytes held when the microbatch began, as B's scope counts them (0: activations)
     actions: Dict[str, str] = field(default_factory=dict)  # unit -> H | L | R
     peak_bytes: int = 0  # allocated inside the microbatch, above what it began with
+    trapped_bytes: int = 0  # CUDA: free bytes in partly used segments above that peak, at most (``MemoryReport``)
     predicted_bytes: int = 0  # the in-microbatch peak its plan predicted (0: no plan)
     meter: Optional[MemoryMeter] = None  # while the block runs
 
@@ -49,6 +50,12 @@ class MicrobatchRecord:
     def scope_peak(self) -> int:
         """The peak as B counts it: resident + in-microbatch (device), or in-microbatch only."""
         return self.resident + self.peak_bytes
+
+    @property
+    def budget_peak(self) -> int:
+        """What the coordinator holds against B: ``scope_peak`` + trapped bytes, which the allocator
+        cannot give back before an OOM (fragmentation; 0 on CPU and with expandable segments)."""
+        return self.scope_peak + self.trapped_bytes
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -90,17 +97,19 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: 
                     rec.actions = st.actions()
     rec.meter = None
     rec.peak_bytes = meter.report.peak_before.get(END_MARK, meter.report.peak_bytes)
+    rec.trapped_bytes = meter.report.trapped_before.get(END_MARK, meter.report.trapped_bytes)
 
 
 def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchRecord) -> Optional[dict]:
-    """The microbatch's peak against its plan's prediction (``RankPlan.observe``), then to the
-    coordinator, whose directive the rank obeys (None without a coordinator)."""
+    """The microbatch's peak against its plan's prediction (``RankPlan.observe``: allocated bytes,
+    the plan's own), then ``budget_peak`` (with trapped bytes) to the coordinator, whose directive
+    the rank obeys (None without a coordinator)."""
     if rec.predicted_bytes:
         plan.observe(rec.predicted_bytes, rec.peak_bytes)
     if coordinator is None:
         return None
     predicted = rec.resident + rec.predicted_bytes if rec.predicted_bytes else 0
-    d = call(coordinator.report, rank, step, index, rec.scope_peak, rec.counts, rec.tokens, predicted, plan.budget)
+    d = call(coordinator.report, rank, step, index, rec.budget_peak, rec.counts, rec.tokens, predicted, plan.budget)
     if d["action"] == "tighten":
         plan.tighten(d["by_bytes"], f" rank {rank}", tokens=rec.tokens)
     return d

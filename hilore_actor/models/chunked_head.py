@@ -38,7 +38,8 @@ def head_is_linear(model) -> bool:
         if key in _LINEAR_HEAD:
             return _LINEAR_HEAD[key]
         was = model.training
-        ids = (torch.arange(8, device=key.weight.device) % model.config.vocab_size)[None]
+        # the head's own row count, not model.config: a DeepSpeed engine's config is DeepSpeed's
+        ids = (torch.arange(8, device=key.weight.device) % key.weight.shape[0])[None]
         try:
             model.eval()
             with torch.no_grad():
@@ -58,7 +59,40 @@ def head_is_linear(model) -> bool:
 
 
 def default_chunk(vocab: int, target_bytes: int = 32 * 2**20) -> int:
+    """The CPU rule: ``target_bytes`` of float32 logits per chunk (55 rows at V = 151936)."""
     return max(16, target_bytes // (4 * vocab))
+
+
+# CUDA: every chunk streams the whole [V, H] head from HBM. On an H100 (~3.35 TB/s, ~990 dense bf16
+# TFLOP/s) the matmul turns compute-bound at ~990/3.35 * 2 bytes / 2 = ~296 rows; 1024 rows (~3.5x
+# that) keeps the head read to a fraction of the chunk's FLOPs whatever the achieved bandwidth.
+# A smaller vocabulary gets more rows, up to 256 MiB of float32 logits (2048 rows at V = 32768).
+CUDA_MIN_ROWS = 1024
+CUDA_LOGITS_BYTES = 256 * 2**20
+ROOM_SHARE = 8  # with a known room, the head's temporaries take at most 1/8 of it
+
+
+def chunk_row_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bound on the live bytes one chunk row adds in ``ChunkedTokenLogProbs``: float32 logits,
+    their softmax and (a trained head) the float32 gradient, the matmul's output and the
+    gradient in ``dtype``, and float32 hidden-size rows."""
+    return vocab * (12 + 2 * torch.empty(0, dtype=dtype).element_size()) + 8 * hidden
+
+
+def head_chunk_rows(device_type: str, vocab: int, hidden: int, dtype: torch.dtype,
+                    room_bytes: Optional[int] = None) -> int:
+    """Head rows per chunk, the one rule for the job, the benchmark and the OpenRLHF drop-in.
+    CPU (and any non-CUDA device): ``default_chunk``, as the committed CPU results ran.
+    CUDA: ``CUDA_MIN_ROWS``, or more where ``CUDA_LOGITS_BYTES`` of float32 logits hold more
+    (a multiple of 128), so the head is read a few times per microbatch rather than ~75 times;
+    ``room_bytes`` (B's room, where the caller knows it) caps the chunk's temporaries at
+    1/``ROOM_SHARE`` of it, down to the CPU floor of 16 rows."""
+    if device_type != "cuda":
+        return default_chunk(vocab)
+    rows = max(CUDA_MIN_ROWS, CUDA_LOGITS_BYTES // (4 * vocab) // 128 * 128)
+    if room_bytes is not None:
+        rows = min(rows, max(16, room_bytes // ROOM_SHARE // chunk_row_bytes(vocab, hidden, dtype)))
+    return rows
 
 
 class ChunkedTokenLogProbs(torch.autograd.Function):
@@ -81,10 +115,13 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
             out[i:i + chunk] = z.gather(-1, labels[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
             if entropy:  # -sum p log p: every term <= 0, no cancellation (lse - E_p[z] loses ~|z| eps)
-                logp = z - lse[i:i + chunk, None]
-                ent[i:i + chunk] = -(logp.exp() * logp).sum(-1)
+                logp = z.sub_(lse[i:i + chunk, None])  # in place, as p: two chunk-sized floats, not four
+                ent[i:i + chunk] = -logp.exp().mul_(logp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.chunk, ctx.scale, ctx.entropy = chunk, scale, entropy
+        # an output the loss does not use gets no gradient (None, not zeros): entropy computed for
+        # logging only then costs nothing in backward
+        ctx.set_materialize_grads(False)
         return (out, ent) if entropy else out
 
     @staticmethod
@@ -95,6 +132,8 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         c, scale = ctx.chunk, ctx.scale
+        if grad is None:  # only the entropy reaches the loss
+            grad = torch.zeros_like(lse)
         for i in range(0, hidden.shape[0], c):
             h = hidden[i:i + c]
             g = grad[i:i + c].float()
@@ -123,19 +162,23 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
 
 def chunked_token_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                         chunk: Optional[int] = None) -> torch.Tensor:
+                         chunk: Optional[int] = None, entropy: bool = False):
     """``[B, T-1]`` log-probs of ``input_ids[:, 1:]``, like ``sequence_log_probs`` but through
     the decoder and a chunked head (``model`` is an HF causal LM, peft-wrapped or not); through
-    the model's own logits where ``head_is_linear`` fails."""
+    the model's own logits where ``head_is_linear`` fails. ``entropy``: also each position's
+    entropy, detached (for logging: it adds no backward work), as ``(log_probs, entropy)``."""
     if not head_is_linear(model):
-        from .logprobs import token_log_probs
+        from .logprobs import token_entropy, token_log_probs
 
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        return token_log_probs(logits[:, :-1], input_ids[:, 1:])
+        lp = token_log_probs(logits[:, :-1], input_ids[:, 1:])
+        return (lp, token_entropy(logits[:, :-1])) if entropy else lp
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     B, T, H = hidden.shape
     labels = input_ids[:, 1:].reshape(-1)
-    chunk = chunk or default_chunk(head.weight.shape[0])
-    lp = ChunkedTokenLogProbs.apply(hidden[:, :-1].reshape(-1, H), head.weight, head.bias, labels, chunk)
-    return lp.view(B, T - 1)
+    chunk = chunk or head_chunk_rows(hidden.device.type, head.weight.shape[0], H, head.weight.dtype)
+    out = ChunkedTokenLogProbs.apply(hidden[:, :-1].reshape(-1, H), head.weight, head.bias, labels, chunk, 1.0, entropy)
+    if entropy:
+        return out[0].view(B, T - 1), out[1].detach().view(B, T - 1)
+    return out.view(B, T - 1)

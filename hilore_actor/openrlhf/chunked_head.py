@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..models.chunked_head import ChunkedTokenLogProbs, default_chunk, head_is_linear
+from ..models.chunked_head import ChunkedTokenLogProbs, head_chunk_rows, head_is_linear
 
 
 def _inner(model):
@@ -50,8 +50,9 @@ def _head_pass(actor, ids, attention_mask, position_ids, labels, entropy: bool, 
                                      use_cache=False).last_hidden_state
         head = inner.get_output_embeddings()
         H = hidden.shape[-1]
+        rows = chunk or head_chunk_rows(hidden.device.type, head.weight.shape[0], H, head.weight.dtype)
         out = ChunkedTokenLogProbs.apply(hidden.reshape(-1, H), head.weight, head.bias, labels.reshape(-1),
-                                         chunk or default_chunk(head.weight.shape[0]), 1.0 / temperature, entropy)
+                                         rows, 1.0 / temperature, entropy)
         lp, ent = out if entropy else (out, None)
         shape = input_ids.shape
         return {"log_probs": lp.view(shape), "entropy": ent.view(shape) if ent is not None else None}
@@ -65,7 +66,7 @@ def _head_pass(actor, ids, attention_mask, position_ids, labels, entropy: bool, 
 
 def install(actor, chunk: Optional[int] = None) -> None:
     """Give ``actor`` (an OpenRLHF ``Actor``) a chunked-head ``forward``; ``chunk``: head rows
-    per piece (default: 32 MiB of float32 logits)."""
+    per piece (default: ``head_chunk_rows``, the job's rule)."""
     original = actor.forward
 
     def forward(sequences, action_mask=None, attention_mask=None, return_output=False, allgather_logits=False,

@@ -33,8 +33,16 @@ coordinator (a named Ray actor). With ``--hilore.chunked_head`` (default; not un
 whose head weight is partitioned outside the head's own forward) the ``Actor`` gets a forward
 that never builds the full logits (``chunked_head.py``). ``watch_memory`` rebases B once after
 the first step (ZeRO's buckets and partitions exist from the first backward on) and puts each
-step's maximum allocated and reserved bytes into OpenRLHF's metrics. The actor's process gets
-``expandable_segments:True`` unless the user set allocator settings.
+step's maximum allocated and reserved bytes into OpenRLHF's metrics.
+
+Allocator settings (``allocator_settings``): the actor's process gets ``expandable_segments:True``
+unless the user set allocator settings or its weights go to vLLM by CUDA IPC
+(``weights_via_cuda_ipc``: ``--train.colocate_all``, the NCCL sync backend, not async). There
+OpenRLHF's ``broadcast_to_vllm`` exports a clone of each weight with ``reduce_tensor``; torch
+exports expandable-segment memory through ``pidfd_getfd``, which unprivileged containers and
+Yama (``ptrace_scope`` 1, between sibling Ray workers) refuse, so the first sync after ``fit``
+would fail. Without expandable segments, free space trapped in partly used segments counts
+against B (``learner/step.py``).
 
 Runs only where OpenRLHF's trainer runs: on CUDA (``DeepspeedStrategy`` calls ``torch.cuda``).
 """
@@ -61,6 +69,33 @@ def hilore_settings() -> SimpleNamespace:
     from ..learner.settings import hilore_settings as with_defaults
 
     return with_defaults(**json.loads(os.environ.get(CONFIG_ENV, "{}")))
+
+
+def weights_via_cuda_ipc(args) -> bool:
+    """Whether OpenRLHF 0.11.2 sends the actor's weights to vLLM by CUDA IPC: its
+    ``ActorPPOTrainer.__init__`` sets ``use_cuda_ipc`` so. Read here, before the trainer exists
+    and before CUDA starts (the allocator settings must be known by then)."""
+    backend, train = getattr(getattr(args, "vllm", None), "sync_backend", "nccl"), getattr(args, "train", None)
+    colocated, async_ = getattr(train, "colocate_all", False), getattr(train, "async_enable", False)
+    return backend == "nccl" and bool(colocated) and not async_
+
+
+def allocator_settings(args) -> str:
+    """Apply the actor's allocator settings for the recipe ``args`` (module docstring); returns a
+    line for the log, or "" when there is nothing to say."""
+    from ..runtime.memory import ALLOC_CONF_VARS, default_allocator_settings, expandable_segments_chosen
+
+    if not weights_via_cuda_ipc(args):
+        default_allocator_settings()
+        return ""
+    why = "--train.colocate_all sends the actor's weights to vLLM by CUDA IPC"
+    if expandable_segments_chosen():
+        return (f"[hilore] warning: your allocator settings turn expandable segments on, and {why}: exporting that "
+                "memory needs pidfd_getfd, which containers and Yama ptrace_scope 1 refuse; if the weight sync fails, "
+                "unset expandable_segments")
+    if any(k in os.environ for k in ALLOC_CONF_VARS):
+        return ""  # the user's settings, without expandable segments
+    return f"[hilore] allocator: expandable segments left off ({why}, which cannot export such memory)"
 
 
 def current_cuda_device() -> torch.device:
@@ -132,7 +167,8 @@ def plan_wrapped(actor, strategy, hcfg, device):
                           kl_estimator=args.algo.kl.estimator),
         # B from gc as OpenRLHF runs it (full logits); the plan for the head the actor will run
         loss_fn=partial(microbatch_loss, chunked_head=hcfg.chunked_head and not zero3), std_loss_fn=microbatch_loss,
-        device=device, seed=args.train.seed, resident=resident_now(device, module, engine.optimizer),
+        device=device, seed=args.train.seed,
+        resident=resident_now(device, module, engine.optimizer, persistent_to_come=True),
         write_calibration=torch.distributed.get_rank() == 0, log=strategy.print,
         backward=lambda loss: torch.autograd.grad(loss, params, allow_unused=True))
     if zero3:  # weights gathered for modules without a gradient input stay gathered until an epilogue
@@ -166,7 +202,7 @@ def watch_memory(trainer, plan, device, model, register=None) -> None:
             result = inner(*args, **kwargs)
         if not state["warm"]:
             state["warm"] = True
-            if plan.rebase(resident_now(device, model)) and register is not None:
+            if plan.rebase(resident_now(device, model, persistent_to_come=True)) and register is not None:
                 register(plan.budget)
         r = meter.report if meter is not None else None
         if r is not None and isinstance(result, dict) and isinstance(result.get("metrics"), dict):
@@ -180,16 +216,14 @@ def watch_memory(trainer, plan, device, model, register=None) -> None:
 
 
 class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
-    def __init__(self, *args, **kwargs):
-        from ..runtime.memory import default_allocator_settings
-
-        default_allocator_settings()  # before anything in this process starts CUDA
-        super().__init__(*args, **kwargs)
-
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
         args = strategy.args
         if not has_cuda():  # checked here, on the worker: the driver may be a CPU-only head node
             raise RuntimeError("--actor_backend hilore: this OpenRLHF actor has no CUDA device")
+        # before OpenRLHF's _setup_distributed starts CUDA; the recipe is known from here on
+        line = allocator_settings(args)
+        if line and getattr(self, "_rank", 0) == 0:  # strategy.print prints on every rank before dist starts
+            strategy.print(line)
         if args.actor.gradient_checkpointing_enable:
             strategy.print("[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute")
             args.actor.gradient_checkpointing_enable = False

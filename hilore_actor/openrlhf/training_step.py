@@ -25,9 +25,10 @@ from typing import Dict, Optional
 
 import torch
 
-from ..learner.lockstep import agree_actions
+from ..learner.lockstep import agree_actions, agree_max
 from ..learner.scope import resident_now
 from ..learner.step import report, run_microbatch
+from ..recovery.policies import stores_nothing
 from .patching import shadowed
 
 
@@ -84,6 +85,17 @@ class HiLoReTrainingStep:
             norms = {k: torch.ones(B, T) for k in norms}
         return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out, rec.sp)
 
+    def _all_r_somewhere(self, tokens: int) -> bool:
+        """ZeRO-3: whether any rank's plan for this microbatch stores nothing. Such a rank runs
+        torch's layer checkpointing instead of the engine (``run_microbatch``) and so neither joins
+        ``agree_actions`` nor replays through the engine's gathers: every rank must take that path
+        together. Plans differ by rank (each tightens and sizes by its own peaks), but where one
+        rank's is all R the agreed actions are all R anyway, so all-R everywhere loses nothing."""
+        if not self.zero3 or self.engine is None or self.plan.hl is None:
+            return False
+        sp = self.plan.for_tokens(tokens)
+        return bool(agree_max([stores_nothing(sp.plan)], None, self.device)[0])
+
     def __call__(self, trainer, original, experience, kl_ctl, step, loss_batch_info=None):
         captured = {}
 
@@ -114,7 +126,9 @@ class HiLoReTrainingStep:
         try:
             with shadowed(strategy, backward=backward, optimizer_step=optimizer_step):
                 resident = resident_now(self.device, trainer.actor.model) if self.plan.scope == "device" else 0
-                with run_microbatch(self.plan, self.engine, self.device, experience.sequences.numel(), resident) as rec:
+                tokens = experience.sequences.numel()
+                with run_microbatch(self.plan, self.engine, self.device, tokens, resident,
+                                    all_r=self._all_r_somewhere(tokens)) as rec:
                     state["rec"] = rec
                     result = original(experience, kl_ctl, step, loss_batch_info)
         finally:

@@ -45,7 +45,7 @@ from .saved import is_param
 from .state import CHECKPOINT, PARTIAL, P, Call, Link, Replay, UnitState, iter_tensors, map_structure, storage_key
 from .step import Step
 from .units import discover_units
-from .zero3 import residency_preserved
+from .zero3 import replay_outside_coordinator
 
 
 class _ReplayDone(Exception):
@@ -331,7 +331,7 @@ class RecoveryEngine:
                 for dev, enabled, dtype in replay.autocast:
                     if dev == "cpu" or torch.cuda.is_available():
                         stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-                stack.enter_context(residency_preserved([c.module for c in replay.calls]))
+                stack.enter_context(replay_outside_coordinator([c.module for c in replay.calls]))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(partial(self._capture, st), lambda x: x))
                 stack.callback(self._close_cached, st)  # the replay stopped inside a P unit (_ReplayDone)

@@ -8,13 +8,16 @@ saved-tensor hooks are active (ours, or ``torch.utils.checkpoint``'s), autograd 
 alias instead, without those attributes, so DeepSpeed would read an empty weight. When a
 partitioned parameter is unpacked we therefore gather it, take an alias of the full data and
 re-partition at once: the alias keeps the full weight alive only while backward uses it, as
-DeepSpeed's own gather would. The module needs no deepspeed import: it is duck-typed.
+DeepSpeed's own gather would. A replay in backward runs with DeepSpeed's module hooks set aside
+(``replay_outside_coordinator``). The module needs no deepspeed import: it is duck-typed.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def is_partitioned(t: torch.Tensor) -> bool:
@@ -31,27 +34,76 @@ def gathered_alias(param: torch.Tensor) -> torch.Tensor:
         param.partition()
 
 
-@contextlib.contextmanager
-def residency_preserved(modules):
-    """Leave ZeRO-3 parameter residency as it was around a replay in backward.
+def _offload(modules):
+    """DeepSpeed's ZeRO-3 offload object (``DeepSpeedZeRoOffload``) whose module hooks are on ``modules``,
+    or None: its pre-forward hook is a closure over it (``_register_deepspeed_module``)."""
+    for m in modules:
+        for fn in m._forward_pre_hooks.values():
+            fn = inspect.unwrap(fn)
+            cells = getattr(fn, "__closure__", None) or ()
+            for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), cells):
+                if name == "self" and hasattr(cell.cell_contents, "pre_sub_module_forward_function"):
+                    return cell.cell_contents
+    return None
 
-    A replay re-runs module forwards, and DeepSpeed's forward hooks gather on entry and release
-    on exit. In backward, DeepSpeed has already gathered the parameters of the module whose
-    backward is running; the replay's release would partition them under it (its gradient then
-    lands on an empty parameter). So: re-gather what the replay released, and release what it
-    gathered, restoring each parameter's set of active submodules.
+
+@contextlib.contextmanager
+def replay_outside_coordinator(modules):
+    """Run a replay in backward with DeepSpeed's module hooks set aside on its modules.
+
+    DeepSpeed's coordinator records the order of module fetches over a step and prefetches by it
+    from the next step on. A replay's forwards inside backward would enter that order wherever the
+    plan has an R unit: a plan that changes per microbatch would invalidate the trace (no prefetch,
+    the next step records again, order checks across ranks). Its hooks would also release, under
+    the module whose backward is running, parameters that module needs, and reset the backward
+    counters of the replayed modules. So here each module, as it starts, gathers its partitioned
+    parameters itself (waiting for those in flight, which the coordinator gathered, counts and will
+    release) and partitions them as it ends (or as the replay ends, when it stopped early). The
+    coordinator does not run meanwhile, so its count of available parameters is exact whenever it
+    reads it. Every rank replays the same units, so the gathers stay collective.
     """
-    params = {id(p): p for m in modules for p in m.parameters() if hasattr(p, "ds_status")}
-    before = {k: (p.ds_status.name, set(p.ds_active_sub_modules)) for k, p in params.items()}
+    mods = list({id(s): s for m in modules for s in m.modules()}.values())
+    if not any(hasattr(p, "ds_id") for m in mods for p in m.parameters(recurse=False)):
+        yield
+        return
+    off = _offload(mods)
+    if off is None:
+        raise RuntimeError("hilore: ZeRO-3 parameters, but DeepSpeed's module hooks were not found on the units")
+    fetch = {h.id for h in off.forward_hooks}  # pre- and post-forward
+    ours = fetch | {h.id for h in off.backward_hooks}
+    inflight = getattr(off.module, "ds_inflight_param_registry", {})
+    held = {}  # module -> the parameters its pre-forward gathered
+
+    def gather(module, *_):
+        params = dict.fromkeys(module.parameters(recurse=getattr(module, "_z3_leaf", False)))
+        params.update(dict.fromkeys(p for _, p in module.ds_external_parameters()))
+        with torch.no_grad(), _disable_current_modes():  # a P unit's cached mode would look these ops up
+            for p in params:
+                if p.ds_status.name == "INFLIGHT":
+                    if p not in inflight:
+                        raise RuntimeError(f"hilore: ZeRO-3 parameter {p.ds_id} in flight without a handle")
+                    inflight.pop(p).wait()
+            todo = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
+            if todo:
+                todo[0].all_gather(param_list=todo)
+                held.setdefault(module, []).extend(todo)
+
+    def release(module, *_):
+        done = [p for p in held.pop(module, ()) if p.ds_status.name == "AVAILABLE" and not p.ds_active_sub_modules]
+        if done:
+            with torch.no_grad(), _disable_current_modes():
+                done[0].partition(param_list=done)
+
+    saved = [(d, list(d.items()), gather if d is m._forward_pre_hooks else release)
+             for m in mods for d in (m._forward_pre_hooks, m._forward_hooks) if ours & d.keys()]
     try:
+        for d, items, fn in saved:  # DeepSpeed's forward hooks -> gather, release; its backward hooks left out
+            d.clear()
+            d.update((k, fn if k in fetch else f) for k, f in items if k not in ours or k in fetch)
         yield
     finally:
-        for k, p in params.items():
-            status, active = before[k]
-            now = p.ds_status.name
-            if status == "AVAILABLE" and now == "NOT_AVAILABLE":
-                p.all_gather()
-            elif status == "NOT_AVAILABLE" and now == "AVAILABLE" and not p.ds_active_sub_modules:
-                p.partition()
-            p.ds_active_sub_modules.clear()
-            p.ds_active_sub_modules.update(active)
+        for d, items, _ in saved:
+            d.clear()
+            d.update(items)
+        for m in list(held):  # a replay that stopped early (``_ReplayDone``) skipped these post-forwards
+            release(m)

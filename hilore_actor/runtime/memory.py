@@ -11,8 +11,12 @@ hands out, not process RSS and not a model of it:
   ``torch.cuda.memory_stats`` (hence ``max_memory_allocated``/``max_memory_reserved``) folds
   back in, so a host reads the peak since *its own* last reset as if the meter had never
   restarted the counter. A host's reset clears the ledger (the open regions keep theirs).
-  The report carries the region's maximum reserved bytes too: B bounds allocated bytes, an
-  OOM follows reserved ones (allocated + the cache's fragmentation).
+  The report carries the region's maximum reserved bytes too, and its trapped bytes: free
+  space inside partly used segments (``inactive_split_bytes``), which the allocator cannot
+  hand back to the device before an OOM, unlike whole cached segments (reserved bytes count
+  both). B is compared to allocated + trapped bytes (``learner/step.report``); trapped bytes
+  are 0 on CPU and with expandable segments (torch leaves those out of the stat: their free
+  pages can be unmapped).
 - CPU: the profiler's ``[memory]`` events, which carry the signed byte count of every tensor
   allocation and free in time order; the running sum's maximum is the peak. Only frees of
   addresses allocated inside the region count (see ``cpu_peak_from_events``), so the CPU
@@ -28,7 +32,10 @@ that began under the profiler and ends after it stopped writes into the freed pr
 corruption, seen as later segfaults; verl opens one per micro-batch: ``verl/engine.py``).
 
 ``default_allocator_settings``: ``expandable_segments:True`` for processes that train, unless
-the user chose allocator settings (fewer bytes reserved beyond those allocated).
+the user chose allocator settings (fewer bytes reserved beyond those allocated). Not where
+tensors go to another process by CUDA IPC (OpenRLHF's colocated weight sync): torch exports
+expandable-segment memory through ``pidfd_getfd``, which containers and Yama refuse
+(``openrlhf/policy_actor.py``).
 """
 from __future__ import annotations
 
@@ -53,7 +60,9 @@ class MemoryReport:
     peak_since: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes after it (above the start)
     peak_before: Dict[str, int] = field(default_factory=dict)  # mark -> max live bytes before it (above the start)
     max_allocated_bytes: int = 0  # CUDA: the region's maximum allocated bytes, absolute (0 on CPU)
-    max_reserved_bytes: int = 0  # CUDA: the region's maximum reserved bytes, absolute: what an OOM follows
+    max_reserved_bytes: int = 0  # CUDA: the region's maximum reserved bytes, absolute (cached segments included)
+    trapped_bytes: int = 0  # CUDA: free bytes in partly used segments on top of the allocated peak, at most (0 on CPU)
+    trapped_before: Dict[str, int] = field(default_factory=dict)  # mark -> trapped_bytes up to it
 
     def __str__(self) -> str:
         return f"peak {self.peak_bytes / 2**20:.2f} MiB above start on {self.device} (net {self.net_bytes / 2**20:+.2f} MiB)"
@@ -74,9 +83,10 @@ class MemoryMeter:
         self._window: Optional[_Window] = None  # CUDA: the region
         self._marks: Dict[str, _Window] = {}  # CUDA: mark -> the window after it
         self._before: Dict[str, int] = {}
+        self._trapped_before: Dict[str, int] = {}
 
     def __enter__(self) -> "MemoryMeter":
-        self._before = {}
+        self._before, self._trapped_before = {}, {}
         if self.device.type == "cuda":
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.synchronize(idx)
@@ -100,6 +110,7 @@ class MemoryMeter:
             w = self._window
             torch.cuda.synchronize(w.idx)
             self._before[name] = w.peak() - w.start
+            self._trapped_before[name] = w.trapped()
             self._marks[name] = LEDGER.open(w.idx)
         elif self._storage is not None:
             self._storage.mark(name)
@@ -108,9 +119,9 @@ class MemoryMeter:
                 pass
 
     def __exit__(self, *exc) -> None:
-        top = reserved = 0
+        top = reserved = trapped = 0
         if self.device.type == "cuda":
-            peak, net, since, before, top, reserved = self._cuda_exit()
+            peak, net, since, before, top, reserved, trapped = self._cuda_exit()
         elif self._storage is not None:
             m, self._storage = self._storage, None
             m.__exit__(*exc)
@@ -127,16 +138,17 @@ class MemoryMeter:
             # slows the region far more than one collection; a CPU training job pays both).
             gc.collect()
         self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()},
-                                   {k: int(max(v, 0)) for k, v in before.items()}, int(top), int(reserved))
+                                   {k: int(max(v, 0)) for k, v in before.items()}, int(top), int(reserved),
+                                   int(trapped), dict(self._trapped_before))
 
     def _cuda_exit(self):
-        """(peak, net, since, before, max allocated, max reserved) of the region; closes its windows."""
+        """(peak, net, since, before, max allocated, max reserved, trapped) of the region; closes its windows."""
         w = self._window
         try:
             torch.cuda.synchronize(w.idx)
             top, reserved = w.peak(), w.peak(RESERVED)
             since = {k: m.peak() - w.start for k, m in self._marks.items()}
-            return top - w.start, LEDGER.current(w.idx) - w.start, since, dict(self._before), top, reserved
+            return top - w.start, LEDGER.current(w.idx) - w.start, since, dict(self._before), top, reserved, w.trapped()
         finally:
             for m in [w, *self._marks.values()]:
                 LEDGER.close(m)
@@ -151,6 +163,7 @@ class MemoryMeter:
 
 # ---- CUDA: region peaks that leave the host's peak counters as the host sees them ----------
 ALLOCATED, RESERVED = ("allocated_bytes", "all"), ("reserved_bytes", "all")
+TRAPPED = ("inactive_split_bytes", "all")  # free blocks of split segments: not releasable (none in expandable ones)
 
 
 def _peaks(stats: Dict) -> Dict[tuple, int]:
@@ -195,6 +208,12 @@ class _Window:
 
     def peak(self, key: tuple = ALLOCATED) -> int:
         return max(self.peaks.get(key, 0), _peaks(LEDGER.raw_stats(self.idx)).get(key, 0))
+
+    def trapped(self) -> int:
+        """How far allocated + trapped bytes rose above the allocated peak, at most: the stats keep
+        each counter's peak, not their sum's, so min(trapped peak, reserved peak - allocated peak)
+        (reserved >= allocated + trapped at every moment)."""
+        return max(0, min(self.peak(TRAPPED), self.peak(RESERVED) - self.peak()))
 
 
 class _PeakLedger:
@@ -274,6 +293,18 @@ def default_allocator_settings(environ=None) -> Optional[str]:
     if torch.cuda.is_initialized():
         torch._C._accelerator_setAllocatorSettings(DEFAULT_ALLOC_CONF)
     return DEFAULT_ALLOC_CONF
+
+
+def expandable_segments_chosen(environ=None) -> bool:
+    """Whether the user's allocator settings turn expandable segments on (either variable: the
+    CUDA allocator and torch's generic config read them in opposite orders)."""
+    env = os.environ if environ is None else environ
+    for var in ALLOC_CONF_VARS:
+        for item in env.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return True
+    return False
 
 
 def _cpu_events(prof) -> Tuple[list, list]:

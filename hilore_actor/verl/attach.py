@@ -147,12 +147,13 @@ class UlyssesMicrobatches(Microbatches):
         return -(-super().tokens(micro_batch) // self.sp)
 
     def close(self) -> None:
-        """The group's largest peaks (in-microbatch and in B's scope) before ``Microbatches.close``
+        """The group's largest peaks (in-microbatch, in B's scope, trapped) before ``Microbatches.close``
         reports them: ``observe`` and the coordinator then answer every rank alike."""
         if self._open is not None:
             stack, rec = self._open
             stack.close()  # the record is complete
-            rec.peak_bytes, scope = agree_max([rec.peak_bytes, rec.scope_peak], self.group, self.device)
+            rec.peak_bytes, scope, rec.trapped_bytes = agree_max([rec.peak_bytes, rec.scope_peak, rec.trapped_bytes],
+                                                                 self.group, self.device)
             rec.resident = scope - rec.peak_bytes
             self._open = (contextlib.ExitStack(), rec)
         super().close()

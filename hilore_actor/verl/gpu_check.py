@@ -9,7 +9,9 @@ weights, one batch of ``--seqs`` sequences of ``--tokens`` tokens in micro-batch
 
 Exit status: 0 passed, 1 a gradient or peak failure, 2 no CUDA device, 3 skipped: a module
 verl's engine path imports is missing (named on one line, the ``skipped:`` line, and in the
-result JSON).
+result JSON). Until the check ends, the result JSON holds ``"partial": true`` and every line
+the check has logged (each engine's gradient norm and peak), rewritten after each line, so a
+stage cut short by its timeout keeps them.
 
 Stand-ins (``--stand-ins``, each used only where needed, printed and written to the result):
 
@@ -135,6 +137,14 @@ def reduced_check(path: str, args, attn: str = "sdpa", mixed: bool = True, log=p
                         batch, loss_fn, steps=args.steps, log=log)
 
 
+def _write(path: str, doc) -> None:
+    """Through a temporary file: a kill while writing leaves the previous whole file."""
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hilore_actor.verl.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="result JSON")
@@ -178,13 +188,21 @@ def main(argv=None) -> int:
 
     if not one_gpu_process_group("hilore_actor.verl.gpu_check", "29512"):
         return 2
+    lines = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+        _write(args.out, {"partial": True, "stand_ins": used, "log": lines})
+
+    log(f"[verl-check] writing a random Qwen2 ({args.layers} layers, hidden {args.hidden}) to {args.workdir}")
     path = write_model(os.path.join(args.workdir, "qwen2-random"), args.seed, args.layers, args.hidden, args.vocab)
-    result = reduced_check(path, args, log=lambda m: print(m, flush=True))
+    log("[verl-check] model written; building the engines")
+    result = reduced_check(path, args, log=log)
     result.update(model=f"random Qwen2, {args.layers} layers, hidden {args.hidden}", attn="sdpa", seqs=args.seqs,
                   tokens=args.tokens, budget=args.budget, stand_ins=used, torch=torch.__version__,
-                  device=torch.cuda.get_device_name(0))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+                  device=torch.cuda.get_device_name(0), log=lines)
+    _write(args.out, result)
     print(json.dumps({k: result[k] for k in ("noise_floor", "relative_error", "peak_over_budget", "failures")}), flush=True)
     torch.distributed.destroy_process_group()
     return 1 if result["failures"] else 0

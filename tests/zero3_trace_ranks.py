@@ -1,0 +1,106 @@
+"""Two gloo ranks of DeepSpeed ZeRO-3 on the CPU with a plan that changes per microbatch, for
+``test_zero3_trace.py``.
+
+Per rank, twice on the same weights and microbatches (one optimizer step each): plain autograd
+(no-gc), then under the recovery engine with the H/R/P map ``PLANS`` names for that microbatch.
+Each run counts the coordinator's trace invalidations (``_invalidate_trace``, wrapped on the
+instance after ``deepspeed.initialize``, which invalidates once itself) and, after each step,
+reads its count of available parameter elements and the true count, as it does at every fetch.
+``python zero3_trace_ranks.py OUT.json kept|tight [PLAN,PLAN,...]``.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+
+# one letter per unit, repeated over the units; "R": every unit (whole-layer replays)
+PLANS = ["H", "H", "H", "HR", "H", "RH", "R", "PR", "H"]
+# nothing persistent (else the tiny model stays gathered). "kept": DeepSpeed's reuse distance keeps
+# forward's weights for backward, so a replay meets them gathered. "tight": weights released after
+# each use and a short prefetch: backward gathers again, and a replay meets weights in flight.
+ZERO = {"kept": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "tight": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                  "stage3_prefetch_bucket_size": 3000, "stage3_max_live_parameters": 6000}}
+
+
+def actions(plan: str, units):
+    return {n: plan[i % len(plan)] for i, n in enumerate(units)}
+
+
+def run(rank: int, hilore: bool, zero: str, plans) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from conftest import grpo_loss, packed_microbatch
+    from hilore_actor.models import LoraSpec, build_model, tiny_config
+    from hilore_actor.recovery import RecoveryEngine
+
+    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(4, 8, 0.1),
+                        seed=0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": ZERO[zero]}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    eng.train()
+    coord = eng.optimizer.parameter_offload.get_param_coordinator()
+    seen, invalidated = {"steps": [], "grads": []}, []
+    real = coord._invalidate_trace
+
+    def invalidate():
+        invalidated.append(len(seen["steps"]))
+        real()
+
+    coord._invalidate_trace = invalidate
+    fetch, drift = coord.fetch_sub_module, set()
+
+    def fetch_sub_module(module, forward):  # the count it prefetches by, against the truth, at each fetch
+        live = sum(p.ds_numel for p in eng.module.parameters() if p.ds_status.name != "NOT_AVAILABLE")
+        drift.add(coord._PartitionedParameterCoordinator__n_available_params - live)
+        return fetch(module, forward)
+
+    coord.fetch_sub_module = fetch_sub_module
+    rec = RecoveryEngine(eng) if hilore else None
+    for i, plan in enumerate(plans):
+        ids, pos = packed_microbatch(64, 128, n_seqs=2, seed=10 * i + rank)  # each rank its own data
+        if rec is None:
+            loss = grpo_loss(eng, ids, pos)
+            mode = coord.is_complete_trace()
+            eng.backward(loss)
+        else:
+            with rec.step(actions(plan, rec.unit_names)):
+                loss = grpo_loss(eng, ids, pos)
+                mode = coord.is_complete_trace()
+                eng.backward(loss)
+        seen["grads"].append({n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad})
+        eng.step()
+        resident = sum(p.ds_numel for p in eng.module.parameters() if p.ds_status.name == "AVAILABLE")
+        counted = coord._PartitionedParameterCoordinator__n_available_params
+        seen["steps"].append({"plan": plan, "complete": mode, "counted": counted, "resident": resident,
+                              "drift": sorted(drift)})
+        drift.clear()
+    seen["invalidated_at"] = invalidated
+    if rec is not None:
+        rec.detach()
+    return seen
+
+
+def rank_main(rank: int, world: int, port: int, out: str, zero: str, plans) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang: say where
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    from hilore_actor.runtime.distributed import init_deepspeed_distributed
+
+    init_deepspeed_distributed("cpu")
+    ref, got = run(rank, False, zero, plans), run(rank, True, zero, plans)
+    bitwise = [set(g) == set(r) and all(g[n] is not None and torch.equal(g[n], r[n]) for n in r)
+               for g, r in zip(got.pop("grads"), ref.pop("grads"))]
+    write_ranks({"no-gc": ref, "hilore": got, "bitwise": bitwise}, out, world)
+
+
+if __name__ == "__main__":
+    spawn_two(rank_main, sys.argv[1], sys.argv[2], sys.argv[3].split(",") if len(sys.argv) > 3 else PLANS)
