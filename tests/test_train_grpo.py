@@ -340,3 +340,16 @@ def test_own_data_and_reward_drive_the_run_and_a_reward_error_is_one_line(tmp_pa
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1] and rows[0]["reward_mean"] == 0.5  # one prompt of each label, 4 samples each
     assert (out / "checkpoints" / "latest").read_text() == "step_1"
+
+
+def test_zero3_ranks_agree_on_every_units_action(uninterrupted, tmp_path):
+    """ZeRO-3: an R unit's replay gathers its weights with the other rank, so both ranks take one
+    action per unit (and the all-R path together). Two steps under H/R plans that mix H and R
+    train as the ZeRO-2 run does (exact gradients; the reductions' order differs)."""
+    r = job(tmp_path, "--ds.zero_stage", "3", "--max_steps", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
+    assert any(0 < m["fraction_R"] < 1 for m in rows)  # both actions ran
+    for m, base in zip(rows, ref):
+        assert m["reward_mean"] == base["reward_mean"] and m["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-9)
+        assert m["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)

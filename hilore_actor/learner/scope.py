@@ -79,7 +79,7 @@ def resident_now(device, module, optimizer=None, persistent_to_come: bool = Fals
     resident bytes, measured before it); not for a microbatch's own start, whose measured peak
     already holds that gather."""
     device = torch.device(device)
-    params = list(module.parameters())
+    params = list(module.parameters()) if module is not None else []
     extra = _persistent_to_come(params) if persistent_to_come else 0
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device)) + extra

@@ -61,10 +61,12 @@ class MicrobatchRecord:
     def counts(self) -> Dict[str, int]:
         return {a: sum(v == a for v in self.actions.values()) for a in ACTIONS}
 
-    def set_actions(self, plan, loss_output) -> None:
-        """The plan's online actions for this microbatch (needs its omega: call after the loss)."""
+    def set_actions(self, plan, loss_output, agree=None) -> None:
+        """The plan's online actions for this microbatch (needs its omega: call after the loss);
+        ``agree``: made one per unit across ranks (ZeRO-3: ``lockstep.agree_actions``)."""
         if self.step is not None:
-            self.step.set_actions(plan.actions(self.step, loss_output, self.sp))
+            actions = plan.actions(self.step, loss_output, self.sp)
+            self.step.set_actions(agree(actions) if agree is not None and isinstance(actions, dict) else actions)
 
 
 @contextlib.contextmanager

@@ -148,6 +148,28 @@ class Learner:
             if self.coordinator is not None:
                 call(self.coordinator.register, self.rank, self.budget)
 
+    @property
+    def _zero3_engine(self) -> bool:
+        return self.rec is not None and self.cfg.ds.zero_stage == 3 and self.world > 1
+
+    def _agree(self, actions):
+        """ZeRO-3: an R unit's replay gathers its weights with the other ranks, so every rank takes
+        one action per unit (``lockstep.agree_actions``: R where they differ)."""
+        from ..learner.lockstep import agree_actions
+
+        return agree_actions(actions) if self._zero3_engine else actions
+
+    def _all_r_somewhere(self, tokens: int) -> bool:
+        """ZeRO-3: a rank whose plan stores nothing runs torch's layer checkpointing, not the
+        engine, and joins neither ``agree_actions`` nor the engine's gathers: where one rank's plan
+        is all R, every rank's is (the agreed actions would be all R anyway)."""
+        if not self._zero3_engine or self.plan.hl is None:
+            return False
+        from ..learner.lockstep import agree_max
+        from ..recovery.policies import stores_nothing
+
+        return bool(agree_max([stores_nothing(self.plan.for_tokens(tokens).plan)], None, self.device)[0])
+
     def _resident(self, for_budget: bool = False) -> int:
         """What the rank holds between microbatches, when B's scope counts it (device);
         ``for_budget``: also ZeRO-3's persistent weights the next forward gathers for good."""
@@ -271,12 +293,12 @@ class Learner:
         stage = "forward"
         try:
             with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident(),
-                                token_scores=token_scores(mb)) as rec:
+                                all_r=self._all_r_somewhere(mb.num_tokens), token_scores=token_scores(mb)) as rec:
                 out = self.loss_fn(self.ds, mb)
                 if injected("oom", self.rank, step) and index == 0 and not self._oom_injected:
                     self._oom_injected = True
                     raise torch.OutOfMemoryError("injected by HILORE_FAULT")
-                rec.set_actions(self.plan, out)
+                rec.set_actions(self.plan, out, agree=self._agree)
                 if index == 0 and injected("nonfinite", self.rank, step):
                     out.loss = out.loss * float("nan")
                 stage = "backward"
