@@ -346,7 +346,9 @@ def test_zero3_ranks_agree_on_every_units_action(uninterrupted, tmp_path):
     """ZeRO-3: an R unit's replay gathers its weights with the other rank, so both ranks take one
     action per unit (and the all-R path together). Two steps under H/R plans that mix H and R
     train as the ZeRO-2 run does (exact gradients; the reductions' order differs)."""
-    r = job(tmp_path, "--ds.zero_stage", "3", "--max_steps", "2")
+    # B close to gc's peak: the plan keeps some units R (6 H, 2 R here), so both actions and the
+    # agreement run; H/R gradients are exact, so the ZeRO-2 run at 1.10 is still the reference
+    r = job(tmp_path, "--ds.zero_stage", "3", "--max_steps", "2", "--hilore.budget", "1.02")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, ref = metrics(tmp_path), metrics(uninterrupted[0])
     assert any(0 < m["fraction_R"] < 1 for m in rows)  # both actions ran
