@@ -470,7 +470,7 @@ def _trace_file(cfg, e: BaseException) -> str:
     import tempfile
     import traceback
 
-    text = "".join(traceback.format_exception(e)) + (f"\n{e}\n" if "RayTaskError" in type(e).__name__ else "")
+    text = "".join(traceback.format_exception(e))  # a RayTaskError's message holds the remote trace
     for folder in (cfg.save_path, tempfile.gettempdir()):
         try:
             path = os.path.join(folder, "error.log")

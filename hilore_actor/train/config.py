@@ -248,8 +248,10 @@ TYPES = {spec[0]: spec[1] for spec in FLAGS}
 def _typed(key: str, value, path: str):
     """A YAML value as its flag's type (what argparse does for the command line)."""
     typ = TYPES[key]
-    if value is None or typ is str and not isinstance(value, (list, dict)):
-        return value if value is None else str(value)
+    if value is None:
+        return None
+    if typ is str and not isinstance(value, (list, dict)):
+        return str(value)
     try:
         if typ == "flag":
             return boolean(value)
