@@ -8,6 +8,7 @@ often and run small matmuls, large ones hold more logits.
 ``python benchmarks/chunked_head_sizes.py [--out benchmarks/results/chunked_head_sizes]``
 writes ``results.json`` and ``results.md`` there. Timings are medians over interleaved repeats;
 peaks come from a separate pass under the CPU memory meter (``runtime/memory.py``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -68,28 +69,56 @@ def main():
         with MemoryMeter("cpu") as m:
             step(h, w, labels, c)
         reads = 2 if c is None else 3 * math.ceil(a.tokens / c)  # the full head: forward and the gradient
-        rows.append({"chunk": name, "rows": c or a.tokens, "seconds_median": statistics.median(times[name]),
-                     "seconds": times[name], "peak_bytes": m.report.peak_bytes,
-                     "head_reads": reads, "head_read_bytes": reads * head_bytes,
-                     "rule": "cpu" if c == cpu_rule else "cuda (capped at the tokens)" if c == min(cuda_rule, a.tokens)
-                     else ""})
-    out = {"tokens": a.tokens, "hidden": a.hidden, "vocab": a.vocab, "dtype": "float32", "repeats": a.repeats,
-           "cpu_rule_rows": cpu_rule, "cuda_rule_rows_bf16": cuda_rule, "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-           "load_average": os.getloadavg(), "rows": rows}
+        rows.append(
+            {
+                "chunk": name,
+                "rows": c or a.tokens,
+                "seconds_median": statistics.median(times[name]),
+                "seconds": times[name],
+                "peak_bytes": m.report.peak_bytes,
+                "head_reads": reads,
+                "head_read_bytes": reads * head_bytes,
+                "rule": "cpu"
+                if c == cpu_rule
+                else "cuda (capped at the tokens)"
+                if c == min(cuda_rule, a.tokens)
+                else "",
+            }
+        )
+    out = {
+        "tokens": a.tokens,
+        "hidden": a.hidden,
+        "vocab": a.vocab,
+        "dtype": "float32",
+        "repeats": a.repeats,
+        "cpu_rule_rows": cpu_rule,
+        "cuda_rule_rows_bf16": cuda_rule,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "load_average": os.getloadavg(),
+        "rows": rows,
+    }
     d = Path(a.out)
     d.mkdir(parents=True, exist_ok=True)
     (d / "results.json").write_text(json.dumps(out, indent=1) + "\n")
-    md = [f"# Chunked head over chunk sizes (CPU, {out['threads']} threads)", "",
-          f"{a.tokens} tokens, hidden {a.hidden}, vocabulary {a.vocab}, float32; one forward + backward of the "
-          f"token log-probs (hidden-state gradient, frozen head); median of {a.repeats} interleaved repeats; peak "
-          f"above the start from the CPU memory meter. Load average at the end: "
-          f"{', '.join(f'{x:.1f}' for x in out['load_average'])} (a shared machine: times are rough). "
-          f"Rule: CPU {cpu_rule} rows, CUDA {cuda_rule} rows (bf16) at this vocabulary.", "",
-          "| chunk rows | rule | seconds | peak MiB | head reads | head read MB |", "|---|---|---|---|---|---|"]
+    md = [
+        f"# Chunked head over chunk sizes (CPU, {out['threads']} threads)",
+        "",
+        f"{a.tokens} tokens, hidden {a.hidden}, vocabulary {a.vocab}, float32; one forward + backward of the "
+        f"token log-probs (hidden-state gradient, frozen head); median of {a.repeats} interleaved repeats; peak "
+        f"above the start from the CPU memory meter. Load average at the end: "
+        f"{', '.join(f'{x:.1f}' for x in out['load_average'])} (a shared machine: times are rough). "
+        f"Rule: CPU {cpu_rule} rows, CUDA {cuda_rule} rows (bf16) at this vocabulary.",
+        "",
+        "| chunk rows | rule | seconds | peak MiB | head reads | head read MB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        md.append(f"| {r['chunk']} | {r['rule']} | {r['seconds_median']:.3f} | {r['peak_bytes'] / 2**20:.1f} | "
-                  f"{r['head_reads']} | {r['head_read_bytes'] / 1e6:.0f} |")
+        md.append(
+            f"| {r['chunk']} | {r['rule']} | {r['seconds_median']:.3f} | {r['peak_bytes'] / 2**20:.1f} | "
+            f"{r['head_reads']} | {r['head_read_bytes'] / 1e6:.0f} |"
+        )
     (d / "results.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

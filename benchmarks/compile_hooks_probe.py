@@ -14,6 +14,7 @@ GraphModule hooks that AOTAutograd inlines into the graphs; last, the project's 
 
     python benchmarks/compile_hooks_probe.py
 """
+
 from functools import partial
 
 import torch
@@ -126,8 +127,10 @@ class MiniEngine:
         u, i = self.current, self.n[self.current]
         self.n[u] += 1
         x = self.inputs[u][1][0]
-        self.kinds[u].append(("input" if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else "interm")
-                             + f"{list(t.shape)}")
+        self.kinds[u].append(
+            ("input" if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else "interm")
+            + f"{list(t.shape)}"
+        )
         a = self.actions[u]
         self.store[(u, i)] = t if a == "H" else int8(t) if a == "L" else None
         if a == "R":
@@ -210,10 +213,16 @@ def main():
         eng = MiniEngine(comp, {n: a for n, _ in comp})
         with eng.step():
             grads[a] = run(comp, x)  # H's step also compiles: no pack call while tracing
-        print(f"[{a}] handles per unit {eng.n}; unpacks {eng.unpacks}; replays {eng.replays}; graphs {len(GRAPHS)}; "
-              f"grad max rel err vs eager {max_rel(grads[a], ref):.2e}"
-              + (f"; replayed tensors bitwise equal to forward's: {eng.equal}; grads bitwise equal to H's: "
-                 f"{all(torch.equal(p, q) for p, q in zip(grads['R'], grads['H']))}" if a == "R" else ""))
+        print(
+            f"[{a}] handles per unit {eng.n}; unpacks {eng.unpacks}; replays {eng.replays}; graphs {len(GRAPHS)}; "
+            f"grad max rel err vs eager {max_rel(grads[a], ref):.2e}"
+            + (
+                f"; replayed tensors bitwise equal to forward's: {eng.equal}; grads bitwise equal to H's: "
+                f"{all(torch.equal(p, q) for p, q in zip(grads['R'], grads['H']))}"
+                if a == "R"
+                else ""
+            )
+        )
         if a == "H":
             print(f"[H] unit 0.attn saves {eng.kinds['0.attn']}")
             print(f"[H] unit 0.mlp saves {eng.kinds['0.mlp']}")
@@ -251,8 +260,10 @@ def main():
         with eng.step():
             got = run(dyn, torch.randn(1, t, D))
         counts[t] = dict(eng.n)
-    print(f"[mark_dynamic, T = 32, 48, 80, all R] graphs {len(GRAPHS)}; handles {counts[80]}; "
-          f"equal for every T: {counts[32] == counts[48] == counts[80]}")
+    print(
+        f"[mark_dynamic, T = 32, 48, 80, all R] graphs {len(GRAPHS)}; handles {counts[80]}; "
+        f"equal for every T: {counts[32] == counts[48] == counts[80]}"
+    )
     for budget in (1.0, 0.0):
         with fconf.patch(activation_memory_budget=budget):
             units = fresh(make_units()[:2])
@@ -275,13 +286,17 @@ def main():
             mlp = fresh(make_units()[1:2])
             mlp[0][1](x)  # compile outside any mode
             got = run([("m", Ckpt(mlp[0][1], partial(create_selective_checkpoint_contexts, policy)))], x)
-        print(f"[SAC mode around a compiled mlp, wrap_inductor_compiled_regions={wrap}] ops the policy saw "
-              f"{sorted(set(seen))}; grad max rel err {max_rel(got, ref_mlp):.2e}")
+        print(
+            f"[SAC mode around a compiled mlp, wrap_inductor_compiled_regions={wrap}] ops the policy saw "
+            f"{sorted(set(seen))}; grad max rel err {max_rel(got, ref_mlp):.2e}"
+        )
     inside = fresh([("m", Ckpt(make_units()[1][1], partial(create_selective_checkpoint_contexts, mm_policy)))])
     eng = MiniEngine(inside, {"m": "H"})
     with eng.step():
         got = run(inside, x)
-    print(f"[SAC inside the compiled mlp] handles {eng.n} {eng.kinds['m']}; grad max rel err {max_rel(got, ref_mlp):.2e}")
+    print(
+        f"[SAC inside the compiled mlp] handles {eng.n} {eng.kinds['m']}; grad max rel err {max_rel(got, ref_mlp):.2e}"
+    )
 
     print("== 4. GraphModule hooks, inlined into the compiled graphs")
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -302,9 +317,11 @@ def main():
     py = []
     with saved_tensors_hooks(lambda t: py.append(1) or t, lambda t: t):
         run(units, x)
-    print(f"[GraphModule pair, filtering {fconf.saved_tensors_hooks_filtering_mode!r}] pack installed as a subgraph: "
-          f"{inlined}; grad max rel err vs eager {max_rel(got, ref):.2e}; then a Python pair: {len(py)} pack calls "
-          f"(parameters included); graphs {len(GRAPHS)}")
+    print(
+        f"[GraphModule pair, filtering {fconf.saved_tensors_hooks_filtering_mode!r}] pack installed as a subgraph: "
+        f"{inlined}; grad max rel err vs eager {max_rel(got, ref):.2e}; then a Python pair: {len(py)} pack calls "
+        f"(parameters included); graphs {len(GRAPHS)}"
+    )
 
     print("== 5. the project's RecoveryEngine, tiny Llama, each unit module's forward compiled")
     real_engine()
@@ -334,7 +351,8 @@ def real_engine():
                 b = st.bytes_by_unit(shared=False)
                 info = "layer 0 saved " + ", ".join(
                     f"{u.split('.')[-1]} {st.saved_counts()[u]} ({', '.join(f'{k} {v}' for k, v in b[u].items() if v)})"
-                    for u in eng.unit_names[:2])
+                    for u in eng.unit_names[:2]
+                )
             loss.backward()
         return [p.grad.clone() for p in model.parameters()], info
 
@@ -351,7 +369,9 @@ def real_engine():
     for plan in ("all-h", "all-r", "all-l", all_p):
         name = plan if isinstance(plan, str) else "all-P"
         out[name], info = grads(eng, plan)
-        print(f"[compiled {name}] graphs {len(GRAPHS)}; grad max rel err vs eager {max_rel(out[name], ref):.2e}; {info}")
+        print(
+            f"[compiled {name}] graphs {len(GRAPHS)}; grad max rel err vs eager {max_rel(out[name], ref):.2e}; {info}"
+        )
     same = {k: all(torch.equal(p, q) for p, q in zip(out[k], out["all-h"])) for k in ("all-r", "all-P")}
     print(f"[compiled] grads bitwise equal to all-h's: {same}")
 

@@ -4,6 +4,7 @@ whose compile-budget search only tried the ends of [0, 1].
 
 python benchmarks/compile_probe.py --workload cpu-ref --room BYTES [--known 1.0=PEAK,0.0=PEAK] --json OUT
 """
+
 import argparse
 import json
 import types
@@ -33,7 +34,14 @@ try:
     result = {"fits_at": value}
 except PeerUnavailable as e:
     tried, result = dict(cache), {"unavailable": str(e)}
-out = {"workload": a.workload, "head": a.head, "room_bytes": a.room, "known_from_run": a.known, "steps": a.steps,
-       "peaks": {f"{k:.4f}": v for k, v in sorted(cache.items())}, **result}
+out = {
+    "workload": a.workload,
+    "head": a.head,
+    "room_bytes": a.room,
+    "known_from_run": a.known,
+    "steps": a.steps,
+    "peaks": {f"{k:.4f}": v for k, v in sorted(cache.items())},
+    **result,
+}
 json.dump(out, open(a.json, "w"), indent=1)
 print(out)

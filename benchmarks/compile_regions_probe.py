@@ -32,6 +32,7 @@ python benchmarks/compile_regions_probe.py --workload cpu-real --repeats 8 --cop
 python benchmarks/compile_regions_probe.py --workload cpu-real --repeats 6 --copies decoder,decoder-aa,regions,regions+engine-H \
     --decoder-budget 0.9375 --region-budget 0.9375 --json OUT
 """
+
 import argparse
 import copy
 import json
@@ -57,16 +58,23 @@ def without_hooks(model):
     """A copy of ``model`` with no module hooks (the benchmark's engine left its hooks on it)."""
     m = copy.deepcopy(model)
     for sub in m.modules():
-        for d in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-                  "_forward_hooks_always_called"):
+        for d in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        ):
             getattr(sub, d).clear()
     return m
 
 
 def plain(model, loss_fn):
     """One microbatch's forward and backward with plain autograd on ``model``."""
+
     def run(mb):
         loss_fn(model, mb).loss.backward()
+
     return run
 
 
@@ -114,15 +122,18 @@ def main():
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--copies", default=",".join(COPIES), help="comma list, decoder first: " + ", ".join(COPIES))
     p.add_argument("--decoder-budget", type=float, default=1.0, help="activation_memory_budget of the decoder copy")
-    p.add_argument("--region-budget", type=float, default=1.0,
-                   help="activation_memory_budget of the units and regions copies")
+    p.add_argument(
+        "--region-budget", type=float, default=1.0, help="activation_memory_budget of the units and regions copies"
+    )
     p.add_argument("--json", required=True)
     a = p.parse_args()
     copies = [c.strip() for c in a.copies.split(",") if c.strip()]
     if not copies or copies[0] != "decoder" or set(copies) - set(COPIES):
         p.error(f"--copies: a comma list that starts with decoder, of {', '.join(COPIES)}")
     torch.manual_seed(0)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()  # the code that runs
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()  # the code that runs
     args = types.SimpleNamespace(updates=1, calib_tokens=None, seed=0, model_config=None, arch=None)
     inputs = build_inputs(WORKLOADS[a.workload], args, torch.device("cpu"), 0)
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
@@ -144,23 +155,35 @@ def main():
         print(f"[probe] {name}: warmed up, peak {peaks[name]} B", flush=True)
     names, times, order = list(vs), {n: [] for n in vs}, []
     for rep in range(a.repeats):
-        for name in (names if rep % 2 == 0 else names[::-1]):
+        for name in names if rep % 2 == 0 else names[::-1]:
             run, model = vs[name]
             times[name].append(update(run, model, mbs))
             order.append(name)
             print(f"[probe] repeat {rep + 1} {name}: {times[name][-1]:.3f} s", flush=True)
     med = {n: statistics.median(t) for n, t in times.items()}
     paired = {n: statistics.median(x / y for x, y in zip(times[n], times["decoder"])) for n in names}
-    out = {"workload": a.workload, "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": commit,
-           "command": f"python benchmarks/compile_regions_probe.py --workload {a.workload} --repeats {a.repeats}"
-                      f" --copies {','.join(copies)} --decoder-budget {a.decoder_budget} --region-budget {a.region_budget}",
-           "decoder_budget": a.decoder_budget, "region_budget": a.region_budget,
-           "tokens_per_update": sum(mb.num_tokens for mb in mbs), "order": order, "times": times,
-           "median_seconds": med, "paired_median_over_decoder": paired, "peak_bytes_one_microbatch": peaks}
+    out = {
+        "workload": a.workload,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "git_commit": commit,
+        "command": f"python benchmarks/compile_regions_probe.py --workload {a.workload} --repeats {a.repeats}"
+        f" --copies {','.join(copies)} --decoder-budget {a.decoder_budget} --region-budget {a.region_budget}",
+        "decoder_budget": a.decoder_budget,
+        "region_budget": a.region_budget,
+        "tokens_per_update": sum(mb.num_tokens for mb in mbs),
+        "order": order,
+        "times": times,
+        "median_seconds": med,
+        "paired_median_over_decoder": paired,
+        "peak_bytes_one_microbatch": peaks,
+    }
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
     for n in names:
-        print(f"[probe] {n:16s} median {med[n]:.3f} s, time / decoder's (paired median) {paired[n]:.3f}, peak {peaks[n]} B")
+        print(
+            f"[probe] {n:16s} median {med[n]:.3f} s, time / decoder's (paired median) {paired[n]:.3f}, peak {peaks[n]} B"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ self-check. ``python benchmarks/gpu_check_plan.py [--timeouts | --check] [--expl
 ARGS``: ``--timeouts`` prints ``stage timeout estimate`` lines for the script, otherwise the
 table is printed; ``--check`` exits 1 where a headroom is under 2 or the total over 540 s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,26 @@ MIN_HEADROOM = 2.0  # timeout / estimate, every stage
 
 # the gpu-ref workload (hilore_actor/bench/workloads.py) and the benchmark's defaults of the counted arguments
 # (hilore_actor/bench/cli.py); tests/test_gpu_check.py keeps both equal to the benchmark's own
-GPU_REF = dict(num_layers=36, hidden_size=2048, intermediate_size=11008, num_heads=16, num_kv_heads=2,
-               vocab_size=151936, microbatches=4, tokens=4096, calib_tokens=1024)
-BENCH_DEFAULTS = dict(methods="no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore",
-                      budgets="1.10", repeats=7, updates=3, calib=16, calib_tokens=None, codec="int8-g64,bf16")
+GPU_REF = dict(
+    num_layers=36,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_heads=16,
+    num_kv_heads=2,
+    vocab_size=151936,
+    microbatches=4,
+    tokens=4096,
+    calib_tokens=1024,
+)
+BENCH_DEFAULTS = dict(
+    methods="no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-hr,hilore-static,hilore",
+    budgets="1.10",
+    repeats=7,
+    updates=3,
+    calib=16,
+    calib_tokens=None,
+    codec="int8-g64,bf16",
+)
 
 # ---- what one pass costs ----
 TFLOPS = 150.0  # achieved bf16 TFLOP/s of an eager HF model on an H100: the low end of 150-250 (big matmuls: ~800)
@@ -47,9 +64,14 @@ VALIDATIONS = 2  # HiLoRe._validate: the first check and one re-plan (six failin
 LOO_UNITS, LOO_REPEATS = 4, 3  # HiLoRe(loo_units=4)._drop_useless(repeats=3)
 P_LEVELS, UNIT_KINDS = 2, 2  # profiling.P_LABELS ("P", "P:core"); attention and MLP units
 RISK_SCALES = {"hilore": 4, "hilore-static": 2, "hilore-hr": 1}  # len(HiLoRe.scales) per mode
-HILORE = {"hilore-hr": ("hilore-hr", False), "hilore-static": ("hilore-static", False),
-          "hilore-coarse": ("hilore", False), "hilore": ("hilore", True), "hilore-hr-p": ("hilore-hr", True),
-          "hilore-p": ("hilore", True)}  # bench/methods.py VARIANTS: mode, P offered
+HILORE = {
+    "hilore-hr": ("hilore-hr", False),
+    "hilore-static": ("hilore-static", False),
+    "hilore-coarse": ("hilore", False),
+    "hilore": ("hilore", True),
+    "hilore-hr-p": ("hilore-hr", True),
+    "hilore-p": ("hilore", True),
+}  # bench/methods.py VARIANTS: mode, P offered
 PLAIN = {"no-gc", "gc", "gc-aa", "all-h", "all-r", "all-l", "all-p", "all-p:core"}  # nothing to prepare
 
 # ---- the stages: estimate and timeout, in one place ----
@@ -131,8 +153,14 @@ def gpu_ref_passes(argv: List[str], w=GPU_REF) -> List[Passes]:
         out.append(Passes("inputs: the calibration microbatches' log-probs", a.calib, calib_tokens, "fwd"))
     out.append(Passes("B: gc's peaks over one update", mbs, T, "train"))
     if calibrates:  # calibration.calibrate: per level and batch, all-R and one L intervention per unit
-        out.append(Passes(f"calibration: {levels} L level(s) x {a.calib} batch(es) x (1 + {units} units)",
-                          levels * a.calib * (1 + units), calib_tokens, "train"))
+        out.append(
+            Passes(
+                f"calibration: {levels} L level(s) x {a.calib} batch(es) x (1 + {units} units)",
+                levels * a.calib * (1 + units),
+                calib_tokens,
+                "train",
+            )
+        )
     profiled = None  # (L levels, P) the cached unit costs cover: HiLoRe.prepare profiles again for more
     entries = 0
     for n in names:
@@ -144,39 +172,71 @@ def gpu_ref_passes(argv: List[str], w=GPU_REF) -> List[Passes]:
         lv = 0 if mode == "hilore-hr" else levels
         if profiled is None or lv > profiled[0] or (partial and not profiled[1]):
             profiled = (lv, partial)
-            out.append(Passes(f"{n}: profile, all-R warm-up, {PROFILE_REPEATS} timed, peak", 2 + PROFILE_REPEATS, T,
-                              "train"))
+            out.append(
+                Passes(f"{n}: profile, all-R warm-up, {PROFILE_REPEATS} timed, peak", 2 + PROFILE_REPEATS, T, "train")
+            )
             each = 3 + lv * (1 + PROFILE_REPEATS) + (P_LEVELS + 3 * PROFILE_REPEATS if partial else 0)
             out.append(Passes(f"{n}: profile, {PROBES} prefix probes x {each}", PROBES * each, probe_tokens, "train"))
             if partial:  # profiling._partial_shares, on the whole microbatch
-                out.append(Passes(f"{n}: profile, P's shares", P_LEVELS * UNIT_KINDS * (1 + 2 * PROFILE_REPEATS), T,
-                                  "train"))
+                out.append(
+                    Passes(f"{n}: profile, P's shares", P_LEVELS * UNIT_KINDS * (1 + 2 * PROFILE_REPEATS), T, "train")
+                )
         scales = RISK_SCALES[mode]
-        out.append(Passes(f"{n}: fits, {scales} risk scale(s) x {FIT_ATTEMPTS} candidates x 2, {n_budgets} B",
-                          n_budgets * scales * FIT_ATTEMPTS * 2, T, "train"))
-        out.append(Passes(f"{n}: validation, {VALIDATIONS} x (2 peaks + 2 x 2 gradients), {n_budgets} B",
-                          n_budgets * VALIDATIONS * 6, T, "train"))
+        out.append(
+            Passes(
+                f"{n}: fits, {scales} risk scale(s) x {FIT_ATTEMPTS} candidates x 2, {n_budgets} B",
+                n_budgets * scales * FIT_ATTEMPTS * 2,
+                T,
+                "train",
+            )
+        )
+        out.append(
+            Passes(
+                f"{n}: validation, {VALIDATIONS} x (2 peaks + 2 x 2 gradients), {n_budgets} B",
+                n_budgets * VALIDATIONS * 6,
+                T,
+                "train",
+            )
+        )
         if not a.no_loo:
-            out.append(Passes(f"{n}: leave-one-out, {LOO_UNITS} units", n_budgets * LOO_UNITS * (1 + 2 * LOO_REPEATS),
-                              T, "train"))
-    out.append(Passes(f"timing: {entries} methods x (1 warm-up + {a.repeats} repeats) x {mbs} microbatches",
-                      entries * (1 + a.repeats) * mbs, T, "train"))
+            out.append(
+                Passes(
+                    f"{n}: leave-one-out, {LOO_UNITS} units", n_budgets * LOO_UNITS * (1 + 2 * LOO_REPEATS), T, "train"
+                )
+            )
+    out.append(
+        Passes(
+            f"timing: {entries} methods x (1 warm-up + {a.repeats} repeats) x {mbs} microbatches",
+            entries * (1 + a.repeats) * mbs,
+            T,
+            "train",
+        )
+    )
     measured = entries - ("gc-aa" in names)  # gc-aa takes gc's peaks and errors
-    out.append(Passes(f"records: no-gc's gradients, {measured} methods x (peaks + gradients), {a.updates} update(s)",
-                      a.updates * mbs * (1 + 2 * measured), T, "train"))
+    out.append(
+        Passes(
+            f"records: no-gc's gradients, {measured} methods x (peaks + gradients), {a.updates} update(s)",
+            a.updates * mbs * (1 + 2 * measured),
+            T,
+            "train",
+        )
+    )
     return out
 
 
 def gpu_ref_estimate(argv: List[str]) -> Tuple[float, List[str]]:
     """(seconds, one line per row) of the gpu-ref stage."""
-    lines = [f"    {START_S:6.1f}s  start: python, torch, transformers, CUDA",
-             f"    {MODEL_S:6.1f}s  model: the 3B random init on the CPU, LoRA, the copy to the GPU"]
+    lines = [
+        f"    {START_S:6.1f}s  start: python, torch, transformers, CUDA",
+        f"    {MODEL_S:6.1f}s  model: the 3B random init on the CPU, LoRA, the copy to the GPU",
+    ]
     total = START_S + MODEL_S
     for r in gpu_ref_passes(argv):
         one = pass_seconds(r.kind, r.tokens)
         total += r.count * one
-        lines.append(f"    {r.count * one:6.1f}s  {r.count:4d} x {r.kind:5s} @ {r.tokens:4d} tokens ({one:.2f}s)  "
-                     f"{r.what}")
+        lines.append(
+            f"    {r.count * one:6.1f}s  {r.count:4d} x {r.kind:5s} @ {r.tokens:4d} tokens ({one:.2f}s)  {r.what}"
+        )
     return total, lines
 
 
@@ -186,16 +246,26 @@ def stages(bench_argv: List[str]) -> List[Stage]:
         how = f"counted passes x FLOPs at {TFLOPS:.0f} TFLOP/s + {PASS_OVERHEAD_S}s a pass, + start and model"
     except ValueError as e:
         gpu_ref, how = float("inf"), f"not estimated: {e}"
-    return [Stage("selfcheck", SELFCHECK_EST, TIMEOUTS["selfcheck"], "imports measured (4.4 s of CPU) + CUDA start"),
-            Stage("gpu-ref", gpu_ref, TIMEOUTS["gpu-ref"], how),
-            Stage("verl", VERL_EST, TIMEOUTS["verl"], "CPU side measured (loaded CPU) + 4 engines and planning"),
-            Stage("cuda-tests", CUDA_TESTS_EST, TIMEOUTS["cuda-tests"],
-                  "TestCuda only: collection measured (2.3-3.4 s) + CUDA start + 6 tests")]
+    return [
+        Stage("selfcheck", SELFCHECK_EST, TIMEOUTS["selfcheck"], "imports measured (4.4 s of CPU) + CUDA start"),
+        Stage("gpu-ref", gpu_ref, TIMEOUTS["gpu-ref"], how),
+        Stage("verl", VERL_EST, TIMEOUTS["verl"], "CPU side measured (loaded CPU) + 4 engines and planning"),
+        Stage(
+            "cuda-tests",
+            CUDA_TESTS_EST,
+            TIMEOUTS["cuda-tests"],
+            "TestCuda only: collection measured (2.3-3.4 s) + CUDA start + 6 tests",
+        ),
+    ]
 
 
 def problems(plan: List[Stage]) -> List[str]:
-    out = [f"{s.name}: headroom {s.timeout / s.estimate:.2f} < {MIN_HEADROOM:g} (timeout {s.timeout}s, estimate "
-           f"{s.estimate:.0f}s)" for s in plan if s.timeout < MIN_HEADROOM * s.estimate]
+    out = [
+        f"{s.name}: headroom {s.timeout / s.estimate:.2f} < {MIN_HEADROOM:g} (timeout {s.timeout}s, estimate "
+        f"{s.estimate:.0f}s)"
+        for s in plan
+        if s.timeout < MIN_HEADROOM * s.estimate
+    ]
     total = sum(s.timeout for s in plan)
     if total > MAX_TOTAL:
         out.append(f"the stage timeouts sum to {total}s, over {MAX_TOTAL}s")
@@ -207,8 +277,10 @@ def table(plan: List[Stage]) -> str:
     for s in plan:
         lines.append(f"  {s.name:<11} {s.estimate:>7.0f}s {s.timeout:>6d}s {s.timeout / s.estimate:>7.2f}x  {s.how}")
     est, total = sum(s.estimate for s in plan), sum(s.timeout for s in plan)
-    lines.append(f"  {'total':<11} {est:>7.0f}s {total:>6d}s {total / est:>7.2f}x  the rule: timeouts at most "
-                 f"{MAX_TOTAL}s in all, each at least {MIN_HEADROOM:g} x its estimate")
+    lines.append(
+        f"  {'total':<11} {est:>7.0f}s {total:>6d}s {total / est:>7.2f}x  the rule: timeouts at most "
+        f"{MAX_TOTAL}s in all, each at least {MIN_HEADROOM:g} x its estimate"
+    )
     return "\n".join(lines)
 
 
@@ -220,7 +292,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 where a headroom is under 2 or the total over 540 s")
     p.add_argument("--explain", action="store_true", help="also print gpu-ref's estimate row by row")
     args = p.parse_args(argv[:cut])
-    bench = argv[cut + 1:]
+    bench = argv[cut + 1 :]
     plan = stages(bench)
     if args.timeouts:
         fmt = lambda x: f"{x:.0f}" if x < float("inf") else "null"  # noqa: E731 - JSON's, in summary.json

@@ -8,6 +8,7 @@ not a claim). ``--model smollm2``: the bundled SmolLM2-135M-Instruct with its re
 real rollout microbatches (``rollout.real_batches``: reasoning-gym prompts, responses sampled
 from the model, verifier rewards, old log-probs one real AdamW step earlier); LoRA B starts
 away from zero, so ``lora_A``'s gradients count."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ from .recovery.codecs import DEFAULT_CODECS
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hilore_actor.diagnostics", description=__doc__)
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
-                   help="tiny: a random model built in code (--arch); smollm2: real weights on real rollouts")
+    p.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny: a random model built in code (--arch); smollm2: real weights on real rollouts",
+    )
     p.add_argument("--arch", default="qwen2", help="tiny model family built in code: qwen2 | llama | phi3")
     p.add_argument("--model-config", default=None, help="an HF config.json / model directory instead of --arch")
     p.add_argument("--hidden", type=int, default=128)
@@ -54,20 +59,31 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runner = Runner(model, RecoveryEngine(model, codec=args.codec))
-    report = {"model": args.model if args.model == "smollm2" else f"tiny {args.model_config or args.arch}",
-              "codec": args.codec, "calibration_microbatches": args.calib, "heldout_microbatches": args.heldout,
-              "tokens": args.tokens, "seed": args.seed, "inputs": provenance, "coefficients": coefficient_structure(mbs)}
+    report = {
+        "model": args.model if args.model == "smollm2" else f"tiny {args.model_config or args.arch}",
+        "codec": args.codec,
+        "calibration_microbatches": args.calib,
+        "heldout_microbatches": args.heldout,
+        "tokens": args.tokens,
+        "seed": args.seed,
+        "inputs": provenance,
+        "coefficients": coefficient_structure(mbs),
+    }
     t0 = time.perf_counter()
 
     def progress(done, total):  # a real model takes minutes: one line per microbatch
         if done % (len(runner.engine.unit_names) + 1) == 0:
             print(f"[diagnostics] {done}/{total} passes of this set ({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    report.update(predictor_quality(runner, mbs[: args.calib], mbs[args.calib:], progress=progress))
+    report.update(predictor_quality(runner, mbs[: args.calib], mbs[args.calib :], progress=progress))
     c = report["coefficients"]
-    print(f"zero policy-gradient coefficients: {c['zero_pg_coefficient_fraction']:.1%} of response tokens; "
-          f"top 10% of tokens carry {c['top10_omega_mass']:.1%} of |omega|")
-    print(f"{'predictor':<20}{'spearman':>10}{'top10 recall':>14}{'AUROC':>8}   ({report['n_samples']} unit x microbatch samples)")
+    print(
+        f"zero policy-gradient coefficients: {c['zero_pg_coefficient_fraction']:.1%} of response tokens; "
+        f"top 10% of tokens carry {c['top10_omega_mass']:.1%} of |omega|"
+    )
+    print(
+        f"{'predictor':<20}{'spearman':>10}{'top10 recall':>14}{'AUROC':>8}   ({report['n_samples']} unit x microbatch samples)"
+    )
     for name, q in report["predictors"].items():
         print(f"{name:<20}{q['spearman']:>10.3f}{q['top10_recall']:>14.3f}{q['auroc_top10']:>8.3f}")
     if args.json:
@@ -93,8 +109,13 @@ def _inputs(args):
         model.train()
         mbs, prov = real_microbatches(model, tok, [args.tokens] * n, args.group_size, args.seed, dict(clip_eps_low=0.2))
         return model, mbs, dict(prov, lora_b_init=f"N(0, {args.lora_b_std}) seeded {args.seed}")
-    model = (load_model(args.model_config, lora=lora) if args.model_config else
-             build_model(tiny_config(args.arch, hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab), lora=lora))
+    model = (
+        load_model(args.model_config, lora=lora)
+        if args.model_config
+        else build_model(
+            tiny_config(args.arch, hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab), lora=lora
+        )
+    )
     model.train()
     return model, replayed_microbatches(model, n, args.tokens, seed=args.seed), {"inputs": "replayed random token ids"}
 

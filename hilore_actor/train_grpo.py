@@ -14,6 +14,7 @@ The pieces live in ``hilore_actor/train/`` (config, job, learner, workers, place
 checkpoint, metrics, evaluation), ``hilore_actor/learner/`` (plan, step, coordinator) and
 ``hilore_actor/rollout/replay.py``; this file is the recipe. Flags: ``--help``.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,12 +48,21 @@ def load_prompts(cfg, dataset=None):
     from hilore_actor.data import DatasetError, load_task
 
     options = json.loads(cfg.data.task_options) if cfg.data.task_options else None
-    task = load_task(dataset or cfg.data.prompt_dataset, size=cfg.data.max_samples, seed=cfg.train.seed, options=options,
-                     instruction=cfg.data.instruction, prompt_key=cfg.data.input_key, answer_key=cfg.data.label_key)
+    task = load_task(
+        dataset or cfg.data.prompt_dataset,
+        size=cfg.data.max_samples,
+        seed=cfg.train.seed,
+        options=options,
+        instruction=cfg.data.instruction,
+        prompt_key=cfg.data.input_key,
+        answer_key=cfg.data.label_key,
+    )
     chat = next((e for e in task.examples if isinstance(e.prompt, list)), None)
     if chat is not None and not cfg.data.apply_chat_template:
-        raise DatasetError(f"{chat.metadata['source']}: the prompt is a list of chat messages, which needs "
-                           "--data.apply_chat_template (drop '--data.apply_chat_template false')")
+        raise DatasetError(
+            f"{chat.metadata['source']}: the prompt is a list of chat messages, which needs "
+            "--data.apply_chat_template (drop '--data.apply_chat_template false')"
+        )
     if cfg.reward.path:
         from hilore_actor.data.reward_function import load_reward_function
 
@@ -68,7 +78,9 @@ def step_prompts(task, cfg, step: int):
     for k in range(step * bs, (step + 1) * bs):
         epoch, i = divmod(k, n)
         if epoch not in orders:
-            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch)).tolist()
+            orders[epoch] = torch.randperm(
+                n, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch)
+            ).tolist()
         out.append(task.examples[orders[epoch][i]])
     return out
 
@@ -85,7 +97,7 @@ def shard_rows(seqs, cfg) -> List[List[Dict]]:
         for r in range(world):
             first = u * tb + r * per_rank
             for i in range(first, first + per_rank, micro):
-                ranks[r].append(dict(pack_row(seqs[i:i + micro]), seq_index=list(range(i, i + micro))))
+                ranks[r].append(dict(pack_row(seqs[i : i + micro]), seq_index=list(range(i, i + micro))))
     return ranks
 
 
@@ -104,14 +116,18 @@ def run(cfg) -> int:
     eval_task = load_eval_task(cfg, load_prompts)  # --eval.dataset, read and checked as the task is
     tok = load_tokenizer(cfg.actor.model_name_or_path)
     if any(isinstance(e.prompt, list) for e in task.examples) and not getattr(tok, "chat_template", None):
-        raise JobError(f"{cfg.data.prompt_dataset} holds chat messages and the tokenizer of "
-                       f"{cfg.actor.model_name_or_path} has no chat template to render them")
+        raise JobError(
+            f"{cfg.data.prompt_dataset} holds chat messages and the tokenizer of "
+            f"{cfg.actor.model_name_or_path} has no chat template to render them"
+        )
     from hilore_actor.rollout.hf_generate import apply_chat
 
     longest = max(len(apply_chat(tok, e.prompt, cfg.data.apply_chat_template)) for e in task.examples)
     if longest > cfg.data.prompt_max_len:
-        raise JobError(f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
-                       f"{cfg.data.prompt_max_len}; raise it or shorten the prompts")
+        raise JobError(
+            f"a prompt of {cfg.data.prompt_dataset} has {longest} tokens, more than --data.prompt_max_len "
+            f"{cfg.data.prompt_max_len}; raise it or shorten the prompts"
+        )
     cfg.hilore.plan_tokens = plan_tokens(cfg, longest)  # the largest microbatch these prompts can make
     run_dir.resolve(cfg)  # the last of the checks before Ray: it creates the run's folder
     ckpts = CheckpointDir(checkpoint_root(cfg))
@@ -119,8 +135,10 @@ def run(cfg) -> int:
     if cfg.ckpt.load_enable:
         last, skipped = ckpts.resumable()
         if last is None:
-            raise JobError(f"--resume: no complete checkpoint under {ckpts.root}"
-                           + (f" ({len(skipped)} damaged: see above)" if skipped else ""))
+            raise JobError(
+                f"--resume: no complete checkpoint under {ckpts.root}"
+                + (f" ({len(skipped)} damaged: see above)" if skipped else "")
+            )
         start, resume_dir = CheckpointDir.meta(last)["step"], str(last)
         print(f"[train] resuming from {last} (after step {start})", flush=True)
         from hilore_actor.train.config import flatten_ns
@@ -139,27 +157,44 @@ def run(cfg) -> int:
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=cfg.log_workers)
     t0 = time.perf_counter()
-    how = ("restores its budget and plan from the checkpoint" if resume_dir and not replan else
-           f"measures gc and plans its units on a {cfg.hilore.plan_tokens}-token microbatch first (minutes for a real "
-           f"model on CPU; --log_workers shows it)")
-    print(f"[train] starting {world_size(cfg)} learner rank(s), {max(cfg.vllm.num_engines, cfg.rollout.num_workers)} rollout "
-          f"worker(s) and a reference worker; each learner {how}", flush=True)
+    how = (
+        "restores its budget and plan from the checkpoint"
+        if resume_dir and not replan
+        else f"measures gc and plans its units on a {cfg.hilore.plan_tokens}-token microbatch first (minutes for a real "
+        f"model on CPU; --log_workers shows it)"
+    )
+    print(
+        f"[train] starting {world_size(cfg)} learner rank(s), {max(cfg.vllm.num_engines, cfg.rollout.num_workers)} rollout "
+        f"worker(s) and a reference worker; each learner {how}",
+        flush=True,
+    )
     job = Job(cfg, resume_dir, str(ckpts.root))
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
     info = job.infos[0]
     peaks = [(i["plan_peak_over_budget"], i.get("plan_peak_phase")) for i in job.infos if "plan_peak_over_budget" in i]
     plan_peak, peak_phase = max(peaks, key=lambda x: x[0]) if peaks else (None, None)  # None: a checkpoint from before
-    print(f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
-          f"{info['budget_bytes'] / 2**20:.0f} MiB ({info.get('budget_spec', cfg.hilore.budget)}, "  # B in force
-          f"{info.get('budget_scope', 'activations')} scope; "
-          f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident {info.get('resident_bytes', 0) / 2**20:.0f} "
-          f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
-          f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s", flush=True)
-    log = MetricsLog(cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None,
-                     wandb=wandb_options(cfg))
-    bar = tqdm(range(start, cfg.max_steps), desc="grpo", unit="step", initial=start, total=cfg.max_steps,
-               file=sys.stdout, dynamic_ncols=True)
+    print(
+        f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
+        f"{info['budget_bytes'] / 2**20:.0f} MiB ({info.get('budget_spec', cfg.hilore.budget)}, "  # B in force
+        f"{info.get('budget_scope', 'activations')} scope; "
+        f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident {info.get('resident_bytes', 0) / 2**20:.0f} "
+        f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
+        f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
+        flush=True,
+    )
+    log = MetricsLog(
+        cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None, wandb=wandb_options(cfg)
+    )
+    bar = tqdm(
+        range(start, cfg.max_steps),
+        desc="grpo",
+        unit="step",
+        initial=start,
+        total=cfg.max_steps,
+        file=sys.stdout,
+        dynamic_ncols=True,
+    )
     job.sync_weights()
     stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
     restarts_before = call(job.coordinator.restart_count)
@@ -181,8 +216,13 @@ def run(cfg) -> int:
             for key in cmp[0]:
                 m[key] = max(c[key] for c in cmp)
             m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
-        samples = pick_samples(step_prompts(task, cfg, step), out["texts"], rewards.tolist(),
-                               cfg.rollout.n_samples_per_prompt, cfg.logger.samples_per_step)
+        samples = pick_samples(
+            step_prompts(task, cfg, step),
+            out["texts"],
+            rewards.tolist(),
+            cfg.rollout.n_samples_per_prompt,
+            cfg.logger.samples_per_step,
+        )
         if eval_task is not None and due(cfg, step + 1):
             evals, eval_samples = evaluate(job, eval_task, cfg, step, partial(score, eval_task, G=1, tok=tok))
             m.update(evals)
@@ -194,8 +234,11 @@ def run(cfg) -> int:
             job.calibrate()
         bar.set_postfix_str(summary(m))
         tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
-        if (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0) or step + 1 == cfg.max_steps \
-                or stop.requested:
+        if (
+            (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0)
+            or step + 1 == cfg.max_steps
+            or stop.requested
+        ):
             saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num, buffer)
         if stop.requested and step + 1 < cfg.max_steps:
             break
@@ -203,11 +246,16 @@ def run(cfg) -> int:
     bar.close()
     log.close()
     if stop.requested and step + 1 < cfg.max_steps:
-        print(f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
-              f"checkpoint {saved}; rerun the same command with --resume to continue", flush=True)
+        print(
+            f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
+            f"checkpoint {saved}; rerun the same command with --resume to continue",
+            flush=True,
+        )
         return 0
     path = job.get([l.save_hf.remote(os.path.join(cfg.save_path, "final")) for l in job.learners])[0]
-    print(f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}", flush=True)
+    print(
+        f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}", flush=True
+    )
     print_report(log.path, cfg)
     return 0
 
@@ -249,11 +297,17 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
     ref_s = time.perf_counter() - t
     olds = job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
     if buffer is not None:
-        store_fresh(buffer, seqs[:len(out["seqs"])], ranks, olds, step)
+        store_fresh(buffer, seqs[: len(out["seqs"])], ranks, olds, step)
     per_update = []
     for u in range(len(seqs) // cfg.train.batch_size):
-        side = job.get([l.gradient_error.remote(u) for l in job.learners]) if cfg.measure_grad_error else [{}] * len(job.learners)
-        per_update.append([dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)])
+        side = (
+            job.get([l.gradient_error.remote(u) for l in job.learners])
+            if cfg.measure_grad_error
+            else [{}] * len(job.learners)
+        )
+        per_update.append(
+            [dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)]
+        )
         job.sync_weights()
     return rewards, out, per_update, rollout_s, ref_s, replayed
 
@@ -271,7 +325,9 @@ def replay_buffer(cfg, resume_dir):
         buffer.load_state_dict(torch.load(saved, weights_only=False))
         print(f"[train] replay buffer restored: {len(buffer)} rollouts", flush=True)
     elif saved:
-        print("[train] the checkpoint holds no replay buffer (saved without --replay.enable): it starts empty", flush=True)
+        print(
+            "[train] the checkpoint holds no replay buffer (saved without --replay.enable): it starts empty", flush=True
+        )
     return buffer
 
 
@@ -285,8 +341,11 @@ def draw_replay(buffer, cfg, step: int):
     buffer.evict(step)
     tb = cfg.train.batch_size
     if 0 < len(buffer) < tb:  # replayed rollouts come in whole updates
-        print(f"[train] step {step + 1}: the replay buffer holds {len(buffer)} rollouts, fewer than one update "
-              f"(--train.batch_size {tb}): nothing replayed", flush=True)
+        print(
+            f"[train] step {step + 1}: the replay buffer holds {len(buffer)} rollouts, fewer than one update "
+            f"(--train.batch_size {tb}): nothing replayed",
+            flush=True,
+        )
     return buffer.sample(min(replay_sequences(cfg), len(buffer)) // tb * tb, step)
 
 
@@ -326,12 +385,18 @@ def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None):
 def _say_recoveries(m: Dict, step: int, restarts_before: int) -> None:
     """What the learner side recovered from in this step, on the driver's stdout."""
     if m["coordinator_restarts"] > restarts_before:
-        print(f"[train] step {step}: the budget coordinator died and was restarted by Ray; it reloaded the state "
-              f"saved with the last checkpoint", flush=True)
+        print(
+            f"[train] step {step}: the budget coordinator died and was restarted by Ray; it reloaded the state "
+            f"saved with the last checkpoint",
+            flush=True,
+        )
     if m["oom_reruns"]:
         ranks = sorted(r for r, rec in m["coordinator"].items() if rec.get("out_of_memory"))
-        print(f"[train] step {step}: {m['oom_reruns']} microbatch(es) ran out of memory (rank {', '.join(ranks)}) and "
-              "were rerun all-R; those plans now store less", flush=True)
+        print(
+            f"[train] step {step}: {m['oom_reruns']} microbatch(es) ran out of memory (rank {', '.join(ranks)}) and "
+            "were rerun all-R; those plans now store less",
+            flush=True,
+        )
 
 
 def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
@@ -340,16 +405,26 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
     tokens = sum(r["tokens"] for upd in per_update for r in upd)
     mean = lambda key: statistics.fmean(r[key] for r in last if r.get(key) is not None)  # noqa: E731
     return {
-        "reward_mean": float(rewards.mean()), "accuracy": float((rewards == 1).float().mean()),
+        "reward_mean": float(rewards.mean()),
+        "accuracy": float((rewards == 1).float().mean()),
         "response_length": statistics.fmean(s[2] for s in out["seqs"]),
-        **rollout_metrics(rewards.tolist(), [s[2] for s in out["seqs"]]), **learner_means(last, ("entropy",)),
-        "loss": mean("loss"), "policy_loss": mean("policy_loss"), "kl": mean("kl_mean"), "clip_fraction": mean("clip_fraction"),
-        "grad_norm": last[0]["grad_norm"], "lr": last[0]["lr"],
+        **rollout_metrics(rewards.tolist(), [s[2] for s in out["seqs"]]),
+        **learner_means(last, ("entropy",)),
+        "loss": mean("loss"),
+        "policy_loss": mean("policy_loss"),
+        "kl": mean("kl_mean"),
+        "clip_fraction": mean("clip_fraction"),
+        "grad_norm": last[0]["grad_norm"],
+        "lr": last[0]["lr"],
         "skipped_updates": sum(any(r.get("skipped") for r in upd) for upd in per_update),
         "oom_reruns": sum(r.get("oom_reruns", 0) for upd in per_update for r in upd),
-        "update_seconds": update_s, "rollout_seconds": rollout_s, "ref_seconds": ref_s,
+        "update_seconds": update_s,
+        "rollout_seconds": rollout_s,
+        "ref_seconds": ref_s,
         "tokens_per_second": tokens / max(update_s, 1e-9),
-        "peak_over_budget": {str(r["rank"]): max(u[i]["peak_over_budget"] for u in per_update) for i, r in enumerate(last)},
+        "peak_over_budget": {
+            str(r["rank"]): max(u[i]["peak_over_budget"] for u in per_update) for i, r in enumerate(last)
+        },
         "peak_over_budget_max": max(r["peak_over_budget"] for u in per_update for r in u),
         **{f"fraction_{a}": mean(f"fraction_{a}") for a in "HLPR"},
         "coordinator": record,
@@ -379,29 +454,40 @@ def _gradient_error(per_update) -> Dict:
     errs = [r["grad_rel_error"] for upd in per_update for r in upd if "grad_rel_error" in r]
     if not errs:
         return {}
-    return {"grad_rel_error": statistics.fmean(errs), "grad_rel_error_max": max(errs),
-            "grad_cosine_min": min(r["grad_cosine"] for upd in per_update for r in upd if "grad_cosine" in r)}
+    return {
+        "grad_rel_error": statistics.fmean(errs),
+        "grad_rel_error_max": max(errs),
+        "grad_cosine_min": min(r["grad_cosine"] for upd in per_update for r in upd if "grad_cosine" in r),
+    }
 
 
 def print_report(path, cfg) -> None:
     """The reward curve and, with --compare_gc, the update time against gc, from metrics.jsonl."""
     rows = [json.loads(ln) for ln in open(path) if ln.strip()]
-    print("\nstep  reward  accuracy  resp.len  loss        entropy  update s  peak/B"
-          + ("  gc s    " + cfg.actor.backend + " s  speed" if cfg.compare_gc else ""))
+    print(
+        "\nstep  reward  accuracy  resp.len  loss        entropy  update s  peak/B"
+        + ("  gc s    " + cfg.actor.backend + " s  speed" if cfg.compare_gc else "")
+    )
     for r in rows:
-        line = (f"{r['step']:>4}  {r['reward_mean']:.3f}   {r['accuracy']:.3f}     {r['response_length']:>6.1f}  "
-                f"{r['loss']:+10.3e}  {_num(r.get('entropy'), '7.3f')}  {r['update_seconds']:>7.2f}  "
-                f"{r['peak_over_budget_max']:.3f}")
+        line = (
+            f"{r['step']:>4}  {r['reward_mean']:.3f}   {r['accuracy']:.3f}     {r['response_length']:>6.1f}  "
+            f"{r['loss']:+10.3e}  {_num(r.get('entropy'), '7.3f')}  {r['update_seconds']:>7.2f}  "
+            f"{r['peak_over_budget_max']:.3f}"
+        )
         if "compare_speedup_vs_gc" in r:
             line += f"  {r['compare_gc_seconds']:>6.2f}  {r['compare_' + cfg.actor.backend + '_seconds']:>8.2f}  x{r['compare_speedup_vs_gc']:.3f}"
         print(line)
     if rows and "compare_speedup_vs_gc" in rows[0]:
         gc = sum(r["compare_gc_seconds"] for r in rows)
         ours = sum(r[f"compare_{cfg.actor.backend}_seconds"] for r in rows)
-        print(f"update time on the same microbatches, all steps: gc {gc:.1f}s, {cfg.actor.backend} {ours:.1f}s (x{gc / ours:.3f})")
+        print(
+            f"update time on the same microbatches, all steps: gc {gc:.1f}s, {cfg.actor.backend} {ours:.1f}s (x{gc / ours:.3f})"
+        )
     for r in (r for r in rows if "eval_accuracy" in r):
-        print(f"held-out after step {r['step']}: accuracy {r['eval_accuracy']:.3f}, reward {r['eval_reward_mean']:.3f} "
-              f"({r['eval_prompts']} prompts, greedy)")
+        print(
+            f"held-out after step {r['step']}: accuracy {r['eval_accuracy']:.3f}, reward {r['eval_reward_mean']:.3f} "
+            f"({r['eval_prompts']} prompts, greedy)"
+        )
 
 
 def _num(v, fmt: str) -> str:
@@ -461,7 +547,11 @@ def _last_checkpoint(cfg) -> str:
     from hilore_actor.train.checkpoint import CheckpointDir
 
     last = CheckpointDir(checkpoint_root(cfg)).latest()
-    return f"the last checkpoint is {last}; rerun with --resume to continue from it" if last else "no checkpoint was written yet"
+    return (
+        f"the last checkpoint is {last}; rerun with --resume to continue from it"
+        if last
+        else "no checkpoint was written yet"
+    )
 
 
 def _trace_file(cfg, e: BaseException) -> str:

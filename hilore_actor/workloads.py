@@ -6,6 +6,7 @@ equal (zero advantage for every token); old log-probs are the current ones pertu
 realistic share of tokens is clipped; the reference is perturbed less. Sequences are packed
 into rows of exactly ``tokens`` tokens. Everything is seeded.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -76,7 +77,16 @@ def replayed_microbatches(
         cur = sequence_log_probs(model, ids, position_ids=pos).float().cpu()
         old = cur + clip_noise * torch.randn(cur.shape, generator=gen)
         ref = cur + ref_noise * torch.randn(cur.shape, generator=gen)
-        out.append(Microbatch(ids, pos, old.to(device), ref.to(device), adv.to(device), mask.to(device),
-                              loss_options=dict(loss_options or DEFAULT_LOSS)))
+        out.append(
+            Microbatch(
+                ids,
+                pos,
+                old.to(device),
+                ref.to(device),
+                adv.to(device),
+                mask.to(device),
+                loss_options=dict(loss_options or DEFAULT_LOSS),
+            )
+        )
     model.train(was_training)
     return out

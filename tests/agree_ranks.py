@@ -1,5 +1,6 @@
 """Two gloo ranks with different action maps agree on one (``lockstep.agree_actions``);
 ``python tests/agree_ranks.py OUT.json`` (rank 0 writes what both ranks got)."""
+
 import os
 import sys
 

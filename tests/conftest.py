@@ -1,4 +1,5 @@
 """Shared helpers: fresh random packed microbatches and a GRPO loss over them."""
+
 import contextlib
 
 import pytest
@@ -82,7 +83,9 @@ def bench_setup(arch: str, num_layers: int, n_mbs: int):
 
     seed = torch.seed() % 2**31
     print("seed", seed)
-    model = build_model(tiny_config(arch, hidden_size=64, num_layers=num_layers, vocab_size=4096), lora=LoraSpec(8, 16), seed=seed)
+    model = build_model(
+        tiny_config(arch, hidden_size=64, num_layers=num_layers, vocab_size=4096), lora=LoraSpec(8, 16), seed=seed
+    )
     init_lora_b(model, 1e-2, seed)
     model.train()
     return head_runners(model, RecoveryEngine(model)), replayed_microbatches(model, n_mbs, 256, seed=seed)

@@ -1,5 +1,6 @@
 """Worker for test_distributed.py: 2 CPU ranks over gloo, a DeepSpeed ZeRO engine around a tiny
 LoRA model, gradients of no-gc vs engine policies. Launched with torchrun; rank 0 prints JSON."""
+
 import json
 import os
 import sys
@@ -27,7 +28,9 @@ def main():
     results = {}
     methods = sys.argv[3].split(",") if len(sys.argv) > 3 else ["no-gc", "gc", "all-r", "all-h", "mixed"]
     for method in methods:
-        model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8, 0.1), seed=0)
+        model = build_model(
+            tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8, 0.1), seed=0
+        )
         if method == "gc":
             apply_baseline(model, "gc")
         cfg = {
@@ -44,7 +47,9 @@ def main():
             engine_ds.backward(grpo_loss(engine_ds, ids, pos))
         else:
             rec = RecoveryEngine(engine_ds)
-            plan = {"mixed": {n: "HR"[i % 2] for i, n in enumerate(rec.unit_names)}, "h-to-l": "all-h"}.get(method, method)
+            plan = {"mixed": {n: "HR"[i % 2] for i, n in enumerate(rec.unit_names)}, "h-to-l": "all-h"}.get(
+                method, method
+            )
             weights = watch_weights(engine_ds.module) if method in ("all-l", "h-to-l") else None
             if weights is not None:
                 spy_compress(weights, spied := {"weights": [], "activations": 0})
@@ -101,7 +106,11 @@ def spy_compress(weights: dict, log: dict) -> None:
     _COMPRESS.append(orig)
 
     def compress(self, t, unit, keep_sign=False):
-        if isinstance(t, torch.nn.Parameter) or t.untyped_storage()._cdata in weights or t.untyped_storage().nbytes() == 0:
+        if (
+            isinstance(t, torch.nn.Parameter)
+            or t.untyped_storage()._cdata in weights
+            or t.untyped_storage().nbytes() == 0
+        ):
             log["weights"].append(f"{unit.name} {tuple(t.shape)}")
             return t
         log["activations"] += 1

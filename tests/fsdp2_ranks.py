@@ -10,6 +10,7 @@ shard against plain FSDP2's, and every tensor ``Step.compress`` received whose s
 of those buffers: such a tensor is a weight, which L must never copy (after forward, for an
 H -> L switch, its storage is already freed, so it is recorded, not compressed).
 """
+
 import os
 import sys
 
@@ -21,8 +22,13 @@ from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 # plan, then the actions set after forward (None: the plan's own); "online" is the chooser's
 # path: every unit stored exact in forward, then L, H or R per unit
-PLANS = {"all-h": ("all-h", None), "all-r": ("all-r", None), "all-l": ("all-l", None),
-         "h-to-l": ("all-h", "all-l"), "online": ("all-h", "LHRL")}
+PLANS = {
+    "all-h": ("all-h", None),
+    "all-r": ("all-r", None),
+    "all-l": ("all-l", None),
+    "h-to-l": ("all-h", "all-l"),
+    "online": ("all-h", "LHRL"),
+}
 
 
 def sharded_model(seed: int, mesh):
@@ -30,7 +36,9 @@ def sharded_model(seed: int, mesh):
 
     from hilore_actor.models import LoraSpec, build_model, tiny_config
 
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8), seed=seed)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8), seed=seed
+    )
     model.train()
     for p in model.parameters():  # LoRA B away from zero: every LoRA gradient is nonzero
         if p.requires_grad:
@@ -112,9 +120,12 @@ def rank_main(rank: int, world: int, port: int, seed: int, out: str) -> None:
         log.update(weights=[], activations=0)
         g = run(model, engine, ids, pos, plan, actions)
         num = torch.cat([(g[n] - ref[n]).flatten() for n in ref]).norm()
-        seen[name] = {"equal": set(g) == set(ref) and all(torch.equal(g[n], ref[n]) for n in ref),
-                      "rel": float(num / torch.cat([r.flatten() for r in ref.values()]).norm()),
-                      "weights": log["weights"], "activations": log["activations"]}
+        seen[name] = {
+            "equal": set(g) == set(ref) and all(torch.equal(g[n], ref[n]) for n in ref),
+            "rel": float(num / torch.cat([r.flatten() for r in ref.values()]).norm()),
+            "weights": log["weights"],
+            "activations": log["activations"],
+        }
     write_ranks(seen, out, world)
 
 

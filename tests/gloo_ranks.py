@@ -1,6 +1,7 @@
 """Shared plumbing of the two-gloo-rank worker scripts (``fsdp2_ranks.py``, ``verl_two_ranks.py``,
 ``verl_ulysses_ranks.py``): spawn two ranks on a free port, and gather what each rank saw into
 one JSON file written by rank 0."""
+
 import json
 import socket
 

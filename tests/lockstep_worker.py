@@ -2,6 +2,7 @@
 (``fully_shard`` per decoder layer and at the root). Rank 0 runs planning-like passes with a
 ``lockstep.Leader`` (a fixed map, an online chooser, gradients), rank 1 ``follow``s; rank 0
 prints one JSON line. Launched with torchrun."""
+
 import json
 import os
 import sys
@@ -24,15 +25,18 @@ def main():
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine
 
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8, 0.0), seed=seed)
+    model = build_model(
+        tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8, 0.0), seed=seed
+    )
     model.train()
     with torch.no_grad():  # LoRA B not zero, the same on every rank
         gen = torch.Generator().manual_seed(seed + 1)
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    mb = planning_microbatches(model, 1, tokens=64, seqs_per_microbatch=2, group_size=2, seed=seed, loss_options={},
-                               device="cpu")[0]
+    mb = planning_microbatches(
+        model, 1, tokens=64, seqs_per_microbatch=2, group_size=2, seed=seed, loss_options={}, device="cpu"
+    )[0]
     ref = Runner(model).run(mb, "no-gc", grads=True, seed=3).grad  # unsharded, before FSDP
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.base_model.model.model.layers:

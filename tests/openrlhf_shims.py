@@ -8,6 +8,7 @@ without sample packing (packing is what uses flash_attn's unpad helpers), ``Poli
 ``compute_approx_kl``, ``ActorPPOTrainer.training_step`` (no vLLM weight sync) and the
 argparse block of ``openrlhf.cli.train_ppo_ray`` (which stops before ``train``).
 """
+
 import importlib.abc
 import importlib.machinery
 import sys

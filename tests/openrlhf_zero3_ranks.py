@@ -20,6 +20,7 @@ a plain object (no Ray), and the vllm/flash_attn import shims (``openrlhf_shims.
 planning happens after its reload is ``test_openrlhf.py``'s order test.
 ``python openrlhf_zero3_ranks.py MODEL_DIR OUT.json``.
 """
+
 import copy
 import json
 import os
@@ -35,13 +36,44 @@ MICRO, SAMPLES, P, A, VOCAB = 2, 4, 12, 20, 128
 
 def recipe(model_dir: str):
     """OpenRLHF's documented RL flags (ZeRO-3, packing off: its flash-attn path is GPU-only)."""
-    return ["--actor.model_name_or_path", model_dir, "--data.prompt_dataset", "unused", "--ds.zero_stage", "3",
-            "--ds.param_dtype", "bf16", "--ds.attn_implementation", "sdpa", "--vllm.num_engines", "0",
-            "--rollout.n_samples_per_prompt", "4", "--algo.advantage.estimator", "group_norm",
-            "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--actor.num_gpus_per_node", "2",
-            "--rollout.batch_size", "4", "--train.batch_size", str(2 * SAMPLES), "--train.micro_batch_size", str(MICRO),
-            "--rollout.micro_batch_size", str(MICRO), "--data.max_len", str(P + A), "--train.max_epochs", "1",
-            "--actor.gradient_checkpointing_enable", "--vllm.sync_backend", "gloo"]
+    return [
+        "--actor.model_name_or_path",
+        model_dir,
+        "--data.prompt_dataset",
+        "unused",
+        "--ds.zero_stage",
+        "3",
+        "--ds.param_dtype",
+        "bf16",
+        "--ds.attn_implementation",
+        "sdpa",
+        "--vllm.num_engines",
+        "0",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--algo.kl.use_loss",
+        "--algo.kl.estimator",
+        "k3",
+        "--actor.num_gpus_per_node",
+        "2",
+        "--rollout.batch_size",
+        "4",
+        "--train.batch_size",
+        str(2 * SAMPLES),
+        "--train.micro_batch_size",
+        str(MICRO),
+        "--rollout.micro_batch_size",
+        str(MICRO),
+        "--data.max_len",
+        str(P + A),
+        "--train.max_epochs",
+        "1",
+        "--actor.gradient_checkpointing_enable",
+        "--vllm.sync_backend",
+        "gloo",
+    ]
 
 
 def cpu_stand_ins(pa) -> None:
@@ -80,8 +112,14 @@ def cpu_stand_ins(pa) -> None:
 
 
 def rank_main(rank, world, port, model_dir, out):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
     import openrlhf_shims
     import transformers.integrations.deepspeed as hf_deepspeed
 
@@ -137,8 +175,11 @@ def fits(actor, exps, alternate: bool):
 
     def optimizer_step(*a, **k):
         if engine.is_gradient_accumulation_boundary():
-            grads.append(torch.cat([safe_get_full_grad(p).float().flatten() for p in engine.module.parameters()
-                                    if p.requires_grad]))
+            grads.append(
+                torch.cat(
+                    [safe_get_full_grad(p).float().flatten() for p in engine.module.parameters() if p.requires_grad]
+                )
+            )
         return real_step(*a, **k)
 
     for i, exp in enumerate(exps):
@@ -165,8 +206,11 @@ def fits(actor, exps, alternate: bool):
 
 def _with_info(exp):
     """The per-sample info OpenRLHF's experience maker fills (the replay buffer splits it)."""
-    exp.info = {"reward": torch.zeros(exp.sequences.shape[0]), "response_length": exp.action_mask.sum(-1).float(),
-                "total_length": exp.attention_mask.sum(-1).float()}
+    exp.info = {
+        "reward": torch.zeros(exp.sequences.shape[0]),
+        "response_length": exp.action_mask.sum(-1).float(),
+        "total_length": exp.attention_mask.sum(-1).float(),
+    }
     return exp
 
 

@@ -7,6 +7,7 @@ The whole registry takes over three minutes on 2 cores, so the default suite che
 set (the common GRPO targets and one architecture of each structure the cut handles: post-norm,
 sandwich norms, parallel attention/MLP, MoE, latent attention, state-space mixers, sliding
 windows, a whole-layer fallback, a refusal); the whole sweep and the doc table are ``-m slow``."""
+
 import re
 from pathlib import Path
 
@@ -18,8 +19,23 @@ import arch_sweep  # noqa: E402  (tests/ is on the path: conftest.py lives there
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 # The architectures users train with GRPO most, held to the whole acceptance: cut into units,
 # exact under H/R/gc, and L's error in (0, 0.05).
-NAMED = ("olmo2", "gemma3_text", "qwen3_moe", "mixtral", "gpt_oss", "phi3", "qwen3", "mistral", "smollm3", "llama",
-         "qwen2", "deepseek_v2", "qwen3_next", "gptj", "falcon")
+NAMED = (
+    "olmo2",
+    "gemma3_text",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "phi3",
+    "qwen3",
+    "mistral",
+    "smollm3",
+    "llama",
+    "qwen2",
+    "deepseek_v2",
+    "qwen3_next",
+    "gptj",
+    "falcon",
+)
 
 
 # One of each other structure: sandwich norms, MoE with shared experts, state-space and hybrid

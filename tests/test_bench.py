@@ -1,4 +1,5 @@
 """The benchmark command end to end on a tiny model config: records, JSON fields, plot."""
+
 import json
 
 import pytest
@@ -17,17 +18,48 @@ def tiny_cfg(tmp_path):
 
 def test_bench_runs_and_reports(tmp_path, tiny_cfg):
     out = tmp_path / "r.json"
-    rc = main(["--workload", "cpu-small", "--model-config", str(tiny_cfg), "--methods", "no-gc,gc,all-h,all-r,all-l,hilore-hr",
-               "--budgets", "1.10,1.20", "--repeats", "1", "--updates", "1", "--calib", "1", "--calib-tokens", "256",
-               "--no-loo", "--json", str(out), "--plot", str(tmp_path / "p.png"), "--markdown", str(tmp_path / "t.md")])
+    rc = main(
+        [
+            "--workload",
+            "cpu-small",
+            "--model-config",
+            str(tiny_cfg),
+            "--methods",
+            "no-gc,gc,all-h,all-r,all-l,hilore-hr",
+            "--budgets",
+            "1.10,1.20",
+            "--repeats",
+            "1",
+            "--updates",
+            "1",
+            "--calib",
+            "1",
+            "--calib-tokens",
+            "256",
+            "--no-loo",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "p.png"),
+            "--markdown",
+            str(tmp_path / "t.md"),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["torch"] and data["device"] and data["workload"]["name"] == "cpu-small"
     assert data["head"] == "chunked" and data["budget_from"] == "gc" and data["budget_scope"] == "device"
     assert data["git_commit"] and data["threads"] >= 1 and "glibc_tunables" in data
     recs = {(r["method"], r["budget_ratio"]): r for r in data["records"]}
-    assert set(recs) == {("no-gc", None), ("gc", None), ("all-h", None), ("all-r", None), ("all-l", None),
-                         ("hilore-hr", 1.1), ("hilore-hr", 1.2)}
+    assert set(recs) == {
+        ("no-gc", None),
+        ("gc", None),
+        ("all-h", None),
+        ("all-r", None),
+        ("all-l", None),
+        ("hilore-hr", 1.1),
+        ("hilore-hr", 1.2),
+    }
     for r in data["records"]:
         assert set(FIELDS) <= set(r)
     assert recs[("all-h", None)]["grad_rel_err_max"] == 0.0 and recs[("all-r", None)]["grad_rel_err_max"] == 0.0
@@ -38,7 +70,9 @@ def test_bench_runs_and_reports(tmp_path, tiny_cfg):
     assert all(r["head"] == "chunked" for r in data["records"])
     assert set(hr["units"]) == set(hr["plan"]) and all(u["bytes_H"] > 0 for u in hr["units"].values())
     assert all(sum(u["taken"].values()) == 2 for u in hr["units"].values())  # 1 update x 2 microbatches, timed
-    assert len(recs[("gc", None)]["update_seconds_all"]) == 1 and len(recs[("all-l", None)]["paired_gc_seconds_all"]) == 1
+    assert (
+        len(recs[("gc", None)]["update_seconds_all"]) == 1 and len(recs[("all-l", None)]["paired_gc_seconds_all"]) == 1
+    )
     assert (tmp_path / "p.png").stat().st_size > 10_000
     md = (tmp_path / "t.md").read_text()
     assert "| method |" in md and "### HiLoRe plans" in md and "Best left R" in md
@@ -65,9 +99,27 @@ def test_methods_help_names_every_known_method():
 
 def test_full_suffix_and_activation_scope(tmp_path, tiny_cfg):
     out = tmp_path / "r.json"
-    rc = main(["--model-config", str(tiny_cfg), "--methods", "gc,gc+full,hilore-hr", "--budget-from", "gc+full",
-               "--budget-scope", "activations", "--budgets", "1.0", "--repeats", "2", "--updates", "1", "--no-loo",
-               "--json", str(out)])
+    rc = main(
+        [
+            "--model-config",
+            str(tiny_cfg),
+            "--methods",
+            "gc,gc+full,hilore-hr",
+            "--budget-from",
+            "gc+full",
+            "--budget-scope",
+            "activations",
+            "--budgets",
+            "1.0",
+            "--repeats",
+            "2",
+            "--updates",
+            "1",
+            "--no-loo",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     recs = {r["method"]: r for r in data["records"]}
@@ -95,8 +147,24 @@ def test_compiled_units_rows_share_one_compiled_copy(tmp_path, tiny_cfg, regions
     With layer regions every layer of the copy gets its region (the copy carries none of the
     first engine's hooks, which would make compile_units keep per-unit regions)."""
     out = tmp_path / "r.json"
-    rc = main(["--model-config", str(tiny_cfg), "--methods", "no-gc,gc,gc+compile,all-h+compile,all-r+compile,hilore-hr+compile",
-               "--budgets", "1.2", "--repeats", "2", "--updates", "1", "--no-loo", "--json", str(out)] + regions)
+    rc = main(
+        [
+            "--model-config",
+            str(tiny_cfg),
+            "--methods",
+            "no-gc,gc,gc+compile,all-h+compile,all-r+compile,hilore-hr+compile",
+            "--budgets",
+            "1.2",
+            "--repeats",
+            "2",
+            "--updates",
+            "1",
+            "--no-loo",
+            "--json",
+            str(out),
+        ]
+        + regions
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert f"[bench] compiled {8 + (2 if regions else 0)} unit modules" in printed  # 2 layers of 4 units
@@ -115,6 +183,19 @@ def test_compile_suffix_on_a_peer_is_a_clear_error(tiny_cfg, capsys):
 
 
 def test_compile_activation_budget_outside_0_1_is_a_clear_error(tiny_cfg, capsys):
-    assert main(["--model-config", str(tiny_cfg), "--methods", "gc,hilore+compile", "--compile-activation-budget", "2",
-                 "--repeats", "1"]) == 2
+    assert (
+        main(
+            [
+                "--model-config",
+                str(tiny_cfg),
+                "--methods",
+                "gc,hilore+compile",
+                "--compile-activation-budget",
+                "2",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "--compile-activation-budget must lie in [0, 1], got 2.0" in capsys.readouterr().err

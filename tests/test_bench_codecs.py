@@ -1,4 +1,5 @@
 """The codec benchmark on a tiny random model: every field present, byte ratios exact."""
+
 import json
 
 import pytest
@@ -11,9 +12,26 @@ def test_codec_benchmark_reports_bytes_kinds_and_gradient_errors(tmp_path, capsy
     seed = torch.seed() % 2**31
     print("seed", seed)
     out = tmp_path / "codecs.json"
-    rc = bench_codecs.main(["--model", "cpu-small", "--codecs", "int8,int8-g64,bf16", "--scopes", "all,mlp",
-                            "--tokens", "128", "--sets", "2", "--seed", str(seed), "--json", str(out),
-                            "--markdown", str(tmp_path / "codecs.md")])
+    rc = bench_codecs.main(
+        [
+            "--model",
+            "cpu-small",
+            "--codecs",
+            "int8,int8-g64,bf16",
+            "--scopes",
+            "all,mlp",
+            "--tokens",
+            "128",
+            "--sets",
+            "2",
+            "--seed",
+            str(seed),
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "codecs.md"),
+        ]
+    )
     assert rc == 0
     d = json.loads(out.read_text())
     res = d["codecs"]

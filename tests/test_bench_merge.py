@@ -1,4 +1,5 @@
 """Merging benchmark pieces: records combine, mismatched pieces are refused, gap from speeds."""
+
 import json
 
 import pytest
@@ -7,18 +8,47 @@ from hilore_actor.bench.merge import main, merge
 
 
 def piece(methods, base=1000, budgets=(1.1,)):
-    recs = [{"method": m, "head": "chunked", "budget_ratio": b, "speed_over_gc": s, "peak_over_gc": 1.0,
-             "update_seconds": 1.0 / s, "fits_budget": True} for m, b, s in methods]
-    return {"workload": {"name": "w"}, "head": "chunked", "budget_from": "gc", "budget_scope": "device",
-            "budget_base_bytes": base, "budget_offset_bytes": 10, "codec": "int8", "updates": 3, "inputs": {},
-            "torch": "t", "device": "cpu", "budgets": list(budgets), "command": "c", "repeats": 7, "records": recs}
+    recs = [
+        {
+            "method": m,
+            "head": "chunked",
+            "budget_ratio": b,
+            "speed_over_gc": s,
+            "peak_over_gc": 1.0,
+            "update_seconds": 1.0 / s,
+            "fits_budget": True,
+        }
+        for m, b, s in methods
+    ]
+    return {
+        "workload": {"name": "w"},
+        "head": "chunked",
+        "budget_from": "gc",
+        "budget_scope": "device",
+        "budget_base_bytes": base,
+        "budget_offset_bytes": 10,
+        "codec": "int8",
+        "updates": 3,
+        "inputs": {},
+        "torch": "t",
+        "device": "cpu",
+        "budgets": list(budgets),
+        "command": "c",
+        "repeats": 7,
+        "records": recs,
+    }
 
 
 def test_merge_combines_and_recomputes_the_gap():
     a = piece([("gc", None, 1.0), ("no-gc", None, 1.25), ("hilore", 1.1, 1.1)])
     b = piece([("gc", None, 1.0), ("sac-budget", 1.25, 1.05)], budgets=(1.25,))
     header, recs = merge([("a", a), ("b", b)])
-    assert [(r["method"], r["piece"]) for r in recs] == [("gc", "a"), ("no-gc", "a"), ("hilore", "a"), ("sac-budget", "b")]
+    assert [(r["method"], r["piece"]) for r in recs] == [
+        ("gc", "a"),
+        ("no-gc", "a"),
+        ("hilore", "a"),
+        ("sac-budget", "b"),
+    ]
     assert header["budgets"] == [1.1, 1.25] and len(header["pieces"]) == 2
     h = next(r for r in recs if r["method"] == "hilore")
     assert h["gap_recovered"] == pytest.approx((1 - 1 / 1.1) / (1 - 1 / 1.25))
@@ -65,10 +95,12 @@ def test_hilore_over_coarse_pairs_repeats_of_one_piece_only(fresh_seed):
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)
     coarse, fine = [rng.uniform(9, 11) for _ in range(7)], [rng.uniform(8, 10) for _ in range(7)]
-    recs = [{"method": "hilore-coarse", "budget_ratio": 1.1, "piece": "p3", "update_seconds_all": coarse},
-            {"method": "hilore", "budget_ratio": 1.1, "piece": "p3", "update_seconds_all": fine},
-            {"method": "hilore", "budget_ratio": 1.25, "piece": "p3", "update_seconds_all": fine},
-            {"method": "hilore-coarse", "budget_ratio": 1.25, "piece": "p5", "update_seconds_all": coarse}]
+    recs = [
+        {"method": "hilore-coarse", "budget_ratio": 1.1, "piece": "p3", "update_seconds_all": coarse},
+        {"method": "hilore", "budget_ratio": 1.1, "piece": "p3", "update_seconds_all": fine},
+        {"method": "hilore", "budget_ratio": 1.25, "piece": "p3", "update_seconds_all": fine},
+        {"method": "hilore-coarse", "budget_ratio": 1.25, "piece": "p5", "update_seconds_all": coarse},
+    ]
     out = versus(recs)
     want = statistics.median(c / f for c, f in zip(coarse, fine))
     assert f"| 1.10 | {want:.3f} [" in out and "| 1.25 |" not in out, out
@@ -96,8 +128,10 @@ def test_a_paired_ratio_stands_beside_the_floor_of_its_own_phases(fresh_seed):
         hc = [c * a / g / speedup for c, a, g in zip(cb, aa, gc)]  # the floor's own ratios, times speedup
         phase = {"gc": gc, "gc-aa": aa, "hilore+compile@1.10": hc, "compile-budget@1.10": cb}
         header = {"phases": [{"label": "main", "times": main}, {"label": "compile-budget@1.10", "times": phase}]}
-        recs = [{"method": "hilore+compile", "budget_ratio": 1.1, "update_seconds_all": hc},
-                {"method": "compile-budget", "budget_ratio": 1.1, "update_seconds_all": cb}]
+        recs = [
+            {"method": "hilore+compile", "budget_ratio": 1.1, "update_seconds_all": hc},
+            {"method": "compile-budget", "budget_ratio": 1.1, "update_seconds_all": cb},
+        ]
         out = versus(recs, "hilore+compile", "compile-budget", header=header)
         ratios, floor = [c / h for c, h in zip(cb, hc)], [g / a for g, a in zip(gc, aa)]
         assert f"| 1.10 | {statistics.median(ratios):.3f} [" in out, out
@@ -109,8 +143,12 @@ def test_a_paired_ratio_stands_beside_the_floor_of_its_own_phases(fresh_seed):
         # an unbudgeted peer (gc+compile) is paired under its one key
         gcc = [g / 1.03 for g in gc]
         phase["gc+compile"] = gcc
-        out = versus(recs + [{"method": "gc+compile", "budget_ratio": None, "update_seconds_all": gcc}],
-                     "hilore+compile", "gc+compile", header=header)
+        out = versus(
+            recs + [{"method": "gc+compile", "budget_ratio": None, "update_seconds_all": gcc}],
+            "hilore+compile",
+            "gc+compile",
+            header=header,
+        )
         assert f"| 1.10 | {statistics.median(g / h for g, h in zip(gcc, hc)):.3f} [" in out, out
     assert reading({"speed_ci95": [0.90, 0.95]}, {"speed_ci95": [0.98, 1.02]}) == "below the floor"
     assert reading({"speed_ci95": [0.90, 0.99]}, None) == "-"
@@ -124,8 +162,12 @@ def timed_piece(rng, plan, n=5):
     d = piece([("gc", None, 1.0), ("gc-aa", None, 1.0), ("hilore", 1.1, 1.05)])
     times = {"gc": gc, "gc-aa": aa, "hilore": h}
     for r in d["records"]:
-        r.update(update_seconds_all=times[r["method"]], paired_gc_seconds_all=gc, paired_aa_seconds_all=aa,
-                 cpu_seconds_all=[1.0] * n)
+        r.update(
+            update_seconds_all=times[r["method"]],
+            paired_gc_seconds_all=gc,
+            paired_aa_seconds_all=aa,
+            cpu_seconds_all=[1.0] * n,
+        )
         if r["method"] == "hilore":
             r["plan"] = plan
     d["phases"] = [{"label": "main", "times": {"gc": gc, "gc-aa": aa, "hilore@1.10": h}}]

@@ -1,6 +1,7 @@
 """The benchmark's ``--json`` file while the run goes (``hilore_actor.bench.partial``): a run
 stopped midway, as ``timeout`` stops a stage of ``benchmarks/gpu_check.sh`` (SIGTERM, then
 SIGKILL), keeps every piece it finished."""
+
 import json
 import os
 import signal
@@ -38,10 +39,32 @@ def test_a_run_stopped_by_sigterm_keeps_what_it_finished(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=2048).to_json_string())
     out = tmp_path / "r.json"
-    args = ["--workload", "cpu-small", "--model-config", str(cfg), "--device", "cpu", "--methods", "gc,no-gc",
-            "--repeats", "2", "--updates", "1", "--cpu-meter", "storage", "--json", str(out)]
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_SECOND_RECORD, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    args = [
+        "--workload",
+        "cpu-small",
+        "--model-config",
+        str(cfg),
+        "--device",
+        "cpu",
+        "--methods",
+        "gc,no-gc",
+        "--repeats",
+        "2",
+        "--updates",
+        "1",
+        "--cpu-meter",
+        "storage",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SECOND_RECORD, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     seen, deadline = [], time.monotonic() + 400
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -84,8 +107,13 @@ def test_progress_keeps_the_file_whole_and_current(tmp_path):
     doc = json.loads(path.read_text())
     assert doc["budget_base_bytes"] == 7 and doc["prepared"] == [{"method": "gc", "budget_ratio": None}]
     assert doc["phases"] == [{"label": "main phase", "times": {"gc": [1.0, 1.1]}, "complete": True}]
-    assert doc["partial"]["done"] == ["B measured", "prepared gc", "main phase: repeat 1/2", "main phase: repeat 2/2",
-                                      "measured gc"]
+    assert doc["partial"]["done"] == [
+        "B measured",
+        "prepared gc",
+        "main phase: repeat 1/2",
+        "main phase: repeat 2/2",
+        "measured gc",
+    ]
     p.stopped("signal SIGTERM during measuring peaks and gradients")
     assert json.loads(path.read_text())["partial"]["stopped"].startswith("signal SIGTERM")
     write_atomic(path, {"records": [], "done": True})  # the whole result

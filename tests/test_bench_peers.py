@@ -45,7 +45,9 @@ def test_compiled_peer_uses_the_chunked_head_and_compile_budget_fits(setup):
     runners, dev = setup
     gc = _peak(runners["chunked"], dev, "gc")
     _, full = compiled_peak(runners["full"], 1.0, "full", dev)
-    ctx = MethodContext(runners, "chunked", Budget("activations", "gc", gc, 0), None, dev, log=lambda m: None, bisect_steps=0)
+    ctx = MethodContext(
+        runners, "chunked", Budget("activations", "gc", gc, 0), None, dev, log=lambda m: None, bisect_steps=0
+    )
     m = make_method("compile-budget", full / gc, ctx)
     assert m.extra["activation_memory_budget"] == 1.0
     assert m.extra["tried"]["1.0000"] < 0.8 * full  # the chunked head's compiled graph skips the logits
@@ -90,7 +92,9 @@ def test_tune_compile_budget_scans_down_then_bisects(monkeypatch):
 def test_compile_budget_fits_on_every_dev_microbatch_after_bisection(setup):
     runners, dev = setup
     gc = _peak(runners["chunked"], dev, "gc")
-    ctx = MethodContext(runners, "chunked", Budget("activations", "gc", gc, 0), None, dev, log=lambda m: None, bisect_steps=2)
+    ctx = MethodContext(
+        runners, "chunked", Budget("activations", "gc", gc, 0), None, dev, log=lambda m: None, bisect_steps=2
+    )
     m = make_method("compile-budget", 1.5, ctx)
     assert m.extra["tried"] and 0.0 <= m.extra["activation_memory_budget"] <= 1.0
     assert max(m.run(mb, measure_peak=True).peak_bytes for mb in dev) <= ctx.budget.room(1.5)

@@ -1,6 +1,7 @@
 """Saved-tensor kinds on a tiny LoRA model: every saved tensor gets exactly one kind, the
 attention core's inputs and the projections' inputs are found, and compressing one kind
 changes the gradient only when that kind was saved."""
+
 import torch
 
 from conftest import packed_microbatch
@@ -11,8 +12,11 @@ from hilore_actor.recovery import get_codec
 
 
 def _setup(seed):
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=128),
-                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed).train()
+    model = build_model(
+        tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=128),
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=seed,
+    ).train()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -20,9 +24,15 @@ def _setup(seed):
     ids, pos = packed_microbatch(96, 128, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     n = ids.shape[1] - 1
-    mb = Microbatch(ids, pos, -torch.rand(1, n, generator=gen), -torch.rand(1, n, generator=gen),
-                    torch.randn(1, n, generator=gen), (torch.rand(1, n, generator=gen) > 0.2).float(),
-                    loss_options={"clip_eps_low": 0.2})
+    mb = Microbatch(
+        ids,
+        pos,
+        -torch.rand(1, n, generator=gen),
+        -torch.rand(1, n, generator=gen),
+        torch.randn(1, n, generator=gen),
+        (torch.rand(1, n, generator=gen) > 0.2).float(),
+        loss_options={"clip_eps_low": 0.2},
+    )
     return model, mb
 
 
@@ -34,7 +44,11 @@ def test_every_saved_tensor_gets_one_kind():
     total = [0]
 
     def count(t):  # the reference: a plain hook that counts what SavedKinds should classify
-        if t.is_floating_point() and not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in params:
+        if (
+            t.is_floating_point()
+            and not isinstance(t, torch.nn.Parameter)
+            and t.untyped_storage().data_ptr() not in params
+        ):
             total[0] += t.numel() * t.element_size()
         return t
 

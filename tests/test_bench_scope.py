@@ -1,5 +1,6 @@
 """Budget base and scope: B's gc run uses the selected head; the device scope counts the
 weights and the AdamW state on top of what a microbatch allocates."""
+
 import types
 
 import pytest

@@ -1,4 +1,5 @@
 """Paired speed ratios, bootstrap intervals and the bimodality flag against hand-made cases."""
+
 import random
 import statistics
 

@@ -1,5 +1,6 @@
 """Interleaved timing: every phase carries gc, its A/A twin gc-aa, and (in a compiled peer's
 phase) hilore at the peer's budget; each method gets the gc and gc-aa times of its phase."""
+
 import random
 
 from hilore_actor.bench.timing import AA, key, time_methods

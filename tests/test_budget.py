@@ -1,13 +1,21 @@
 """Budgets: ratios of the gc peak or sizes; below the minimum is a clear error."""
+
 import pytest
 
 from hilore_actor.allocation import BudgetError, parse_budget, resolve_budget
 
 
-@pytest.mark.parametrize("spec,expected", [
-    (1.1, ("ratio", 1.1)), ("1.10", ("ratio", 1.1)), ("1.2x", ("ratio", 1.2)),
-    (3_000_000, ("bytes", 3_000_000)), ("12GiB", ("bytes", 12 * 2**30)), ("500MB", ("bytes", 500 * 10**6)),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (1.1, ("ratio", 1.1)),
+        ("1.10", ("ratio", 1.1)),
+        ("1.2x", ("ratio", 1.2)),
+        (3_000_000, ("bytes", 3_000_000)),
+        ("12GiB", ("bytes", 12 * 2**30)),
+        ("500MB", ("bytes", 500 * 10**6)),
+    ],
+)
 def test_parse(spec, expected):
     assert parse_budget(spec) == expected
 

@@ -1,4 +1,5 @@
 """Susceptibility fit, persistence, and a calibration run on a tiny model."""
+
 import json
 
 import pytest
@@ -45,12 +46,16 @@ def test_levels_merge_save_load_and_check(tmp_path):
 
     seed = torch.seed() % 2**31
     print("seed", seed)
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=256), lora=LoraSpec(4, 8), seed=seed)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=256), lora=LoraSpec(4, 8), seed=seed
+    )
     model.train()
     mbs = replayed_microbatches(model, 3, 128, seed=seed)
     runner = Runner(model)
     whole = calibrate_levels(runner, mbs, ("L", "L:bf16"))
-    assert whole["L"].codec == runner.engine.codec.name == "int8-g64" and whole["L:bf16"].codec == "bf16"  # the default's first
+    assert (
+        whole["L"].codec == runner.engine.codec.name == "int8-g64" and whole["L:bf16"].codec == "bf16"
+    )  # the default's first
     assert all(whole["L:bf16"].e_bar[n] < whole["L"].e_bar[n] for n in whole["L"].e_bar)  # bf16 reconstructs better
     parts = [calibrate(runner, mbs[:2]), calibrate(runner, mbs[2:])]
     merged = merge(parts)

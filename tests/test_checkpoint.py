@@ -1,4 +1,5 @@
 """Checkpoint folders: ``latest`` only ever names a complete checkpoint."""
+
 import hashlib
 import json
 
@@ -33,8 +34,9 @@ def test_commit_is_atomic_and_prunes(tmp_path):
     assert ck.latest() is None
 
 
-@pytest.mark.parametrize("harm, why", [("truncate", "bytes"), ("flip", "checksum"), ("delete", "missing"),
-                                       ("meta", "meta.json unreadable")])
+@pytest.mark.parametrize(
+    "harm, why", [("truncate", "bytes"), ("flip", "checksum"), ("delete", "missing"), ("meta", "meta.json unreadable")]
+)
 def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, harm, why):
     """Each way a checkpoint's files go bad: ``resumable`` names it and why, and returns the
     newest older one that checks out; with none left it returns None."""
@@ -98,13 +100,17 @@ def test_resume_compares_the_saved_flags_refuses_replans_or_applies(tmp_path):
     said = []
     assert check(step, flatten_ns(flags("--max_steps", "9", "--hilore.budget", "1.1")), said.append) == [] and not said
     assert check(step, flatten_ns(flags("--hilore.budget", "1.3")), said.append) == ["hilore.budget"]
-    assert said == ["[train] --resume with --hilore.budget '1.3' (the checkpoint's '1.10'): every rank plans anew "
-                    "(budget and plan) instead of restoring the checkpoint's"]
-    for argv, want in ((["--pretrain", "tiny:llama"], "(--pretrain) 'tiny:llama' (the checkpoint's 'tiny:qwen2')"),
-                       (["--ds.lora.rank", "4"], "--ds.lora.rank 4 (the checkpoint's 8)"),
-                       (["--actor.num_gpus_per_node", "1"], "the world size"),
-                       (["--actor.adam.lr", "0.01"], "optimizer state would silently restore"),
-                       (["--data.max_samples", "9"], "--data.max_samples 9 (the checkpoint's 1024)")):
+    assert said == [
+        "[train] --resume with --hilore.budget '1.3' (the checkpoint's '1.10'): every rank plans anew "
+        "(budget and plan) instead of restoring the checkpoint's"
+    ]
+    for argv, want in (
+        (["--pretrain", "tiny:llama"], "(--pretrain) 'tiny:llama' (the checkpoint's 'tiny:qwen2')"),
+        (["--ds.lora.rank", "4"], "--ds.lora.rank 4 (the checkpoint's 8)"),
+        (["--actor.num_gpus_per_node", "1"], "the world size"),
+        (["--actor.adam.lr", "0.01"], "optimizer state would silently restore"),
+        (["--data.max_samples", "9"], "--data.max_samples 9 (the checkpoint's 1024)"),
+    ):
         with pytest.raises(ResumeError) as e:
             check(step, flatten_ns(flags(*argv)), said.append)
         assert want in str(e.value) and "\n" not in str(e.value), str(e.value)

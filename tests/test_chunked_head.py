@@ -1,4 +1,5 @@
 """The chunked head against the plain one: same log-probs and gradients (float rounding)."""
+
 import pytest
 import torch
 
@@ -48,13 +49,17 @@ def test_entropy_and_temperature_match_autograd(scale):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
     # entropy computed but unused by the loss: the log-prob gradient alone
     lp2, _ = ChunkedTokenLogProbs.apply(h, w, b, lab, 4, scale, True)
-    for a, e in zip(torch.autograd.grad((lp2 * g).sum(), (h, w, b)), torch.autograd.grad((ref_lp * g).sum(), (h, w, b))):
+    for a, e in zip(
+        torch.autograd.grad((lp2 * g).sum(), (h, w, b)), torch.autograd.grad((ref_lp * g).sum(), (h, w, b))
+    ):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True), ("phi3", False)])
 def test_model_log_probs_and_grads_match(arch, tied):
-    model = build_model(tiny_config(arch, hidden_size=64, vocab_size=300, tie_word_embeddings=tied), lora=LoraSpec(4, 8))
+    model = build_model(
+        tiny_config(arch, hidden_size=64, vocab_size=300, tie_word_embeddings=tied), lora=LoraSpec(4, 8)
+    )
     ids = torch.randint(3, 300, (1, 50))
     pos = torch.cat([torch.arange(20), torch.arange(30)])[None]
     w = torch.randn(1, 49)
@@ -77,11 +82,20 @@ def test_a_model_whose_logits_are_not_the_linear_head_keeps_its_own_logits():
 
     seed = torch.seed() % 2**31
     print("seed", seed)
-    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                    final_logit_softcapping=0.01)  # a cap well inside the logits' range
-    capped, plain = build_model(cfg, seed=seed), build_model(tiny_config("qwen2", hidden_size=32, num_layers=2,
-                                                                          vocab_size=128), seed=seed)
+    cfg = transformers.Gemma2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        final_logit_softcapping=0.01,
+    )  # a cap well inside the logits' range
+    capped, plain = (
+        build_model(cfg, seed=seed),
+        build_model(tiny_config("qwen2", hidden_size=32, num_layers=2, vocab_size=128), seed=seed),
+    )
     assert not head_is_linear(capped) and head_is_linear(plain)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(seed))
     for model in (capped, plain):

@@ -1,5 +1,6 @@
 """L codecs against simpler references: group-wise = per-row codec on each group's slice,
 outliers kept exact, stored bytes counted exactly, and the ordering real activations need."""
+
 import pytest
 import torch
 
@@ -37,8 +38,14 @@ def test_roundtrip_keeps_shape_dtype_and_counts_bytes(name, shape):
         assert reconstruction_error(x, codec) < (0.2 if "e5m2" in name else 0.08)
 
 
-@pytest.mark.parametrize("name,group,qdtype", [("int8-g64", 64, torch.int8), ("int8-g128", 128, torch.int8),
-                                               ("fp8-e4m3-b32", 32, getattr(torch, "float8_e4m3fn", None))])
+@pytest.mark.parametrize(
+    "name,group,qdtype",
+    [
+        ("int8-g64", 64, torch.int8),
+        ("int8-g128", 128, torch.int8),
+        ("fp8-e4m3-b32", 32, getattr(torch, "float8_e4m3fn", None)),
+    ],
+)
 def test_group_codec_equals_the_per_row_codec_on_each_group(name, group, qdtype):
     if name not in CODECS:
         pytest.skip("no float8 dtypes in this torch build")
@@ -46,7 +53,7 @@ def test_group_codec_equals_the_per_row_codec_on_each_group(name, group, qdtype)
     cols = group * 3 + 17  # a ragged last group
     x = _outlier_activation(gen, rows=9, cols=cols)
     per_row = AbsmaxCodec("ref", qdtype, 127.0 if qdtype == torch.int8 else 448.0, rounding=qdtype == torch.int8)
-    ref = torch.cat([per_row.decode(per_row.encode(x[:, a:a + group])) for a in range(0, cols, group)], dim=1)
+    ref = torch.cat([per_row.decode(per_row.encode(x[:, a : a + group])) for a in range(0, cols, group)], dim=1)
     assert torch.equal(get_codec(name).decode(get_codec(name).encode(x)), ref)
 
 

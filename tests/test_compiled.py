@@ -1,6 +1,7 @@
 """Compiled recovery units (recovery/compiled.py) against the compiled model's plain autograd:
 H, R and P bitwise, L close, token counts and actions changing without recompiling; layer
 regions: H and R layers bitwise the compiled layers' own autograd, mixed layers per unit."""
+
 import pytest
 import torch
 
@@ -14,8 +15,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def compiled_tiny(arch, seed):
-    model = build_model(tiny_config(arch, hidden_size=64, num_layers=2, vocab_size=VOCAB),
-                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed)
+    model = build_model(
+        tiny_config(arch, hidden_size=64, num_layers=2, vocab_size=VOCAB),
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=seed,
+    )
     model.train()
     engine = RecoveryEngine(model)
     assert compile_units(engine) == 8  # two norms, attention and MLP per layer
@@ -50,7 +54,12 @@ def test_h_r_p_bitwise_and_l_close_on_compiled_units(arch, fresh_seed):
     ref = run(model, ids, pos)  # the compiled model's own autograd (no engine step)
     names = engine.unit_names
     mixed = {n: ("exact", "checkpoint", "partial", "compressed")[i % 4] for i, n in enumerate(names)}
-    for plan, actions in [("all-h", None), ("all-r", None), ("all-p", None), (None, {n: "HR"[i % 2] for i, n in enumerate(names)})]:
+    for plan, actions in [
+        ("all-h", None),
+        ("all-r", None),
+        ("all-p", None),
+        (None, {n: "HR"[i % 2] for i, n in enumerate(names)}),
+    ]:
         g = run(model, ids, pos, engine, plan, actions)
         assert all(torch.equal(g[n], ref[n]) for n in ref), f"{plan}/{actions} differs from compiled no-gc"
     g = run(model, ids, pos, engine, "all-l")
@@ -93,6 +102,7 @@ def test_each_unit_graph_runs_under_its_activation_budget(monkeypatch, fresh_see
         def call(*args, **kwargs):
             seen.append(fconf.activation_memory_budget)
             return fn(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(torch, "compile", recording_compile)
@@ -126,8 +136,11 @@ def test_a_lower_activation_budget_keeps_fewer_bytes_and_stays_exact(fresh_seed)
     held = {}
     for budget in (1.0, 0.0):
         torch._dynamo.reset()  # compiled graphs do not key on the partitioner's settings
-        model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=VOCAB),
-                            lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=fresh_seed)
+        model = build_model(
+            tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=VOCAB),
+            lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+            seed=fresh_seed,
+        )
         model.train()
         engine = RecoveryEngine(model)
         compile_units(engine, activation_budget=budget)
@@ -141,8 +154,11 @@ def test_a_lower_activation_budget_keeps_fewer_bytes_and_stays_exact(fresh_seed)
 
 
 def regions_tiny(seed, layers=2):
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=layers, vocab_size=VOCAB),
-                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed)
+    model = build_model(
+        tiny_config("llama", hidden_size=64, num_layers=layers, vocab_size=VOCAB),
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=seed,
+    )
     model.train()
     engine = RecoveryEngine(model)
     assert compile_units(engine, layer_regions=True) == 4 * layers + layers  # 4 unit modules a layer
@@ -231,9 +247,14 @@ def test_the_online_choice_keeps_h_regions_and_fits_the_rest_into_what_they_leav
         assert all(actions[n] == "H" for n in names[:4]), (room, actions)
         assert actions[names[5]] == "R"  # "compressed" admits L alone, which hilore-hr does not offer
         free = names[4:5]
-        best = max((c for c in itertools.product("HR", repeat=len(free))
-                    if held + sum(dm[n] for n, a in zip(free, c) if a == "H") <= max(room, held)),
-                   key=lambda c: sum(dtau[n] for n, a in zip(free, c) if a == "H"))
+        best = max(
+            (
+                c
+                for c in itertools.product("HR", repeat=len(free))
+                if held + sum(dm[n] for n, a in zip(free, c) if a == "H") <= max(room, held)
+            ),
+            key=lambda c: sum(dtau[n] for n, a in zip(free, c) if a == "H"),
+        )
         assert tuple(actions[n] for n in free) == best, (room, actions, best)
     assert all(a == "H" for a in hl.allocate(costs, {}, held + 10**6, 0.0).values())  # no plan: no region fixed
 

@@ -1,5 +1,6 @@
 """The budget coordinator: directives against a brute-force check, and a learner rank forced
 over its budget that tightens, re-plans and comes back under B."""
+
 import os
 import random
 import socket
@@ -33,7 +34,8 @@ def test_directives_match_brute_force():
         assert len(rec["tightened"]) == sum(p > budgets[r] for p in peaks)
         assert rec["actions"] == {"H": 2 * len(peaks), "R": len(peaks)}
         assert len(rec["tokens"]) == len(peaks) and rec["predicted_over_budget"] == pytest.approx(
-            [p // 2 / budgets[r] for p in peaks])
+            [p // 2 / budgets[r] for p in peaks]
+        )
     over = {r for (s, r), p in seen.items() if s == 0 and max(p) > budgets[r]}
     assert set(co.over_budget_ranks(0)) == over
 
@@ -63,15 +65,38 @@ def test_rank_forced_over_budget_tightens_and_recovers(monkeypatch):
     from hilore_actor.train.learner import Learner
     from hilore_actor.workloads import replayed_microbatches
 
-    cfg = parse_config(["--preset", "tiny", "--actor.num_gpus_per_node", "1", "--train.micro_batch_size", "2",
-                        "--hilore.mode", "hilore-hr", "--hilore.plan_tokens", "512", "--train.batch_size", "8",
-                        "--hilore.fill", "0"])  # plans forced below: no sizing by observed peaks
+    cfg = parse_config(
+        [
+            "--preset",
+            "tiny",
+            "--actor.num_gpus_per_node",
+            "1",
+            "--train.micro_batch_size",
+            "2",
+            "--hilore.mode",
+            "hilore-hr",
+            "--hilore.plan_tokens",
+            "512",
+            "--train.batch_size",
+            "8",
+            "--hilore.fill",
+            "0",
+        ]
+    )  # plans forced below: no sizing by observed peaks
     co = BudgetCoordinator()
     learner = Learner(flatten_ns(cfg), 0, "127.0.0.1", _free_port(), co)
     try:
         mbs = replayed_microbatches(learner.ds.module, learner.gas, 500, group_size=4, seed=torch.seed() % 2**31)
-        rows = [dict(input_ids=m.input_ids, position_ids=m.position_ids, action_mask=m.action_mask,
-                     advantages=m.advantages, ref_log_probs=m.ref_log_probs) for m in mbs]
+        rows = [
+            dict(
+                input_ids=m.input_ids,
+                position_ids=m.position_ids,
+                action_mask=m.action_mask,
+                advantages=m.advantages,
+                ref_log_probs=m.ref_log_probs,
+            )
+            for m in mbs
+        ]
         # force a plan that keeps every unit exactly, and measure its peak and the all-R peak
         names = list(learner.plan.sp.plan)
         co.register(0, 10**12)  # no directive while measuring

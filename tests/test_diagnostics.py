@@ -1,4 +1,5 @@
 """Diagnostics: rank statistics against brute force; the command runs on a tiny model."""
+
 import itertools
 import json
 import random
@@ -29,7 +30,24 @@ def test_spearman_and_recall_simple_cases():
 
 def test_command_writes_report(tmp_path, capsys):
     out = tmp_path / "diag.json"
-    rc = main(["--hidden", "64", "--layers", "2", "--vocab", "512", "--tokens", "256", "--calib", "2", "--heldout", "2", "--json", str(out)])
+    rc = main(
+        [
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--vocab",
+            "512",
+            "--tokens",
+            "256",
+            "--calib",
+            "2",
+            "--heldout",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert 0 <= report["coefficients"]["zero_pg_coefficient_fraction"] <= 1
@@ -46,8 +64,22 @@ def test_command_bad_model_path(tmp_path, capsys):
 @pytest.mark.slow
 def test_command_on_smollm2_real_rollouts(tmp_path, capsys):
     out = tmp_path / "diag.json"
-    rc = main(["--model", "smollm2", "--tokens", "96", "--calib", "1", "--heldout", "1", "--group-size", "2",
-               "--json", str(out)])
+    rc = main(
+        [
+            "--model",
+            "smollm2",
+            "--tokens",
+            "96",
+            "--calib",
+            "1",
+            "--heldout",
+            "1",
+            "--group-size",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["model"] == "smollm2" and report["inputs"]["task"] == "rg:basic_arithmetic"

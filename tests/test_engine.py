@@ -1,4 +1,5 @@
 """The recovery engine against plain autograd (no-gc): H and R bitwise, L close."""
+
 import contextlib
 import warnings
 
@@ -12,12 +13,20 @@ from hilore_actor.recovery.state import iter_tensors
 from hilore_actor.recovery.step import Step
 from hilore_actor.runtime import MemoryMeter
 
-LORAS = {"full": None, "lora": LoraSpec(rank=4, alpha=8, dropout=0.0), "lora-dropout": LoraSpec(rank=4, alpha=8, dropout=0.1)}
+LORAS = {
+    "full": None,
+    "lora": LoraSpec(rank=4, alpha=8, dropout=0.0),
+    "lora-dropout": LoraSpec(rank=4, alpha=8, dropout=0.1),
+}
 VOCAB = 128
 
 
 def tiny(arch, lora, layers=2, hidden=64):
-    m = build_model(tiny_config(arch, hidden_size=hidden, num_layers=layers, vocab_size=VOCAB), lora=LORAS[lora], seed=torch.seed() % 2**31)
+    m = build_model(
+        tiny_config(arch, hidden_size=hidden, num_layers=layers, vocab_size=VOCAB),
+        lora=LORAS[lora],
+        seed=torch.seed() % 2**31,
+    )
     m.train()
     return m
 
@@ -67,8 +76,10 @@ def test_gc_where_transformers_has_none_checkpoints_each_layer():
     type(model).supports_gradient_checkpointing = False
     try:
         calls = []
-        hooks = [m.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
-                 for i, m in enumerate(model.model.layers)]
+        hooks = [
+            m.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+            for i, m in enumerate(model.model.layers)
+        ]
         apply_baseline(model, "gc")
         g, _ = run(model, ids, pos)
         assert all(torch.equal(g[n], ref[n]) for n in ref), "torch's layer checkpointing differs from no-gc"
@@ -215,8 +226,11 @@ def test_l_levels_name_their_codec_per_unit(arch):
     ref_bf16, _ = run(model, ids, pos, RecoveryEngine(model, codec="bf16"), "all-l")
     engine = RecoveryEngine(model, codec="int8")
     names = engine.unit_names
-    for plan, actions in [({n: "compressed:bf16" for n in names}, None), (None, {n: "L:bf16" for n in names}),
-                          ({n: "L:bf16" for n in names}, None)]:
+    for plan, actions in [
+        ({n: "compressed:bf16" for n in names}, None),
+        (None, {n: "L:bf16" for n in names}),
+        ({n: "L:bf16" for n in names}, None),
+    ]:
         g, _ = run(model, ids, pos, engine, plan, actions)
         assert all(torch.equal(g[n], ref_bf16[n]) for n in ref_bf16), (plan, actions)
     mixed = {n: ("L:bf16" if ".layers.1." in n else "L") for n in names}  # layer 0 int8, layer 1 bf16
@@ -292,9 +306,15 @@ def test_bundles_never_hold_parameters_and_count_storage_once():
 
 
 def _hook_ids(model):
-    return {(name, attr, k) for name, m in model.named_modules() for attr, d in vars(m).items()
-            if attr.startswith("_") and attr.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
-            and isinstance(d, dict) for k in d}
+    return {
+        (name, attr, k)
+        for name, m in model.named_modules()
+        for attr, d in vars(m).items()
+        if attr.startswith("_")
+        and attr.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
+        and isinstance(d, dict)
+        for k in d
+    }
 
 
 def test_unhooked_copy_drops_the_engines_hooks_and_keeps_the_users():
@@ -392,7 +412,7 @@ def test_padded_batch_with_kv_cache_is_bitwise_no_gc(arch):
     att = torch.ones(B, T, dtype=torch.long)
     for b in range(B):
         att[b, : int(torch.randint(0, 6, (1,), generator=g))] = 0
-        att[b, T - int(torch.randint(0, 6, (1,), generator=g)):] = 0
+        att[b, T - int(torch.randint(0, 6, (1,), generator=g)) :] = 0
     pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 1)
 
     def step(engine=None, plan=None):
@@ -423,12 +443,16 @@ def test_token_norms_are_the_unit_inputs_norms_and_skip_checkpoint_units():
     def keep(name):
         def hook(_m, args, kwargs):
             seen.setdefault(name, (args[0] if args else kwargs["hidden_states"]).detach().clone())
+
         return hook
 
     for layer in engine.layer_specs:
         for u in layer.units:
             hooks.append(u.modules[0].register_forward_pre_hook(keep(u.name), with_kwargs=True))
-    plan = {n: "checkpoint" if i % 3 == 0 else ("compressed" if i % 3 == 1 else "exact") for i, n in enumerate(engine.unit_names)}
+    plan = {
+        n: "checkpoint" if i % 3 == 0 else ("compressed" if i % 3 == 1 else "exact")
+        for i, n in enumerate(engine.unit_names)
+    }
     with engine.step(plan, track_tokens=True) as step:
         loss = grpo_loss(model, ids, pos)
         norms = step.token_norms()
@@ -465,8 +489,15 @@ def test_l_compresses_each_stored_tensor_once_and_never_a_storage_kept_exact(arc
             if policy == "all-l":
                 wide = [v for v in u.entries.values() if isinstance(v, Payload) and tuple(v.shape) == (256, 64)]
                 kept = {storage_key(v) for i, v in u.entries.items() if i in u.kept}
-                big_exact = [v for i, v in u.entries.items() if isinstance(v, torch.Tensor) and i not in u.kept
-                             and i not in u.external and v.is_floating_point() and v.numel() >= 256 * 64]
+                big_exact = [
+                    v
+                    for i, v in u.entries.items()
+                    if isinstance(v, torch.Tensor)
+                    and i not in u.kept
+                    and i not in u.external
+                    and v.is_floating_point()
+                    and v.numel() >= 256 * 64
+                ]
             st.set_actions(policy)
             loss.backward()
     print(total, len(wide), len({id(v) for v in wide}))
@@ -520,7 +551,6 @@ def test_token_l_spans_h_to_whole_unit_l(arch):
         grpo_loss(model, ids, pos)
         with pytest.raises(ValueError, match="not available"):
             st.set_actions({mlps[0]: "L"})  # the rows were chosen in forward: no other split after it
-
 
 
 def _attend(q, k, v, bias, scale):
@@ -589,8 +619,12 @@ def test_a_mask_expanded_in_every_layer_is_stored_once(materialised, total, monk
         torch.manual_seed(1234)
         with engine.step("all-h") as step:
             loss = grpo_loss(model, ids, pos)
-            masks = {id(t.untyped_storage()): t.untyped_storage().nbytes() for u in step.units for t in u.entries.values()
-                     if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() and t.isinf().any()}
+            masks = {
+                id(t.untyped_storage()): t.untyped_storage().nbytes()
+                for u in step.units
+                for t in u.entries.values()
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() and t.isinf().any()
+            }
             held = sum(b["exact"] for b in step.bytes_by_unit().values())
             loss.backward()
         assert all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters() if n in ref)

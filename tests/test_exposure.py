@@ -1,4 +1,5 @@
 """Exposure (Eq. 7) against a direct loop."""
+
 import torch
 
 from hilore_actor.allocation.exposure import exposures, token_weights, unit_exposure

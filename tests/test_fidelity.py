@@ -1,5 +1,6 @@
 """The fidelity study's driver: run states and commands, held-out problems, the KL between
 policies, the paired statistics of the report, and (slow) a whole tiny study resumed."""
+
 import json
 import statistics
 import subprocess
@@ -76,8 +77,11 @@ def test_heldout_problems_are_none_of_the_training_ones():
     from hilore_actor.data import load_task
 
     examples, pool = heldout_examples(40, [0, 1], 150, "rg:basic_arithmetic", opts, " Answer.")
-    seen = {e.prompt for s in (0, 1) for e in load_task("rg:basic_arithmetic", size=150, seed=s, options=opts,
-                                                           instruction=" Answer.").examples}
+    seen = {
+        e.prompt
+        for s in (0, 1)
+        for e in load_task("rg:basic_arithmetic", size=150, seed=s, options=opts, instruction=" Answer.").examples
+    }
     prompts = [e.prompt for e in examples]
     assert len(prompts) == 40 == len(set(prompts)) and not seen & set(prompts)
     assert all(pool.score(f"<answer>{e.answer}</answer>", e) == 1.0 for e in examples)  # scored by their own task
@@ -112,7 +116,11 @@ def test_exact_match_finds_the_first_difference():
     assert exact_match(a, [dict(r) for r in a])["identical"]
     b = [dict(r) for r in a]
     b[1]["loss"] += 1e-12
-    assert exact_match(a, b) == {"steps_compared": 3, "identical": False, "first_difference": {"step": 2, "metric": "loss"}}
+    assert exact_match(a, b) == {
+        "steps_compared": 3,
+        "identical": False,
+        "first_difference": {"step": 2, "metric": "loss"},
+    }
     assert not exact_match(a, a[:2])["identical"]  # a run that stopped early does not reproduce
     bare = [{k: v for k, v in r.items() if k != "kl"} for r in a]  # a metric neither run wrote
     assert exact_match(bare, [dict(r) for r in bare])["first_difference"] == {"step": 1, "metric": "kl (missing)"}
@@ -127,9 +135,20 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
     for r in runs:
         acc[r.name] = float(torch.rand(1, generator=g))
         # step 1: every advantage zero, so no gradient and an error of 0 by convention
-        rows = [{"step": i + 1, "reward_mean": float(torch.rand(1, generator=g)), "fraction_L": 0.25, "grad_norm": float(i > 0),
-                 **({"grad_rel_error": 0.01 * i, "grad_rel_error_max": 0.01 * i, "grad_cosine_min": 0.99}
-                    if r.method == "hilore" else {})} for i in range(steps)]
+        rows = [
+            {
+                "step": i + 1,
+                "reward_mean": float(torch.rand(1, generator=g)),
+                "fraction_L": 0.25,
+                "grad_norm": float(i > 0),
+                **(
+                    {"grad_rel_error": 0.01 * i, "grad_rel_error_max": 0.01 * i, "grad_cosine_min": 0.99}
+                    if r.method == "hilore"
+                    else {}
+                ),
+            }
+            for i in range(steps)
+        ]
         (tmp_path / "runs").mkdir(exist_ok=True)
         (tmp_path / "runs" / f"{r.name}.metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
         (tmp_path / "eval").mkdir(exist_ok=True)
@@ -161,9 +180,29 @@ def test_summary_pairs_each_seed_with_its_own_gc(tmp_path, fresh_seed):
 def test_a_tiny_study_resumes_and_hilore_hr_reproduces_gc(tmp_path):
     """One seed of gc, hilore and hilore-hr on a tiny model and a task it gets graded rewards
     on: first 1 step per run, then the same command with 2 steps continues every run."""
-    base = [sys.executable, "-m", "hilore_actor.fidelity", "--model", "tiny:qwen2", "--seeds", "0", "--heldout", "6",
-            "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--set", "data.prompt_dataset=toy:vowels",
-            "--set", "data.prompt_max_len=48", "--set", "rollout.max_new_tokens=16", "--set", "actor.adam.lr=0.001"]
+    base = [
+        sys.executable,
+        "-m",
+        "hilore_actor.fidelity",
+        "--model",
+        "tiny:qwen2",
+        "--seeds",
+        "0",
+        "--heldout",
+        "6",
+        "--out",
+        str(tmp_path / "out"),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--set",
+        "data.prompt_dataset=toy:vowels",
+        "--set",
+        "data.prompt_max_len=48",
+        "--set",
+        "rollout.max_new_tokens=16",
+        "--set",
+        "actor.adam.lr=0.001",
+    ]
     for steps in ("1", "2"):
         r = subprocess.run(base + ["--steps", steps], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

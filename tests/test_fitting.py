@@ -1,6 +1,7 @@
 """The fit's candidate sizing (allocation/fitting.py) against a simulation: plans whose
 real/predicted ratio grows with their size, as on SmolLM2, are never measured above B after
 a first candidate that fits, and still fill most of the room."""
+
 import random
 
 import pytest
@@ -59,7 +60,9 @@ def test_a_candidate_above_b_shrinks_by_its_own_ratio():
 def test_a_full_plan_stops_growing():
     assert fitting.next_candidate(1000.0, 940.0, ratio=1.0, fits=True) is None
     assert fitting.next_candidate(1000.0, 500.0, ratio=1.0, fits=True) == pytest.approx(500 + 0.5 * (950 - 500))
-    assert fitting.next_candidate(1000.0, 960.0, ratio=0.5, fits=True) == pytest.approx(960 + 0.5 * (1000 - 480))  # half the real room
+    assert fitting.next_candidate(1000.0, 960.0, ratio=0.5, fits=True) == pytest.approx(
+        960 + 0.5 * (1000 - 480)
+    )  # half the real room
 
 
 def test_the_first_candidate_uses_the_largest_ratio_measured():

@@ -1,5 +1,6 @@
 """Parameters that a wrapper substitutes while a module runs (FSDP2's unsharded parameters,
 ZeRO-3's gathered ones) pass the engine's hooks untouched: L never compresses a weight."""
+
 import json
 import subprocess
 import sys
@@ -19,7 +20,9 @@ def test_views_of_substituted_parameters_are_not_compressed(monkeypatch):
     saves is still a weight. Under L none reaches the codec; H stays bitwise, L close."""
     seed = torch.seed() % 2**31
     print("seed", seed)
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8), seed=seed)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8), seed=seed
+    )
     model.train()
     swapped, received = [], []  # both held, so no storage address is reused while compared
 
@@ -37,8 +40,11 @@ def test_views_of_substituted_parameters_are_not_compressed(monkeypatch):
     ref = grads(model)
     engine = RecoveryEngine(model)
     orig = Step.compress
-    monkeypatch.setattr(Step, "compress", lambda self, t, u, keep_sign=False:
-                        received.append(t.untyped_storage()) or orig(self, t, u, keep_sign))
+    monkeypatch.setattr(
+        Step,
+        "compress",
+        lambda self, t, u, keep_sign=False: received.append(t.untyped_storage()) or orig(self, t, u, keep_sign),
+    )
     for plan, actions in (("all-h", None), ("all-l", None), ("all-h", "all-l")):
         model.zero_grad(set_to_none=True)
         swapped.clear()
@@ -67,7 +73,9 @@ def test_two_fsdp2_ranks_never_compress_a_weight(tmp_path):
     print("seed", seed)
     out = tmp_path / "fsdp2.json"
     script = Path(__file__).parent / "fsdp2_ranks.py"
-    run = subprocess.run([sys.executable, str(script), str(seed), str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script), str(seed), str(out)], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for r in json.loads(out.read_text())["ranks"]:
         print({k: (v["rel"], v["activations"], v["weights"][:3]) for k, v in r.items() if isinstance(v, dict)})

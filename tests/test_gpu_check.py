@@ -8,6 +8,7 @@ must fail, saying why. ``TestCuda`` (skipped without a CUDA device) checks on a
 GPU what the CPU suite checks on the CPU: the CUDA memory meter against the allocator, H, P, R
 and gc against no-gc, L's codecs, and that R frees what H holds.
 """
+
 import json
 import os
 import re
@@ -44,8 +45,10 @@ def test_the_dry_run_checks_every_stage_and_plans_within_nine_minutes(tmp_path):
     assert all(t > 0 for t in limits) and summary["planned_timeout_s"] == sum(limits) <= 540
     assert all(s["timeout_s"] >= 2 * s["estimate_s"] > 0 for s in summary["stages"])
     assert stages["gpu-ref"]["timeout_s"] >= 240  # the benchmark stage has most of the time
-    printed = {m[1]: (float(m[2]), int(m[3]), float(m[4])) for m in re.finditer(
-        r"^  (\S+) +(\d+)s +(\d+)s +([\d.]+)x  ", r.stdout, re.M)}
+    printed = {
+        m[1]: (float(m[2]), int(m[3]), float(m[4]))
+        for m in re.finditer(r"^  (\S+) +(\d+)s +(\d+)s +([\d.]+)x  ", r.stdout, re.M)
+    }
     assert set(printed) == set(STAGES) | {"total"}, printed
     for name, (estimate, timeout, headroom) in printed.items():
         assert headroom >= 2 and abs(headroom - timeout / estimate) < 0.05, (name, printed[name])
@@ -55,7 +58,18 @@ def test_the_dry_run_checks_every_stage_and_plans_within_nine_minutes(tmp_path):
     assert files == sorted(["selfcheck.txt", "gpu-ref.log", "verl.log", "cuda-tests.log", "summary.json"])
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files) and len(files) <= 8
     selfcheck = (tmp_path / "selfcheck.txt").read_text()
-    for item in ("python", "torch", "cuda", "hilore_actor", "transformers", "peft", "verl", "deepspeed", "free disk", "OUT"):
+    for item in (
+        "python",
+        "torch",
+        "cuda",
+        "hilore_actor",
+        "transformers",
+        "peft",
+        "verl",
+        "deepspeed",
+        "free disk",
+        "OUT",
+    ):
         assert re.search(rf"^\w+ +{item}:", selfcheck, re.M), item
     assert "total" in selfcheck and "gpu-ref" in selfcheck  # the plan is kept beside the self-check
     assert "--workload gpu-ref" in r.stdout and "--methods gc,no-gc,hilore-hr " in r.stdout
@@ -67,9 +81,14 @@ def test_the_dry_run_checks_every_stage_and_plans_within_nine_minutes(tmp_path):
 
 
 def test_a_plan_that_breaks_the_rule_fails_the_dry_run_before_any_stage(tmp_path):
-    r = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
-                            "GPU_CHECK_BENCH_ARGS": "--repeats 20"})
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "GPU_CHECK_BENCH_ARGS": "--repeats 20"},
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(r"plan problem: gpu-ref: headroom [\d.]+ < 2", r.stderr), r.stderr
     assert "== selfcheck" not in r.stdout and not (tmp_path / "summary.json").exists()
@@ -97,10 +116,13 @@ def test_the_plans_pass_count_follows_the_benchmarks_code():
 
     plan = _planner()
     wl = WORKLOADS["gpu-ref"]
-    assert {k: wl.model[k] for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                                     "vocab_size")} == {k: v for k, v in plan.GPU_REF.items() if k in wl.model}
-    assert (wl.microbatches, wl.tokens, wl.calib_tokens) == tuple(plan.GPU_REF[k] for k in
-                                                                  ("microbatches", "tokens", "calib_tokens"))
+    assert {
+        k: wl.model[k]
+        for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size")
+    } == {k: v for k, v in plan.GPU_REF.items() if k in wl.model}
+    assert (wl.microbatches, wl.tokens, wl.calib_tokens) == tuple(
+        plan.GPU_REF[k] for k in ("microbatches", "tokens", "calib_tokens")
+    )
     d = build_parser().parse_args([])
     assert {k: getattr(d, k) for k in plan.BENCH_DEFAULTS} == plan.BENCH_DEFAULTS
     assert {n: (m, p) for n, (m, p, _) in methods.VARIANTS.items()} == plan.HILORE
@@ -139,7 +161,7 @@ def test_a_broken_stage_fails_the_dry_run_and_the_others_still_run(tmp_path):
 
 def test_a_python_without_the_package_stops_at_the_self_check(tmp_path):
     python = tmp_path / "bare-python"  # no site-packages, no PYTHONPATH: neither torch nor hilore_actor
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
     python.chmod(0o755)
     out = tmp_path / "out"
     r, summary = dry_run(out, python=python)
@@ -152,16 +174,30 @@ def test_a_python_without_the_package_stops_at_the_self_check(tmp_path):
 
 
 def test_arguments_other_than_dry_run_are_refused(tmp_path):
-    r = subprocess.run(["bash", str(SCRIPT), "--bogus"], cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)},
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--bogus"],
+        cwd=ROOT,
+        env={**os.environ, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "usage" in r.stderr and not (tmp_path / "summary.json").exists()
 
 
 def test_the_verl_stage_names_a_missing_module_and_exits_as_skipped(tmp_path):
-    code = ("import sys; sys.modules['tensordict'] = None\n"
-            "from hilore_actor.verl.gpu_check import main; sys.exit(main(sys.argv[1:]))")
-    r = subprocess.run([sys.executable, "-c", code, "--out", str(tmp_path / "verl.json")], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.modules['tensordict'] = None\n"
+        "from hilore_actor.verl.gpu_check import main; sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "--out", str(tmp_path / "verl.json")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     print(r.stdout[-2000:], r.stderr[-2000:])
     assert r.returncode == 3
     assert "skipped: verl's engine path cannot be imported: missing module tensordict" in r.stdout
@@ -209,8 +245,11 @@ VOCAB = 128
 def _model(seed, layers=2, hidden=64):
     from hilore_actor.models import LoraSpec, build_model, init_lora_b, tiny_config
 
-    model = build_model(tiny_config("qwen2", hidden_size=hidden, num_layers=layers, vocab_size=VOCAB),
-                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=hidden, num_layers=layers, vocab_size=VOCAB),
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=seed,
+    )
     init_lora_b(model, 1e-2, seed)
     return model.to("cuda").train()
 
@@ -246,7 +285,9 @@ def _grads(model, ids, pos, engine=None, plan=None):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, step
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bash benchmarks/gpu_check.sh runs it on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (bash benchmarks/gpu_check.sh runs it on one)"
+)
 class TestCuda:
     def test_meter_reads_the_allocator_and_leaves_the_hosts_peak(self):
         from hilore_actor.runtime import MemoryMeter

@@ -1,4 +1,5 @@
 """omega (analytic) against autograd's dL/d log_probs, and advantages against a reference."""
+
 import itertools
 import math
 
@@ -74,8 +75,9 @@ def test_omega_matches_autograd(kind, clip, dual, beta, est, agg, fresh_seed):
     print(f"seed {fresh_seed}")
     gen = torch.Generator().manual_seed(fresh_seed)
     s, old, ref, adv, mask = make_inputs(gen, kind)
-    opts = dict(clip_eps_low=clip[0], clip_eps_high=clip[1], dual_clip=dual, kl_coef=beta,
-                kl_estimator=est, loss_agg_mode=agg)
+    opts = dict(
+        clip_eps_low=clip[0], clip_eps_high=clip[1], dual_clip=dual, kl_coef=beta, kl_estimator=est, loss_agg_mode=agg
+    )
     s_leaf = s.clone().requires_grad_(True)
     loss, stats = policy_loss(s_leaf, old, adv, mask, ref, **opts)
     (grad,) = torch.autograd.grad(loss, s_leaf)
@@ -100,8 +102,17 @@ def test_global_denominators_split_microbatches_exactly():
         n_tok = mask.sum().item()
         n_seq = (mask.sum(-1) > 0).sum().item()
         parts = [
-            policy_loss(s[i:i + 3], old[i:i + 3], adv[i:i + 3], mask[i:i + 3], ref[i:i + 3], kl_coef=0.01,
-                        loss_agg_mode=agg, num_tokens=n_tok, num_sequences=n_seq)[0]
+            policy_loss(
+                s[i : i + 3],
+                old[i : i + 3],
+                adv[i : i + 3],
+                mask[i : i + 3],
+                ref[i : i + 3],
+                kl_coef=0.01,
+                loss_agg_mode=agg,
+                num_tokens=n_tok,
+                num_sequences=n_seq,
+            )[0]
             for i in (0, 3)
         ]
         torch.testing.assert_close(sum(parts), full, rtol=1e-12, atol=1e-12)
@@ -184,8 +195,12 @@ def test_microbatch_prefix_is_the_first_tokens_of_every_row():
     g = torch.Generator().manual_seed(seed)
     B, T, t = 2, 40, 17
     per_token = [torch.randn(B, T - 1, generator=g) for _ in range(4)]
-    mb = Microbatch(torch.randint(0, 50, (B, T), generator=g), torch.arange(T).repeat(B, 1), *per_token,
-                    loss_options={"kl_coef": 0.1})
+    mb = Microbatch(
+        torch.randint(0, 50, (B, T), generator=g),
+        torch.arange(T).repeat(B, 1),
+        *per_token,
+        loss_options={"kl_coef": 0.1},
+    )
     p = mb.prefix(t)
     assert p.num_tokens == B * t and p.loss_options == mb.loss_options
     assert torch.equal(p.input_ids, mb.input_ids[:, :t]) and torch.equal(p.position_ids, mb.position_ids[:, :t])
@@ -207,9 +222,14 @@ def test_one_preparation_serves_loss_and_coefficients():
     g = torch.Generator().manual_seed(seed)
     B, T = 3, 17
     logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
-    old, ref = logp.detach() + 0.2 * torch.randn(B, T, generator=g), logp.detach() + 0.1 * torch.randn(B, T, generator=g)
+    old, ref = (
+        logp.detach() + 0.2 * torch.randn(B, T, generator=g),
+        logp.detach() + 0.1 * torch.randn(B, T, generator=g),
+    )
     adv, mask = torch.randn(B, generator=g), (torch.rand(B, T, generator=g) > 0.3).float()
-    opts = dict(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k3", loss_agg_mode="seq-mean-token-mean")
+    opts = dict(
+        clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k3", loss_agg_mode="seq-mean-token-mean"
+    )
     inp = prepare_loss_inputs(logp, old, adv, mask, ref, **opts)
     loss, stats = loss_from(inp)
     ref_loss, ref_stats = policy_loss(logp, old, adv, mask, ref, **opts)

@@ -1,6 +1,7 @@
 """HF group sampling: one batched, left-padded call decodes each prompt as the model does on
 that prompt alone (padding changes nothing but the batch shape), in group-contiguous order;
 sampling is reproducible from its seed."""
+
 import torch
 
 from hilore_actor.models.source import load_policy

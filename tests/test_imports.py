@@ -1,9 +1,23 @@
 """``import hilore_actor`` needs torch alone: heavy dependencies are imported where used."""
+
 import subprocess
 import sys
 
-HEAVY = ["transformers", "peft", "deepspeed", "ray", "vllm", "flash_attn", "openrlhf", "reasoning_gym", "math_verify", "matplotlib",
-         "verl", "tensordict", "hydra"]
+HEAVY = [
+    "transformers",
+    "peft",
+    "deepspeed",
+    "ray",
+    "vllm",
+    "flash_attn",
+    "openrlhf",
+    "reasoning_gym",
+    "math_verify",
+    "matplotlib",
+    "verl",
+    "tensordict",
+    "hydra",
+]
 
 BLOCKER = """
 import importlib.abc, sys
@@ -34,8 +48,14 @@ def test_package_imports_with_only_torch():
 
 # The floors of the package, lowest first: a module imports only from lower floors (or its own
 # package). The integrations share the learner room and never import one another.
-FLOORS = [{"runtime", "models", "recovery"}, {"grpo", "data"}, {"rollout", "workloads"}, {"allocation"},
-          {"learner", "diagnostics"}, {"train", "train_grpo", "openrlhf", "bench", "verl", "fidelity"}]
+FLOORS = [
+    {"runtime", "models", "recovery"},
+    {"grpo", "data"},
+    {"rollout", "workloads"},
+    {"allocation"},
+    {"learner", "diagnostics"},
+    {"train", "train_grpo", "openrlhf", "bench", "verl", "fidelity"},
+]
 SAME_APP = {"train_grpo": "train"}  # the job's entry point is part of the training job
 
 
@@ -127,6 +147,8 @@ def test_no_import_cycle_inside_recovery():
 
 
 def test_the_cycle_check_finds_a_cycle():
-    assert _cycles({"engine": {"step"}, "step": {"engine"}, "saved": set()}) == ["engine -> step -> engine",
-                                                                               "step -> engine -> step"]
+    assert _cycles({"engine": {"step"}, "step": {"engine"}, "saved": set()}) == [
+        "engine -> step -> engine",
+        "step -> engine -> step",
+    ]
     assert _cycles({"engine": {"step", "saved"}, "step": {"saved"}, "saved": set()}) == []

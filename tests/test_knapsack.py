@@ -1,5 +1,6 @@
 """The Eq. 13 knapsack against brute force on the same grid (R, H and up to two L levels per
 unit), and its fill by exact costs against brute force on exact costs."""
+
 import itertools
 import random
 
@@ -79,8 +80,11 @@ def test_fill_stays_feasible_and_between_grid_and_exact_optimum(trial):
     filled = solve(items, mem_budget, risk_budget, kb, kd)
     total = lambda picks, f: sum(getattr(items[i][j], f) for i, j in enumerate(picks))  # noqa: E731
     assert total(filled, "memory") <= mem_budget + 1e-9 and total(filled, "risk") <= risk_budget + 1e-12
-    exact = max(sum(items[i][j].value for i, j in enumerate(c)) for c in itertools.product(*[range(len(o)) for o in items])
-                if total(c, "memory") <= mem_budget and total(c, "risk") <= risk_budget)
+    exact = max(
+        sum(items[i][j].value for i, j in enumerate(c))
+        for c in itertools.product(*[range(len(o)) for o in items])
+        if total(c, "memory") <= mem_budget and total(c, "risk") <= risk_budget
+    )
     assert total(grid, "value") - 1e-9 <= total(filled, "value") <= exact + 1e-9
 
 
@@ -106,22 +110,45 @@ def test_dp_matches_brute_force_with_partial_and_token_l_options(trial):
     model = build_model(tiny_config("llama", hidden_size=32, num_layers=2, vocab_size=64), seed=seed)
     runner = Runner(model)
     names = runner.engine.unit_names
-    cal = {a: Calibration(codec=c, kappa={"g": rng.uniform(0.5, 2)}, e_bar={n: rng.uniform(0, 0.02) for n in names},
-                          exposure_mean={n: rng.uniform(0.5, 2) for n in names}, groups={n: "g" for n in names}, samples=[])
-           for a, c in (("L", "int8-g64"), ("L:bf16", "bf16"))}
+    cal = {
+        a: Calibration(
+            codec=c,
+            kappa={"g": rng.uniform(0.5, 2)},
+            e_bar={n: rng.uniform(0, 0.02) for n in names},
+            exposure_mean={n: rng.uniform(0.5, 2) for n in names},
+            groups={n: "g" for n in names},
+            samples=[],
+        )
+        for a, c in (("L", "int8-g64"), ("L:bf16", "bf16"))
+    }
     h = HiLoRe(runner, 10**9, cal, partial=True, token_rows=(0.1, 0.25), log=lambda *_: None)
     costs = UnitCosts("1x256", 1.0, 0)
     for n in names:
         hb = rng.uniform(10, 60)
         costs.dm[n] = {"H": hb, "P": rng.uniform(0.2, 0.8) * hb, "L": rng.uniform(0.2, 0.4) * hb, "L:bf16": 0.5 * hb}
         t = rng.uniform(0, 1)
-        costs.dtau[n] = {"H": t, "P": rng.uniform(0.3, 0.9) * t, "L": rng.uniform(0.8, 1) * t, "L:bf16": rng.uniform(0.9, 1) * t}
+        costs.dtau[n] = {
+            "H": t,
+            "P": rng.uniform(0.3, 0.9) * t,
+            "L": rng.uniform(0.8, 1) * t,
+            "L:bf16": rng.uniform(0.9, 1) * t,
+        }
     exposure = {n: rng.uniform(0, 3) for n in names}
     rest = {n: rng.uniform(0, 1) * exposure[n] for n in names if n.endswith("mlp")}
     risks = h.risks(exposure, rest)
     items = [h.options(costs, n, None, risks[n]) for n in names]
     mlp = names[1]
-    assert [o.action for o in items[1]] == ["R", "H", "P", "L", "L:bf16", "L@0.1", "L@0.25", "L:bf16@0.1", "L:bf16@0.25"]
+    assert [o.action for o in items[1]] == [
+        "R",
+        "H",
+        "P",
+        "L",
+        "L:bf16",
+        "L@0.1",
+        "L@0.25",
+        "L:bf16@0.1",
+        "L:bf16@0.25",
+    ]
     tl = next(o for o in items[1] if o.action == "L@0.25")
     assert tl.memory == pytest.approx(0.25 * costs.dm[mlp]["H"] + 0.75 * costs.dm[mlp]["L"])
     assert tl.risk == pytest.approx(cal["L"].risk(mlp, rest[mlp])) and tl.value == costs.dtau[mlp]["L"]

@@ -2,6 +2,7 @@
 update's gradient under the plan (reference: the same microbatches run by hand, under the
 engine and plainly), exactly 0 for an H/R plan, and it leaves no gradient, random state or
 chooser state behind."""
+
 from types import SimpleNamespace
 
 import torch
@@ -14,7 +15,9 @@ from conftest import FixedPlan, grads, grpo_loss, packed_microbatch, rel_err
 
 
 def _setup(seed, n_mbs=2):
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=3, vocab_size=256), lora=LoraSpec(8, 16), seed=seed)
+    model = build_model(
+        tiny_config("llama", hidden_size=64, num_layers=3, vocab_size=256), lora=LoraSpec(8, 16), seed=seed
+    )
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=1e-2, generator=torch.Generator().manual_seed(seed))

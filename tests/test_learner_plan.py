@@ -2,6 +2,7 @@
 profiling, candidate fitting, validation, calibration, leave-one-out) peaks within B, where
 the old reference (all-H) alone would not fit; a shorter microbatch gets a plan sized to it.
 Slow: the same on SmolLM2 with the fidelity study's flags, through the job."""
+
 import json
 import subprocess
 import sys
@@ -22,20 +23,36 @@ CHUNKED = partial(microbatch_loss, chunked_head=True)
 
 
 def _model(seed, layers: int = 4):
-    cfg = tiny_config("qwen2", hidden_size=128, intermediate_size=704, num_layers=layers, num_heads=4, num_kv_heads=2,
-                      vocab_size=1024)
+    cfg = tiny_config(
+        "qwen2", hidden_size=128, intermediate_size=704, num_layers=layers, num_heads=4, num_kv_heads=2, vocab_size=1024
+    )
     model = build_model(cfg, lora=LoraSpec(8, 16), seed=seed)
     model.train()
     return model
 
 
 def _plan(model, seed, **settings):
-    hcfg = hilore_settings(**dict(dict(budget="1.10", budget_scope="activations", mode="hilore", calibration_batches=2,
-                                       profile_repeats=1), **settings))
+    hcfg = hilore_settings(
+        **dict(
+            dict(budget="1.10", budget_scope="activations", mode="hilore", calibration_batches=2, profile_repeats=1),
+            **settings,
+        )
+    )
     lines = []
-    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=1024, seqs_per_microbatch=8, group_size=4,
-                                loss_options={}, loss_fn=CHUNKED, std_loss_fn=microbatch_loss, device=torch.device("cpu"),
-                                seed=seed, log=lines.append)
+    plan = plan_before_wrapping(
+        model,
+        hcfg,
+        backend="hilore",
+        tokens=1024,
+        seqs_per_microbatch=8,
+        group_size=4,
+        loss_options={},
+        loss_fn=CHUNKED,
+        std_loss_fn=microbatch_loss,
+        device=torch.device("cpu"),
+        seed=seed,
+        log=lines.append,
+    )
     print("\n".join(lines))
     return plan
 
@@ -45,10 +62,14 @@ def test_planning_stays_within_the_budget(fresh_seed):
     model = _model(fresh_seed)
     plan = _plan(model, fresh_seed, loo=True)
     info = plan.info
-    print(f"plan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B ({info['plan_peak_phase']}); "
-          f"probes {plan.sp.costs.probe_tokens}")
+    print(
+        f"plan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B ({info['plan_peak_phase']}); "
+        f"probes {plan.sp.costs.probe_tokens}"
+    )
     assert 0 < info["plan_peak_over_budget"] <= 1.0
-    assert info["plan_peak_phase"] in {"gc", "calibration", "profiling", "validation"} or info["plan_peak_phase"].startswith("fit")
+    assert info["plan_peak_phase"] in {"gc", "calibration", "profiling", "validation"} or info[
+        "plan_peak_phase"
+    ].startswith("fit")
     assert all(p.grad is None for p in model.parameters())  # nothing left for the first real update
     assert info["plan_peak_bytes"] >= info["gc_peak_bytes"]  # the gc pass is one of them
     # what planning used to run as its references would not have fitted
@@ -69,8 +90,10 @@ def test_a_shorter_microbatch_gets_a_plan_sized_to_it(fresh_seed):
     as_planned = {n: ("H" if q == "exact" else "R") for n, q in plan.sp.plan.items()}
     as_sized = {n: ("H" if q == "exact" else "R") for n, q in sized.plan.items()}
     gain, base = HiLoRe.saved_seconds(sized.costs, as_sized), HiLoRe.saved_seconds(sized.costs, as_planned)
-    print(f"stored units {sum(a == 'H' for a in as_planned.values())} -> {sum(a == 'H' for a in as_sized.values())}; "
-          f"saved {base:.4f}s -> {gain:.4f}s by the scaled costs")
+    print(
+        f"stored units {sum(a == 'H' for a in as_planned.values())} -> {sum(a == 'H' for a in as_sized.values())}; "
+        f"saved {base:.4f}s -> {gain:.4f}s by the scaled costs"
+    )
     assert gain >= base * 0.98 - 1e-9  # the knapsack's grid rounds costs up
     runner = Runner(model, loss_fn=CHUNKED)
     peak = runner.run(short, sized.plan, partial(plan.actions, sp=sized), measure_peak=True).peak_bytes
@@ -102,11 +125,25 @@ def test_measured_peaks_size_the_next_plans_towards_fill_within_b(fresh_seed):
         peak = runner.run(mb, sp.plan, partial(plan.actions, sp=sp), measure_peak=True).peak_bytes
         peaks.append(peak / plan.budget)
         stored.append(sum(q != "checkpoint" for q in sp.plan.values()))
-        report(plan, co, 0, 0, i, MicrobatchRecord(tokens=mb.num_tokens, peak_bytes=peak,
-                                                    predicted_bytes=plan.predicted_peak(sp)))
+        report(
+            plan,
+            co,
+            0,
+            0,
+            i,
+            MicrobatchRecord(tokens=mb.num_tokens, peak_bytes=peak, predicted_bytes=plan.predicted_peak(sp)),
+        )
     rec = co.step_record(0)["0"]
-    print("peak / B", [f"{p:.3f}" for p in peaks], "predicted / B", [f"{p:.3f}" for p in rec["predicted_over_budget"]],
-          "stored units", stored, "ratios", plan.info["peak_ratios"])
+    print(
+        "peak / B",
+        [f"{p:.3f}" for p in peaks],
+        "predicted / B",
+        [f"{p:.3f}" for p in rec["predicted_over_budget"]],
+        "stored units",
+        stored,
+        "ratios",
+        plan.info["peak_ratios"],
+    )
     predicted = rec["predicted_over_budget"]
     # later plans are sized up: they store more and predict more (the measured peak need not rise
     # with them: a unit stored may not move it, and the stored set may change which units it holds)
@@ -125,10 +162,20 @@ def test_budget_counts_the_resident_bytes_in_the_device_scope(fresh_seed, scope)
     from hilore_actor.learner.scope import estimate_resident
 
     model = _model(fresh_seed)
-    plan = plan_before_wrapping(model, hilore_settings(budget="1.10", budget_scope=scope), backend="gc", tokens=256,
-                                seqs_per_microbatch=4, group_size=4, loss_options={}, loss_fn=CHUNKED,
-                                std_loss_fn=microbatch_loss, device=torch.device("cpu"), seed=fresh_seed,
-                                log=lambda *_: None)
+    plan = plan_before_wrapping(
+        model,
+        hilore_settings(budget="1.10", budget_scope=scope),
+        backend="gc",
+        tokens=256,
+        seqs_per_microbatch=4,
+        group_size=4,
+        loss_options={},
+        loss_fn=CHUNKED,
+        std_loss_fn=microbatch_loss,
+        device=torch.device("cpu"),
+        seed=fresh_seed,
+        log=lambda *_: None,
+    )
     resident = estimate_resident(model, world=1, zero_stage=0) if scope == "device" else 0
     assert plan.offset == resident and plan.budget == int(1.10 * (plan.info["gc_peak_bytes"] + resident))
 
@@ -185,9 +232,28 @@ def test_planning_stays_within_the_budget_on_smollm2(tmp_path):
     """The fidelity study's job on the real model: no planning pass (gc, profiling, every fit
     candidate, validation) peaks above B. About 9 minutes on 2 cores (pytest -m slow)."""
     study = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fidelity"
-    cmd = [sys.executable, "-m", "hilore_actor.train_grpo", "--config", str(study / "study.yaml"), "--pretrain", "smollm2",
-           "--train.seed", "0", "--max_steps", "1", "--save_path", str(tmp_path), "--actor_backend", "hilore",
-           "--hilore.mode", "hilore", "--hilore.calibration", str(study / "calibration.json"), "--log_workers"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hilore_actor.train_grpo",
+        "--config",
+        str(study / "study.yaml"),
+        "--pretrain",
+        "smollm2",
+        "--train.seed",
+        "0",
+        "--max_steps",
+        "1",
+        "--save_path",
+        str(tmp_path),
+        "--actor_backend",
+        "hilore",
+        "--hilore.mode",
+        "hilore",
+        "--hilore.calibration",
+        str(study / "calibration.json"),
+        "--log_workers",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     out = r.stdout + r.stderr
     print("\n".join(ln for ln in out.splitlines() if "[hilore]" in ln or "planning peaked" in ln))

@@ -1,5 +1,6 @@
 """What B counts: the resident estimate against an optimizer's real state, the measured
 resident bytes, ``auto`` on CPU, and a plan rebased on measured resident bytes."""
+
 import pytest
 import torch
 

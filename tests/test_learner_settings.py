@@ -1,4 +1,5 @@
 """The --hilore.* settings: one table, typed parsing, and errors that name the flag."""
+
 import pytest
 
 from hilore_actor.learner.settings import DEFAULTS, boolean, hilore_errors, hilore_settings, parse_hilore, token_rows
@@ -13,15 +14,19 @@ def test_defaults_and_typed_values():
     assert [boolean(v) for v in ("1", "True", "on", "no", "OFF", "0")] == [True, True, True, False, False, False]
 
 
-@pytest.mark.parametrize("raw, match", [({"loo": "maybe"}, r"--hilore.loo 'maybe': expected true\|false"),
-                                        ({"delta": "x"}, "--hilore.delta 'x': expected float"),
-                                        ({"nope": "1"}, "unknown flag --hilore.nope"),
-                                        ({"codec": "int4"}, "--hilore.codec 'int4'"),
-                                        ({"mode": "fast"}, "--hilore.mode 'fast'"),
-                                        ({"token_rows": "0.1,1.5"}, "--hilore.token_rows '0.1,1.5'"),
-                                        ({"token_rows": "a"}, "--hilore.token_rows 'a'"),
-                                        ({"compile_activation_budget": "1.5"},
-                                         r"--hilore.compile_activation_budget 1.5: a value within \[0, 1\]")])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ({"loo": "maybe"}, r"--hilore.loo 'maybe': expected true\|false"),
+        ({"delta": "x"}, "--hilore.delta 'x': expected float"),
+        ({"nope": "1"}, "unknown flag --hilore.nope"),
+        ({"codec": "int4"}, "--hilore.codec 'int4'"),
+        ({"mode": "fast"}, "--hilore.mode 'fast'"),
+        ({"token_rows": "0.1,1.5"}, "--hilore.token_rows '0.1,1.5'"),
+        ({"token_rows": "a"}, "--hilore.token_rows 'a'"),
+        ({"compile_activation_budget": "1.5"}, r"--hilore.compile_activation_budget 1.5: a value within \[0, 1\]"),
+    ],
+)
 def test_bad_values_name_the_flag(raw, match):
     with pytest.raises(ValueError, match=match):
         parse_hilore(raw)

@@ -13,7 +13,9 @@ from conftest import FixedPlan as _Plan, grads, grpo_loss, packed_microbatch
 
 
 def _setup(seed):
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=256), lora=LoraSpec(8, 16), seed=seed)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=256), lora=LoraSpec(8, 16), seed=seed
+    )
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=1e-2, generator=torch.Generator().manual_seed(seed))
@@ -35,7 +37,9 @@ def test_sequence_keeps_gradients_and_records_actions_and_peak(fresh_seed):
 
     engine = RecoveryEngine(model)
     rng = torch.Generator().manual_seed(fresh_seed)
-    plan = _Plan({n: ("exact", "checkpoint")[int(torch.randint(0, 2, (1,), generator=rng))] for n in engine.unit_names}, 10**12)
+    plan = _Plan(
+        {n: ("exact", "checkpoint")[int(torch.randint(0, 2, (1,), generator=rng))] for n in engine.unit_names}, 10**12
+    )
     with run_microbatch(plan, engine, torch.device("cpu"), ids.numel()) as rec:
         loss = grpo_loss(model, ids, pos, seed=fresh_seed)
         rec.set_actions(plan, None)
@@ -43,8 +47,12 @@ def test_sequence_keeps_gradients_and_records_actions_and_peak(fresh_seed):
     got = grads(model)
     assert all(torch.equal(got[n], ref[n]) for n in ref)  # H and R are exact
     assert rec.actions == plan.actions(None, None)
-    assert rec.counts == {"H": sum(q == "exact" for q in plan.sp.plan.values()), "L": 0, "P": 0,
-                          "R": sum(q == "checkpoint" for q in plan.sp.plan.values())}
+    assert rec.counts == {
+        "H": sum(q == "exact" for q in plan.sp.plan.values()),
+        "L": 0,
+        "P": 0,
+        "R": sum(q == "checkpoint" for q in plan.sp.plan.values()),
+    }
     assert rec.peak_bytes > 0
 
 

@@ -1,5 +1,6 @@
 """Both CPU meters (the profiler's and the storage count) give the exact peak of known
 allocation patterns."""
+
 import weakref
 
 import pytest
@@ -83,9 +84,11 @@ def test_random_pattern_matches_running_sum(cpu_meter):
 def test_autograd_saved_tensors_are_seen(cpu_meter):
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(128, 256)
+
     def step():
         y = torch.tanh(x @ w)  # saves the tanh output (128 KB) for backward
         return y
+
     y, rep = measure_peak(step)
     assert rep.peak_bytes == 128 * 256 * 4 * 2  # matmul output + tanh output
     assert rep.net_bytes == 128 * 256 * 4  # only the tanh output (== y) survives
@@ -156,13 +159,21 @@ def _tiny_decoder_step(seed):
     softmax, rotary, SiLU, saved tensors freed by backward)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, attn_implementation="eager")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attn_implementation="eager",
+    )
     model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 256, (2, 48))
 
     def step():
         model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+
     return step
 
 

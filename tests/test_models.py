@@ -1,4 +1,5 @@
 """Model factory: tiny configs in code, local paths, LoRA, and the bundled SmolLM2."""
+
 import json
 
 import pytest
@@ -72,7 +73,7 @@ def test_smollm2_answers_arithmetic():
         msgs = [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
         enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         out = model.generate(**enc, max_new_tokens=16, do_sample=False)
-        answers[a + b] = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        answers[a + b] = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     for total, text in answers.items():
         assert str(total) in text, answers
 
@@ -91,12 +92,14 @@ def test_all_linear_lora_is_peft_s_all_linear_less_layers_peft_cannot_run():
     torch.manual_seed(0)
     a = peft.get_peft_model(same[0], peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
     torch.manual_seed(0)
-    b = peft.get_peft_model(same[1], peft.LoraConfig(r=4, target_modules=all_linear_targets(same[1]),
-                                                     task_type="CAUSAL_LM"))
+    b = peft.get_peft_model(
+        same[1], peft.LoraConfig(r=4, target_modules=all_linear_targets(same[1]), task_type="CAUSAL_LM")
+    )
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert sorted(pa) == sorted(pb) and all(torch.equal(pa[k], pb[k]) for k in pa)
     m = build_model(tiny_config("qwen2"), seed=0)
     m.model.layers[0].mlp.gate_proj = Router(64, m.model.layers[0].mlp.gate_proj.out_features)
+
     class OwnForward(torch.nn.Linear):  # Falcon's FalconLinear: its own forward, a tensor out
         def forward(self, x):
             return x @ self.weight.T

@@ -1,12 +1,15 @@
 """The training job on a simulated two-node Ray cluster (``ray.cluster_utils.Cluster``: two
 raylets on this machine, one CPU each), one learner rank per node: placement, rendezvous at
 rank 0's node address, bitwise resume, and the shared-checkpoint check (train/placement.py)."""
+
 import pytest
 
 from train_job import job, metrics, same_training
 
 TWO_NODES = ["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "1"]
-pytestmark = pytest.mark.slow  # three job runs on a second raylet: about 2 minutes (pytest -m slow tests/test_multinode.py)
+pytestmark = (
+    pytest.mark.slow
+)  # three job runs on a second raylet: about 2 minutes (pytest -m slow tests/test_multinode.py)
 
 
 @pytest.fixture(scope="module")
@@ -39,5 +42,7 @@ def test_one_rank_per_node_and_two_steps_plus_resume_match_one_node(cluster, uni
 def test_a_checkpoint_folder_one_node_cannot_see_is_refused(cluster, tmp_path):
     r = job(tmp_path, *TWO_NODES, "--max_steps", "1", env={"RAY_ADDRESS": cluster, "HILORE_FAULT": "unshared:1"})
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "is not storage every learner node reaches" in r.stderr and "rank 1" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        "is not storage every learner node reaches" in r.stderr and "rank 1" in r.stderr and "Traceback" not in r.stderr
+    )
     assert not (tmp_path / "metrics.jsonl").exists()

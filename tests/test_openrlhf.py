@@ -7,6 +7,7 @@ and its CLI's argparse block. vllm and flash_attn are import-time shims (``openr
 no code of theirs runs here. What needs a GPU (DeepspeedStrategy, vLLM, the Ray trainer) is not
 run; the README says so.
 """
+
 import os
 import shutil
 import socket
@@ -22,11 +23,35 @@ from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.openrlhf.train_ppo_ray import PluginError, main, run_cli_main, split_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ["--actor.model_name_or_path", "/models/Qwen2.5-3B-Instruct", "--data.prompt_dataset", "/data/math.jsonl",
-          "--rollout.n_samples_per_prompt", "8", "--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss",
-          "--algo.kl.estimator", "k3", "--ds.lora.rank", "16", "--ds.packing_samples", "--vllm.num_engines", "1",
-          "--actor.num_gpus_per_node", "2", "--rollout.batch_size", "8", "--train.batch_size", "64",
-          "--rollout.micro_batch_size", "4", "--train.micro_batch_size", "4", "--actor.gradient_checkpointing_enable"]
+RECIPE = [
+    "--actor.model_name_or_path",
+    "/models/Qwen2.5-3B-Instruct",
+    "--data.prompt_dataset",
+    "/data/math.jsonl",
+    "--rollout.n_samples_per_prompt",
+    "8",
+    "--algo.advantage.estimator",
+    "group_norm",
+    "--algo.kl.use_loss",
+    "--algo.kl.estimator",
+    "k3",
+    "--ds.lora.rank",
+    "16",
+    "--ds.packing_samples",
+    "--vllm.num_engines",
+    "1",
+    "--actor.num_gpus_per_node",
+    "2",
+    "--rollout.batch_size",
+    "8",
+    "--train.batch_size",
+    "64",
+    "--rollout.micro_batch_size",
+    "4",
+    "--train.micro_batch_size",
+    "4",
+    "--actor.gradient_checkpointing_enable",
+]
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +124,20 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     assert torch.equal(g_gc, g_plain)
 
     hcfg = hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1)
-    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
-                                group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
-                                device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+    plan = plan_before_wrapping(
+        model,
+        hcfg,
+        backend="hilore",
+        tokens=exp.sequences.numel(),
+        seqs_per_microbatch=4,
+        group_size=4,
+        loss_options={},
+        loss_fn=microbatch_loss,
+        std_loss_fn=microbatch_loss,
+        device=torch.device("cpu"),
+        seed=seed,
+        log=lambda *_: None,
+    )
     engine = RecoveryEngine(actor.model)
     co = BudgetCoordinator()
     co.register(0, 10**12)
@@ -109,10 +145,18 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     wrapper.install(trainer)
     g_hl, out_hl = _run(trainer, exp)
     assert torch.equal(g_hl, g_gc)
-    assert set(wrapper.last["actions"]) == set(engine.unit_names) and set(wrapper.last["actions"].values()) <= {"H", "R"}
-    assert "hilore_peak_over_budget" in out_hl["metrics"] and out_hl["metrics"]["policy_loss"] == out_gc["metrics"]["policy_loss"]
+    assert set(wrapper.last["actions"]) == set(engine.unit_names) and set(wrapper.last["actions"].values()) <= {
+        "H",
+        "R",
+    }
+    assert (
+        "hilore_peak_over_budget" in out_hl["metrics"]
+        and out_hl["metrics"]["policy_loss"] == out_gc["metrics"]["policy_loss"]
+    )
     rng = torch.Generator().manual_seed(seed)
-    plan.sp.plan = {n: ("exact", "checkpoint")[int(torch.randint(0, 2, (1,), generator=rng))] for n in engine.unit_names}
+    plan.sp.plan = {
+        n: ("exact", "checkpoint")[int(torch.randint(0, 2, (1,), generator=rng))] for n in engine.unit_names
+    }
     g_mixed, _ = _run(trainer, exp)
     assert torch.equal(g_mixed, g_gc)
     assert co.step_record(0)["0"]["microbatches"] == 2
@@ -131,34 +175,50 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     from hilore_actor.learner.plan import plan_before_wrapping
 
     seed = torch.seed() % 2**31
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=4, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=4, vocab_size=128), lora=LoraSpec(8, 16), seed=0
+    )
     actor = Actor(model)
     actor.packing_samples = False
     exp = _experience(seed)
     trainer = _trainer(orl, actor)
     g_ref, _ = _run(trainer, exp)
     hcfg = hilore_settings(calibration_batches=2, profile_repeats=1, budget="1.3")
-    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
-                                group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
-                                device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+    plan = plan_before_wrapping(
+        model,
+        hcfg,
+        backend="hilore",
+        tokens=exp.sequences.numel(),
+        seqs_per_microbatch=4,
+        group_size=4,
+        loss_options={},
+        loss_fn=microbatch_loss,
+        std_loss_fn=microbatch_loss,
+        device=torch.device("cpu"),
+        seed=seed,
+        log=lambda *_: None,
+    )
     wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
     wrapper.install(trainer)
     g, _ = _run(trainer, exp)
     assert float((g - g_ref).norm() / g_ref.norm()) < 0.05
     seen = {}
     real = wrapper.plan.actions
-    wrapper.plan.actions = lambda st, out, sp=None: seen.setdefault("omega", out.omega) is not None and real(st, out, sp)
+    wrapper.plan.actions = lambda st, out, sp=None: (
+        seen.setdefault("omega", out.omega) is not None and real(st, out, sp)
+    )
     _run(trainer, exp)
     omega = seen["omega"]
     assert omega.shape == (4, exp.sequences.shape[1] - 1)
     resp = torch.zeros_like(omega, dtype=torch.bool)
-    resp[:, -exp.action_mask.shape[1]:] = exp.action_mask
+    resp[:, -exp.action_mask.shape[1] :] = exp.action_mask
     assert (omega[~resp] == 0).all() and (omega[resp] != 0).any()
 
 
 def test_split_flags():
-    backend, h, rest = split_flags(["--a", "1", "--actor_backend", "hilore", "--hilore.budget=1.2", "--b",
-                                    "--hilore.mode", "hilore-hr"])
+    backend, h, rest = split_flags(
+        ["--a", "1", "--actor_backend", "hilore", "--hilore.budget=1.2", "--b", "--hilore.mode", "hilore-hr"]
+    )
     assert backend == "hilore" and h == {"budget": "1.2", "mode": "hilore-hr"} and rest == ["--a", "1", "--b"]
     assert split_flags(["--actor.backend", "deepspeed"])[0] == "deepspeed"
     with pytest.raises(PluginError, match="choose one of deepspeed, hilore"):
@@ -196,11 +256,14 @@ def test_plugin_without_gpu_fails_with_a_message(orl, capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("ds, settings, message", [
-    ({"ring_attn_size": 2}, {}, "ring attention puts collectives"),
-    ({"tensor_parallel_size": 2}, {}, "AutoTP puts collectives"),
-    ({"zero_stage": 3}, {"compile": True}, "hooks that torch.compile would trace"),
-])
+@pytest.mark.parametrize(
+    "ds, settings, message",
+    [
+        ({"ring_attn_size": 2}, {}, "ring attention puts collectives"),
+        ({"tensor_parallel_size": 2}, {}, "AutoTP puts collectives"),
+        ({"zero_stage": 3}, {"compile": True}, "hooks that torch.compile would trace"),
+    ],
+)
 def test_unsupported_parallelism_stops_with_one_message(ds, settings, message):
     """Ring attention (OpenRLHF's sequence parallelism), AutoTP and compiled units under ZeRO-3
     are refused before Ray starts, each with the reason (ZeRO-3 runs:
@@ -209,7 +272,9 @@ def test_unsupported_parallelism_stops_with_one_message(ds, settings, message):
 
     from hilore_actor.openrlhf.train_ppo_ray import use_hilore
 
-    args = SimpleNamespace(ds=SimpleNamespace(**dict({"zero_stage": 2, "ring_attn_size": 1, "tensor_parallel_size": 1}, **ds)))
+    args = SimpleNamespace(
+        ds=SimpleNamespace(**dict({"zero_stage": 2, "ring_attn_size": 1, "tensor_parallel_size": 1}, **ds))
+    )
     with pytest.raises(PluginError, match=message):
         use_hilore(args, settings)
 
@@ -235,9 +300,11 @@ def test_help_lists_openrlhfs_flags_and_ours_without_vllm():
     imported (blocked here, as on any CPU machine): OpenRLHF's parser is built from its CLI's
     source, the module (which imports vllm) not imported, with ``--actor_backend`` and every
     ``--hilore.*`` flag as one more group."""
-    run = ("import runpy, sys; sys.modules['vllm'] = sys.modules['flash_attn'] = None; "
-           "sys.argv = ['train_ppo_ray', '--help']; "
-           "runpy.run_module('hilore_actor.openrlhf.train_ppo_ray', run_name='__main__')")
+    run = (
+        "import runpy, sys; sys.modules['vllm'] = sys.modules['flash_attn'] = None; "
+        "sys.argv = ['train_ppo_ray', '--help']; "
+        "runpy.run_module('hilore_actor.openrlhf.train_ppo_ray', run_name='__main__')"
+    )
     done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, done.stderr
     out = done.stdout
@@ -264,8 +331,11 @@ def test_openrlhfs_gradient_checkpointing_is_replaced_with_one_line(orl, monkeyp
 
     seen, printed = {}, []
     monkeypatch.setattr(pa, "has_cuda", lambda: True)
-    monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained",
-                        lambda self, st, *a, **k: seen.setdefault("gc", st.args.actor.gradient_checkpointing_enable))
+    monkeypatch.setattr(
+        orl.PolicyModelActor.__ray_actor_class__,
+        "init_model_from_pretrained",
+        lambda self, st, *a, **k: seen.setdefault("gc", st.args.actor.gradient_checkpointing_enable),
+    )
     st = _strategy_stub([])
     st.print = printed.append
     st.args.actor.gradient_checkpointing_enable = True
@@ -289,16 +359,25 @@ def test_patch_applies_to_the_release_and_adds_the_flag(orl, tmp_path):
     patched = dst / "train_ppo_ray.py"
     seen = {}
     with pytest.raises(PluginError, match="needs CUDA"):  # the patched block dispatched to use_hilore
-        run_cli_main(cli, RECIPE + ["--actor_backend", "hilore", "--hilore.budget", "1.2"],
-                     lambda args: seen.setdefault("args", args), path=str(patched))
+        run_cli_main(
+            cli,
+            RECIPE + ["--actor_backend", "hilore", "--hilore.budget", "1.2"],
+            lambda args: seen.setdefault("args", args),
+            path=str(patched),
+        )
     assert "args" not in seen
     with pytest.raises(SystemExit):
         run_cli_main(cli, RECIPE + ["--actor_backend", "fast"], lambda args: None, path=str(patched))
     run_cli_main(cli, RECIPE, lambda args: seen.setdefault("args", args), path=str(patched))
-    assert seen["args"].actor_backend == "deepspeed" and seen["args"].hilore.budget is None  # unset: the table's default
+    assert (
+        seen["args"].actor_backend == "deepspeed" and seen["args"].hilore.budget is None
+    )  # unset: the table's default
     # the patched CLI refuses exactly what the launcher refuses (one table, one check)
-    for bad, message in ((["--hilore.budget", "lots"], "cannot read budget"), (["--hilore.codec", "int4"], "--hilore.codec"),
-                         (["--hilore.loo", "maybe"], "expected true|false")):
+    for bad, message in (
+        (["--hilore.budget", "lots"], "cannot read budget"),
+        (["--hilore.codec", "int4"], "--hilore.codec"),
+        (["--hilore.loo", "maybe"], "expected true|false"),
+    ):
         with pytest.raises(PluginError, match=message):
             run_cli_main(cli, RECIPE + ["--actor_backend", "hilore"] + bad, lambda args: None, path=str(patched))
         assert main(RECIPE + ["--actor_backend", "hilore"] + bad) == 2
@@ -325,7 +404,12 @@ def test_example_recipe_parses_with_openrlhfs_cli(orl):
     seen = {}
     run_cli_main(cli, rest, lambda args: seen.setdefault("args", args))
     a = seen["args"]
-    assert (a.rollout.n_samples_per_prompt, a.algo.advantage.estimator, a.ds.lora.rank, a.ds.packing_samples) == (8, "group_norm", 16, True)
+    assert (a.rollout.n_samples_per_prompt, a.algo.advantage.estimator, a.ds.lora.rank, a.ds.packing_samples) == (
+        8,
+        "group_norm",
+        16,
+        True,
+    )
 
 
 def test_entropy_term_weighs_its_tokens(orl, eager):
@@ -342,16 +426,29 @@ def test_entropy_term_weighs_its_tokens(orl, eager):
 
     seed = torch.seed() % 2**31
     print("seed", seed)
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0
+    )
     actor = Actor(model)
     actor.packing_samples = False
     exp = _experience(seed)
     trainer = _trainer(orl, actor)
     trainer.args.actor.entropy_coef = 0.05
     hcfg = hilore_settings(mode="hilore", budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
-    plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=exp.sequences.numel(), seqs_per_microbatch=4,
-                                group_size=4, loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
-                                device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+    plan = plan_before_wrapping(
+        model,
+        hcfg,
+        backend="hilore",
+        tokens=exp.sequences.numel(),
+        seqs_per_microbatch=4,
+        group_size=4,
+        loss_options={},
+        loss_fn=microbatch_loss,
+        std_loss_fn=microbatch_loss,
+        device=torch.device("cpu"),
+        seed=seed,
+        log=lambda *_: None,
+    )
     seen = {}
     real = plan.actions
     plan.actions = lambda st, out, sp=None: seen.setdefault("weight", out.omega) is not None and real(st, out, sp)
@@ -361,7 +458,7 @@ def test_entropy_term_weighs_its_tokens(orl, eager):
     omega, eta = wrapper.weights["omega"], wrapper.weights["eta"]
     assert eta is not None and "entropy_loss" in out["metrics"]
     resp = torch.zeros_like(omega, dtype=torch.bool)
-    resp[:, -exp.action_mask.shape[1]:] = exp.action_mask
+    resp[:, -exp.action_mask.shape[1] :] = exp.action_mask
     assert (eta[~resp] == 0).all() and (eta[resp] != 0).all()
     assert torch.equal(seen["weight"], omega.abs() + eta.abs())
     trainer.args.actor.entropy_coef = None  # no entropy term: the weight is omega itself
@@ -409,7 +506,9 @@ def test_chunked_head_matches_openrlhfs_forward_with_a_lower_peak(orl, eager):
     torch.testing.assert_close(out.entropy, out_ref.entropy, rtol=0, atol=1e-5)
     g, m, peak = step()
     rel = float((g - g_ref).norm() / g_ref.norm())
-    print(f"gradient relative difference {rel:.2e}; peak {peak / 2**20:.1f} MiB vs OpenRLHF's {peak_ref / 2**20:.1f} MiB")
+    print(
+        f"gradient relative difference {rel:.2e}; peak {peak / 2**20:.1f} MiB vs OpenRLHF's {peak_ref / 2**20:.1f} MiB"
+    )
     assert rel < 1e-4
     assert float(m["metrics"]["entropy_loss"]) == pytest.approx(float(m_ref["metrics"]["entropy_loss"]), abs=1e-5)
     assert peak < peak_ref
@@ -420,7 +519,9 @@ def test_chunked_head_matches_openrlhfs_forward_with_a_lower_peak(orl, eager):
 
 def _lora_model(seed, vocab=128, layers=3):
     """A tiny qwen2 with LoRA whose B is drawn away from zero (seeded): LoRA A's gradients exist."""
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=layers, vocab_size=vocab), lora=LoraSpec(8, 16), seed=0)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=layers, vocab_size=vocab), lora=LoraSpec(8, 16), seed=0
+    )
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(seed))
@@ -446,14 +547,27 @@ def _cpu_builder(orl, seed, sabotage=None):
             actor.gradient_checkpointing_enable()
             return trainer, None
         hcfg = hilore_settings(mode=method, budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
-        plan = plan_before_wrapping(model, hcfg, backend="hilore", tokens=4 * 32, seqs_per_microbatch=4, group_size=4,
-                                    loss_options={}, loss_fn=microbatch_loss, std_loss_fn=microbatch_loss,
-                                    device=torch.device("cpu"), seed=seed, log=lambda *_: None)
+        plan = plan_before_wrapping(
+            model,
+            hcfg,
+            backend="hilore",
+            tokens=4 * 32,
+            seqs_per_microbatch=4,
+            group_size=4,
+            loss_options={},
+            loss_fn=microbatch_loss,
+            std_loss_fn=microbatch_loss,
+            device=torch.device("cpu"),
+            seed=seed,
+            log=lambda *_: None,
+        )
         wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
         wrapper.install(trainer)
         if sabotage == "gradient":  # a unit that recomputes a slightly different activation
             layer = model.get_decoder().layers[1]
-            layer.register_forward_hook(lambda m, a, out: (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01)
+            layer.register_forward_hook(
+                lambda m, a, out: (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
+            )
         elif sabotage == "budget":
             plan.budget = 1
         return trainer, wrapper
@@ -496,8 +610,14 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     from hilore_actor.openrlhf.chunked_head import install
     from hilore_actor.openrlhf.verify import experience, flat_gradient
 
-    for k, v in dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                     WORLD_SIZE="1", LOCAL_RANK="0").items():
+    for k, v in dict(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    ).items():
         monkeypatch.setenv(k, v)
     seed = torch.seed() % 2**31
     print("seed", seed)
@@ -516,9 +636,16 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
             actor = Actor(model, temperature=0.8)
             actor.packing_samples = False
             params = [p for p in model.parameters() if p.requires_grad]
-            engine, *_ = deepspeed.initialize(model=actor.model, optimizer=torch.optim.AdamW(params, lr=1e-3), config={
-                "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-                "zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}})
+            engine, *_ = deepspeed.initialize(
+                model=actor.model,
+                optimizer=torch.optim.AdamW(params, lr=1e-3),
+                config={
+                    "train_micro_batch_size_per_gpu": 1,
+                    "gradient_accumulation_steps": 1,
+                    "steps_per_print": 10**9,
+                    "zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20},
+                },
+            )
             actor.model = engine
             if chunked:
                 install(actor)
@@ -577,8 +704,9 @@ def test_chunked_head_with_packed_samples(orl, monkeypatch, eager):
 
     def run():
         model.zero_grad(set_to_none=True)
-        lp, out = actor(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask, return_output=True,
-                        return_entropy=True)
+        lp, out = actor(
+            exp.sequences, exp.action_mask, attention_mask=exp.attention_mask, return_output=True, return_entropy=True
+        )
         ((lp * w).sum() + out.entropy.sum()).backward()
         g = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
         return lp.detach(), out.entropy.detach(), g
@@ -596,9 +724,14 @@ def _strategy_stub(calls):
     (here: records the reduce bucket the train config then has) and ``get_ds_train_config``."""
     from types import SimpleNamespace as NS
 
-    args = NS(train=NS(micro_batch_size=4, seed=0), data=NS(max_len=32), rollout=NS(n_samples_per_prompt=4),
-              actor=NS(eps_clip_low_high=(0.2, 0.2)), algo=NS(kl=NS(use_loss=True, init_coef=0.01, estimator="k3")),
-              ds=NS(zero_stage=2))
+    args = NS(
+        train=NS(micro_batch_size=4, seed=0),
+        data=NS(max_len=32),
+        rollout=NS(n_samples_per_prompt=4),
+        actor=NS(eps_clip_low_high=(0.2, 0.2)),
+        algo=NS(kl=NS(use_loss=True, init_coef=0.01, estimator="k3")),
+        ds=NS(zero_stage=2),
+    )
     st = NS(args=args, print=lambda *a: None)
     st.get_ds_train_config = lambda *a, **k: {"zero_optimization": {"reduce_bucket_size": "auto"}}
 
@@ -620,7 +753,9 @@ def test_prepare_sizes_the_reduce_bucket_and_does_not_plan(orl, monkeypatch):
     from hilore_actor.openrlhf.policy_actor import bucket_prepare
 
     monkeypatch.setattr(plan_mod, "plan_in_lockstep", lambda *a, **k: pytest.fail("planned inside prepare"))
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(8, 16), seed=0
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     calls = []
     st = _strategy_stub(calls)
@@ -672,9 +807,12 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     orig = dist.get_world_size, dist.get_rank
     dist.get_world_size, dist.get_rank = (lambda *a: 1), (lambda *a: 0)
     try:  # the drop-in's planning on the wrapped model (here a stand-in engine: the module, no optimizer)
-        plan = plan_wrapped(NS(model=NS(module=model, optimizer=None)), _strategy_stub([]),
-                            hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1, chunked_head=False),
-                            torch.device("cpu"))
+        plan = plan_wrapped(
+            NS(model=NS(module=model, optimizer=None)),
+            _strategy_stub([]),
+            hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1, chunked_head=False),
+            torch.device("cpu"),
+        )
     finally:
         dist.get_world_size, dist.get_rank = orig
     trainer = _trainer(orl, actor)
@@ -718,10 +856,16 @@ def test_the_actor_plans_at_its_first_fit_on_the_gpu_openrlhf_set(orl, monkeypat
     monkeypatch.setattr(torch.random, "fork_rng", _cpu_fork_rng(torch.random.fork_rng))
     monkeypatch.setattr(pa, "plan_wrapped", planned)
     monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "init_model_from_pretrained", base_init)
-    monkeypatch.setattr(orl.PolicyModelActor.__ray_actor_class__, "fit",
-                        lambda self, kl_ctl=0: events.append(("fit", torch.rand(1).item())) or {"ok": 1})
-    monkeypatch.setattr(pa._HiLoRePolicyModelActor, "_attach",
-                        lambda self, st, hcfg, plan, device: setattr(self, "hilore", plan) or events.append("attach"))
+    monkeypatch.setattr(
+        orl.PolicyModelActor.__ray_actor_class__,
+        "fit",
+        lambda self, kl_ctl=0: events.append(("fit", torch.rand(1).item())) or {"ok": 1},
+    )
+    monkeypatch.setattr(
+        pa._HiLoRePolicyModelActor,
+        "_attach",
+        lambda self, st, hcfg, plan, device: setattr(self, "hilore", plan) or events.append("attach"),
+    )
     st = _strategy_stub([])
     st.args.actor.gradient_checkpointing_enable = False
     actor = object.__new__(pa._HiLoRePolicyModelActor)
@@ -823,8 +967,16 @@ def test_documented_recipes_reach_the_gpu_check(orl, recipe, capsys):
 
 
 # what the actor's __init__ and init_model_from_pretrained (HiLoRe's and OpenRLHF's) set in its environment
-ACTOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NCCL_CUMEM_ENABLE", "MASTER_ADDR", "MASTER_PORT",
-             "WORLD_SIZE", "RANK", "LOCAL_RANK")
+ACTOR_ENV = (
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "NCCL_CUMEM_ENABLE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+)
 
 
 @pytest.fixture
@@ -864,8 +1016,9 @@ def _allocator_at_cuda_start(monkeypatch, recipe):
     monkeypatch.setattr(pa, "has_cuda", lambda: True)
     monkeypatch.setattr(BaseModelActor, "_setup_distributed", setup_distributed)
     with pytest.raises(_CudaStarts):
-        actor.init_model_from_pretrained(NS(args=parsed["args"], print=printed.append, prepare=None), "/models/any",
-                                         vllm_engines=[object()])
+        actor.init_model_from_pretrained(
+            NS(args=parsed["args"], print=printed.append, prepare=None), "/models/any", vllm_engines=[object()]
+        )
     return constructed, seen["at_cuda"], [x for x in printed if "expandable" in x], parsed["args"]
 
 
@@ -893,12 +1046,16 @@ def test_other_recipes_get_expandable_segments_and_user_settings_stay(orl, actor
         assert not warned or lines[0].startswith("[hilore] warning: your allocator settings turn expandable")
 
 
-@pytest.mark.parametrize("recipe, ipc", [
-    (DOCUMENTED_RL, True),
-    ([a for a in DOCUMENTED_RL if a != "--vllm.enable_sleep"] + ["--train.async_enable"], False),  # async: no sleep
-    (DOCUMENTED_RL + ["--vllm.sync_backend", "gloo"], False),  # argparse: the last value wins
-    (LORA_ZERO2_GRPO, False),
-], ids=["documented", "async", "gloo", "lora-zero2"])
+@pytest.mark.parametrize(
+    "recipe, ipc",
+    [
+        (DOCUMENTED_RL, True),
+        ([a for a in DOCUMENTED_RL if a != "--vllm.enable_sleep"] + ["--train.async_enable"], False),  # async: no sleep
+        (DOCUMENTED_RL + ["--vllm.sync_backend", "gloo"], False),  # argparse: the last value wins
+        (LORA_ZERO2_GRPO, False),
+    ],
+    ids=["documented", "async", "gloo", "lora-zero2"],
+)
 def test_cuda_ipc_is_read_as_openrlhfs_trainer_decides_it(orl, monkeypatch, recipe, ipc):
     """``weights_via_cuda_ipc`` against OpenRLHF's own ``ActorPPOTrainer.__init__`` (its
     ``use_cuda_ipc``) on CLI-parsed recipes."""
@@ -922,7 +1079,11 @@ def test_planning_sizes_the_microbatch_as_the_recipe_trains(orl):
 
     from hilore_actor.openrlhf.policy_actor import microbatch_shape
 
-    fixed = NS(train=NS(micro_batch_size=4, dynamic_batch_enable=False, max_tokens_per_gpu=16192), data=NS(max_len=2048))
+    fixed = NS(
+        train=NS(micro_batch_size=4, dynamic_batch_enable=False, max_tokens_per_gpu=16192), data=NS(max_len=2048)
+    )
     assert microbatch_shape(fixed) == (8192, 4)
-    dynamic = NS(train=NS(micro_batch_size=1, dynamic_batch_enable=True, max_tokens_per_gpu=16192), data=NS(max_len=2048))
+    dynamic = NS(
+        train=NS(micro_batch_size=1, dynamic_batch_enable=True, max_tokens_per_gpu=16192), data=NS(max_len=2048)
+    )
     assert microbatch_shape(dynamic) == (16192, 7)

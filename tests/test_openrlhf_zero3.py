@@ -2,6 +2,7 @@
 OpenRLHF 0.11.2's real ``init_model_from_pretrained`` (the model partitioned at load) and three
 real ``fit`` calls, once as OpenRLHF runs them with its gradient checkpointing and once under
 ``HiLoRePolicyModelActor``, which plans at its first ``fit`` with both ranks in lockstep."""
+
 import json
 import os
 import subprocess
@@ -32,8 +33,14 @@ def test_zero3_drop_in_hr_gradients_equal_openrlhf_gc_on_two_ranks(model_dir, tm
     pytest.importorskip("openrlhf")
     out = tmp_path / "ranks.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "openrlhf_zero3_ranks.py"), str(model_dir), str(out)],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "openrlhf_zero3_ranks.py"), str(model_dir), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = json.loads(out.read_text())["ranks"]
     for r in ranks:

@@ -1,4 +1,5 @@
 """Rollouts packed into learner microbatches: masks, advantages and log-probs line up."""
+
 import pytest
 import torch
 
@@ -31,7 +32,9 @@ def test_pack_rollout_layout():
     assert mb.action_mask.sum().item() == sum(resp_lens)
     torch.testing.assert_close(mb.old_log_probs, sequence_log_probs(model, mb.input_ids, position_ids=mb.position_ids))
     with model.disable_adapter():
-        torch.testing.assert_close(mb.ref_log_probs, sequence_log_probs(model, mb.input_ids, position_ids=mb.position_ids))
+        torch.testing.assert_close(
+            mb.ref_log_probs, sequence_log_probs(model, mb.input_ids, position_ids=mb.position_ids)
+        )
     assert len(pack_rollout(model, roll, adv, max_tokens=12)) == 2
     with pytest.raises(ValueError, match="more than a microbatch"):
         pack_rollout(model, roll, adv, max_tokens=8)

@@ -1,15 +1,29 @@
 """The repository says what the code does and why, never where in the development process it
 came from: no tracker numbers ("issue 12", "stop 30", "item 9") and no working-period words in
 the package, the docs, the README, the results page, the scripts or the tests."""
+
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = re.compile(r"\b(?:issues?|stops?|items?|turns?)[ -]#?\d+|\bsession\b|\bthis turn\b", re.IGNORECASE)
 ALLOWED = [re.compile(r'scope="session"')]  # pytest's own fixture scope
-SCANNED = ["hilore_actor/**/*.py", "docs/**/*.md", "README.md", "benchmarks/RESULTS.md", "benchmarks/*.sh",
-           "benchmarks/*.py", "benchmarks/results/**/*.md", "scripts/*", "examples/*", "ray_jobs/*", "patches/*",
-           "tests/**/*.py", "setup.py", ".ci/*"]
+SCANNED = [
+    "hilore_actor/**/*.py",
+    "docs/**/*.md",
+    "README.md",
+    "benchmarks/RESULTS.md",
+    "benchmarks/*.sh",
+    "benchmarks/*.py",
+    "benchmarks/results/**/*.md",
+    "scripts/*",
+    "examples/*",
+    "ray_jobs/*",
+    "patches/*",
+    "tests/**/*.py",
+    "setup.py",
+    ".ci/*",
+]
 
 
 def hits(text: str):
@@ -27,8 +41,14 @@ def hits(text: str):
 def test_the_pattern_catches_process_words_and_spares_plain_words():
     for bad in ("see issue 12", "Issue 14's aims", "(stop 30)", "item-9 run", "this session", "the turn 3 fix"):
         assert hits(bad), bad
-    for ok in ('@pytest.fixture(scope="session")', "issues/1047 on GitHub", "the last item", "stops the job",
-               "turns gradient checkpointing off", "start_new_session"):
+    for ok in (
+        '@pytest.fixture(scope="session")',
+        "issues/1047 on GitHub",
+        "the last item",
+        "stops the job",
+        "turns gradient checkpointing off",
+        "start_new_session",
+    ):
         assert not hits(ok), ok
 
 

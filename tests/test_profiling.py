@@ -1,5 +1,6 @@
 """Unit costs within a budget: bytes measured on prefixes and scaled to the whole microbatch
 agree with bytes measured on the whole one, and no profiling pass peaks above the cap."""
+
 import pytest
 import torch
 
@@ -13,7 +14,9 @@ from hilore_actor.workloads import replayed_microbatches
 def setup():
     seed = torch.seed() % 2**31
     print("seed", seed)
-    cfg = tiny_config("qwen2", hidden_size=128, intermediate_size=704, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=4096)
+    cfg = tiny_config(
+        "qwen2", hidden_size=128, intermediate_size=704, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=4096
+    )
     model = build_model(cfg, lora=LoraSpec(8, 16), seed=seed)
     model.train()
     mb = replayed_microbatches(model, 1, 1024, seed=seed)[0]
@@ -28,8 +31,10 @@ def test_prefix_probes_match_the_whole_microbatch(setup):
     assert runner.run(mb, "all-h", measure_peak=True).peak_bytes > budget  # all-H itself would not fit
     with runner.watching() as peaks:
         capped = profile_units(runner, mb, repeats=1, cap=budget)
-    print(f"probes {capped.probe_tokens}; bytes off a line by {capped.bytes_linear_error:.4f}; "
-          f"peaks/B {[round(p / budget, 3) for p in peaks]}")
+    print(
+        f"probes {capped.probe_tokens}; bytes off a line by {capped.bytes_linear_error:.4f}; "
+        f"peaks/B {[round(p / budget, 3) for p in peaks]}"
+    )
     assert max(capped.probe_tokens) < mb.num_tokens and len(capped.probe_tokens) >= 2
     assert max(peaks) <= budget
     assert capped.base_peak == whole.base_peak
@@ -60,12 +65,21 @@ def test_partial_costs_and_a_plan_that_takes_p(setup):
     runner, mb, budget = setup
     costs = profile_units(runner, mb, repeats=1, partial=True)
     for n in costs.dm:
-        print(n, {a: v >> 10 for a, v in costs.dm[n].items()}, "KiB;", {a: round(v, 4) for a, v in costs.dtau[n].items()}, "s")
+        print(
+            n,
+            {a: v >> 10 for a, v in costs.dm[n].items()},
+            "KiB;",
+            {a: round(v, 4) for a, v in costs.dtau[n].items()},
+            "s",
+        )
         assert costs.dm[n]["P"] > 0 and 0.0 <= costs.dtau[n]["P"] <= costs.dtau[n]["H"] * 1.5
         if n.endswith("mlp"):  # no attention kernel: P:core would keep nothing, so it is no option
             assert costs.dm[n]["P"] < costs.dm[n]["H"] and "P:core" not in costs.dm[n]
         else:  # the kernel's outputs alone: fewer bytes than P's
-            assert 0 < costs.dm[n]["P:core"] < costs.dm[n]["P"] and 0.0 <= costs.dtau[n]["P:core"] <= costs.dtau[n]["H"] * 1.5
+            assert (
+                0 < costs.dm[n]["P:core"] < costs.dm[n]["P"]
+                and 0.0 <= costs.dtau[n]["P:core"] <= costs.dtau[n]["H"] * 1.5
+            )
     hl = HiLoRe(runner, 10**12, None, mode="hilore-hr", partial=True, loo=False, log=lambda *a: None)
     room = sum(costs.dm[n]["P"] for n in costs.dm if n.endswith("mlp")) * 1.01
     actions = hl.allocate(costs, {}, room, 0.0)
@@ -102,10 +116,22 @@ def test_an_attention_unit_before_an_expert_block_pays_for_the_blocks_input():
     from hilore_actor.allocation.profiling import _bytes_at
 
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = build_model(cfg, seed=0).train()
     runner = Runner(model)
     assert [u.kind for u in runner.engine.layer_specs[0].units] == ["attn", "moe"]

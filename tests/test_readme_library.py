@@ -1,5 +1,6 @@
 """The README's "The library in short": its allocation snippet runs exactly as printed, so the
 numbers it feeds ``resolve_budget`` come from the library's own calls, not from the reader."""
+
 import re
 from pathlib import Path
 

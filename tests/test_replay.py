@@ -1,6 +1,7 @@
 """The rollout-level replay buffer (``hilore_actor/rollout/replay.py``) and its place in the
 training job: age eviction, fresh-anchored batches, priority draws, zero-advantage rollouts,
 the checkpoint round trip, and a job run with ``--replay.enable`` resumed bitwise."""
+
 import math
 import shutil
 
@@ -14,8 +15,14 @@ from hilore_actor.train.config import parse_config
 
 def _item(step, adv, n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return ReplayItem(torch.randint(0, 100, (n,), generator=g), 2, adv, step, -torch.rand(n - 1, generator=g),
-                      -torch.rand(n - 1, generator=g))
+    return ReplayItem(
+        torch.randint(0, 100, (n,), generator=g),
+        2,
+        adv,
+        step,
+        -torch.rand(n - 1, generator=g),
+        -torch.rand(n - 1, generator=g),
+    )
 
 
 @pytest.fixture
@@ -119,7 +126,9 @@ def test_every_fresh_rollout_is_in_its_steps_batch(seed):
     buf = ReplayBuffer(100, 2, seed=seed)
     buf.add([_item(0, 0.1 * (i + 1), seed=seed + i) for i in range(20)])
     g = torch.Generator().manual_seed(seed)
-    fresh = [(torch.randint(0, 50, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g), 2, 0.3) for _ in range(8)]
+    fresh = [
+        (torch.randint(0, 50, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g), 2, 0.3) for _ in range(8)
+    ]
     replayed = draw_replay(buf, cfg, 1)
     assert len(replayed) == 8  # 1.5 x 8 = 12 -> one whole update of --train.batch_size 8
     seqs = fresh + [(it.ids, it.prompt_len, it.advantage, it.old_log_probs, it.ref_log_probs) for it in replayed]
@@ -133,8 +142,11 @@ def test_every_fresh_rollout_is_in_its_steps_batch(seed):
 def test_replay_flags_are_checked():
     from hilore_actor.train.config import ConfigError
 
-    for bad, message in ((["--replay.priority", "loss"], "--replay.priority"), (["--replay.max_age", "0"], "max_age"),
-                         (["--replay.ratio", "0.5"], "nothing would be replayed")):
+    for bad, message in (
+        (["--replay.priority", "loss"], "--replay.priority"),
+        (["--replay.max_age", "0"], "max_age"),
+        (["--replay.ratio", "0.5"], "nothing would be replayed"),
+    ):
         with pytest.raises(ConfigError, match=message):
             parse_config(["--preset", "tiny", "--replay.enable"] + bad)
 
@@ -161,11 +173,27 @@ def test_job_with_replay_logs_its_metrics_and_resumes_bitwise(tmp_path):
     part = tmp_path / "part"
     shutil.copytree(ck / "step_2", part / "checkpoints" / "step_2")
     (part / "checkpoints" / "latest").write_text("step_2")
-    (part / "metrics.jsonl").write_text("".join(ln + "\n" for ln in (full / "metrics.jsonl").read_text().splitlines()[:2]))
+    (part / "metrics.jsonl").write_text(
+        "".join(ln + "\n" for ln in (full / "metrics.jsonl").read_text().splitlines()[:2])
+    )
     r = job(part, "--replay.enable", "--max_steps", "3", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "replay buffer restored" in r.stdout
     resumed = metrics(part)
-    same_training(resumed, rows, [2], keys=("loss", "policy_loss", "kl", "grad_norm", "reward_mean", "replayed",
-                                            "replay_mean_age", "replay_mean_abs_advantage", "replay_clip_fraction",
-                                            "replay_buffer_size"))
+    same_training(
+        resumed,
+        rows,
+        [2],
+        keys=(
+            "loss",
+            "policy_loss",
+            "kl",
+            "grad_norm",
+            "reward_mean",
+            "replayed",
+            "replay_mean_age",
+            "replay_mean_abs_advantage",
+            "replay_clip_fraction",
+            "replay_buffer_size",
+        ),
+    )

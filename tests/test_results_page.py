@@ -1,6 +1,7 @@
 """``benchmarks/RESULTS.md`` and the README's headline table are generated from the committed
 JSON: the committed files must equal what the generator makes now, and the generator's noise
 floor and peer choice must agree with a brute-force reference."""
+
 import json
 import random
 import shutil
@@ -15,8 +16,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def test_committed_results_page_and_readme_match_their_json():
     stale = rp.write(RESULTS, ROOT / "benchmarks" / "RESULTS.md", ROOT / "README.md", check=True)
-    assert not stale, (f"{stale} differ from what the JSON gives: run python -m hilore_actor.bench.report "
-                       "--results benchmarks/results --out benchmarks/RESULTS.md --readme README.md")
+    assert not stale, (
+        f"{stale} differ from what the JSON gives: run python -m hilore_actor.bench.report "
+        "--results benchmarks/results --out benchmarks/RESULTS.md --readme README.md"
+    )
 
 
 def test_a_changed_figure_makes_the_check_fail(tmp_path):
@@ -57,11 +60,20 @@ def test_noise_floor_and_fastest_peer_against_brute_force():
         for m in ("gc", "sac-budget", "compile-budget", "no-gc", "all-l", "hilore"):
             budgeted = m in ("sac-budget", "compile-budget", "hilore")
             peak = rng.uniform(0.9, 1.5)
-            recs.append({"method": m, "budget_ratio": b if budgeted else None, "speed_over_gc": rng.uniform(0.9, 1.5),
-                         "peak_over_gc": peak,
-                         "fits_budget": (peak <= b) if budgeted else [x for x in (1.1, 1.25) if peak <= x]})
-        want = max((r for r in recs if r["method"] in rp.EXACT_PEERS and r["peak_over_gc"] <= b),
-                   key=lambda r: r["speed_over_gc"], default=None)
+            recs.append(
+                {
+                    "method": m,
+                    "budget_ratio": b if budgeted else None,
+                    "speed_over_gc": rng.uniform(0.9, 1.5),
+                    "peak_over_gc": peak,
+                    "fits_budget": (peak <= b) if budgeted else [x for x in (1.1, 1.25) if peak <= x],
+                }
+            )
+        want = max(
+            (r for r in recs if r["method"] in rp.EXACT_PEERS and r["peak_over_gc"] <= b),
+            key=lambda r: r["speed_over_gc"],
+            default=None,
+        )
         assert rp.fastest_peer(recs, b) is want
 
 
@@ -81,8 +93,12 @@ def test_interleaved_floor_and_peer_pairs_only_within_a_phase(fresh_seed):
     peer = {"method": "compile-budget", "budget_ratio": 1.1, "speed_over_gc": 1.3}
     data = {"phases": [{"label": "main", "times": {"gc": gc, "hilore@1.10": h}}]}
     assert rp.over_peer(data, peer, 1.1) == "not paired"
-    data["phases"].append({"label": "compile-budget@1.10", "times": {"gc": gc, "hilore@1.10": h,
-                                                                    "compile-budget@1.10": [g / 1.21 for g in gc]}})
+    data["phases"].append(
+        {
+            "label": "compile-budget@1.10",
+            "times": {"gc": gc, "hilore@1.10": h, "compile-budget@1.10": [g / 1.21 for g in gc]},
+        }
+    )
     assert rp.over_peer(data, peer, 1.1) == "hilore / it 0.909 [0.909, 0.909], paired"
 
 
@@ -96,9 +112,17 @@ def test_a_pooled_run_says_what_its_repeats_resolve(fresh_seed):
     rng = random.Random(fresh_seed)
     n = rng.randint(6, 20)
     over = [math.exp(rng.gauss(0.05, 0.03)) for _ in range(n)]
-    h = {"method": "hilore", "budget_ratio": 1.1, "speed_over_gc": 1.05, "speed_geomean": 1.04,
-         "speed_geomean_ci95": [1.0, 1.08], "speed_total_ratio": 1.03, "over_aa_ratios": over,
-         "over_aa_over_gc": statistics.median(over), "over_aa_ci95": [1.0, 1.1]}
+    h = {
+        "method": "hilore",
+        "budget_ratio": 1.1,
+        "speed_over_gc": 1.05,
+        "speed_geomean": 1.04,
+        "speed_geomean_ci95": [1.0, 1.08],
+        "speed_total_ratio": 1.03,
+        "over_aa_ratios": over,
+        "over_aa_over_gc": statistics.median(over),
+        "over_aa_ci95": [1.0, 1.1],
+    }
     line = rp._power({"pooled": True, "pieces": [{}, {}]}, h, 1.1)[0]
     sd = statistics.stdev(math.log(x) for x in over)
     assert f"Power: {n} paired repeats from 2 pieces, log spread over gc-aa {sd:.4f}" in line

@@ -1,5 +1,6 @@
 """The KEEP_EXACT table, one test per kind: each kind of tensor really stays exact under L; and
 the attention kernels a partial unit keeps (flash-attn's custom ops through a CPU stand-in)."""
+
 from typing import Optional, Tuple
 
 import pytest
@@ -61,8 +62,11 @@ def test_attention_core_stays_exact_under_l(arch):
     """With the rule, an attention unit under L holds exact bytes the rule-free engine
     compresses (MLP units are unchanged), and attention-only L moves the gradient less."""
     seed = _seed()
-    model = build_model(tiny_config(arch, hidden_size=64, num_layers=2, vocab_size=VOCAB),
-                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed).train()
+    model = build_model(
+        tiny_config(arch, hidden_size=64, num_layers=2, vocab_size=VOCAB),
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=seed,
+    ).train()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -122,10 +126,19 @@ FLASH_CALLS = []
 
 
 @torch.library.custom_op(FAKE_FLASH, mutates_args=(), device_types="cpu")
-def _fake_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
-                        causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-                        alibi_slopes: Optional[torch.Tensor], return_softmax: bool
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fake_flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     FLASH_CALLS.append(q.shape)
     s = _scores(q, k, softmax_scale, causal)
     lse = torch.logsumexp(s, dim=-1)  # (b, h, s), float32 as flash's
@@ -143,8 +156,9 @@ def _scores(q, k, scale, causal):
 class _FakeFlashFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
-        out, lse, _, rng_state = torch.ops.hilore_test._flash_attn_forward(q, k, v, 0.0, scale, True, -1, -1, 0.0,
-                                                                           None, False)
+        out, lse, _, rng_state = torch.ops.hilore_test._flash_attn_forward(
+            q, k, v, 0.0, scale, True, -1, -1, 0.0, None, False
+        )
         ctx.save_for_backward(q, k, v, out, lse, rng_state)
         ctx.scale = scale
         return out
@@ -179,6 +193,7 @@ def test_library_attention_kernels_resolve_only_when_registered(monkeypatch):
     monkeypatch.setattr(rules, "LIBRARY_ATTENTION_KERNELS", rules.LIBRARY_ATTENTION_KERNELS + (FAKE_FLASH,))
     assert fake in rules.partial_saves("core") and fake in rules.partial_saves()
     from torch.utils.checkpoint import CheckpointPolicy
+
     assert rules.partial_policy("core")(None, fake) == CheckpointPolicy.MUST_SAVE
     assert "flash_attn::_flash_attn_varlen_forward" in rules.LIBRARY_ATTENTION_KERNELS
     seed = _seed()  # the stand-in is causal attention, forward and backward (sdpa's, within float32 rounding)
@@ -186,9 +201,12 @@ def test_library_attention_kernels_resolve_only_when_registered(monkeypatch):
     q, k, v = (torch.randn(2, 7, 3, 8, generator=gen, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, 7, 3, 8, generator=gen)
     out = _FakeFlashFn.apply(q, k, v, 0.3)
-    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                                           scale=0.3).transpose(1, 2)
-    for a, b in zip((out,) + torch.autograd.grad(out, (q, k, v), dout), (ref,) + torch.autograd.grad(ref, (q, k, v), dout)):
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=0.3
+    ).transpose(1, 2)
+    for a, b in zip(
+        (out,) + torch.autograd.grad(out, (q, k, v), dout), (ref,) + torch.autograd.grad(ref, (q, k, v), dout)
+    ):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
@@ -206,8 +224,11 @@ def test_p_core_keeps_a_library_kernels_outputs(monkeypatch, listed):
     transformers.AttentionInterface.register("hilore_fake_kernel", _fake_flash_attention)
     if listed:
         monkeypatch.setattr(rules, "LIBRARY_ATTENTION_KERNELS", rules.LIBRARY_ATTENTION_KERNELS + (FAKE_FLASH,))
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=VOCAB),
-                        attn_implementation="hilore_fake_kernel", seed=seed).train()
+    model = build_model(
+        tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=VOCAB),
+        attn_implementation="hilore_fake_kernel",
+        seed=seed,
+    ).train()
     ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(seed))
     pos = torch.arange(48)[None]
     ref, _ = _run(model, ids, pos)

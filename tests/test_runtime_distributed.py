@@ -1,5 +1,6 @@
 """runtime/distributed.py: a learner's process group on CPU starts without compiling DeepSpeed's
 shared-memory kernel, so a lock file left by a killed compile cannot block it."""
+
 import os
 import subprocess
 import sys
@@ -24,8 +25,16 @@ def test_cpu_init_ignores_a_stale_shm_build_lock(tmp_path):
     build = tmp_path / tag / "deepspeed_shm_comm"
     build.mkdir(parents=True)
     (build / "lock").write_text("")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    env = dict(
+        os.environ,
+        TORCH_EXTENSIONS_DIR=str(tmp_path),
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backend gloo world 1 shm None" in out.stdout, out.stdout[-2000:]

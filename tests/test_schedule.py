@@ -1,5 +1,6 @@
 """HiLoRe on a tiny model at B = 1.10 x B_GC over a 20-microbatch replay: every measured peak
 within B, accumulated gradient error within tolerance, and at least one unit kept."""
+
 import pytest
 import torch
 
@@ -11,7 +12,9 @@ from hilore_actor.workloads import replayed_microbatches
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(torch.seed() % 2**31)
-    cfg = tiny_config("qwen2", hidden_size=128, intermediate_size=704, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=8192)
+    cfg = tiny_config(
+        "qwen2", hidden_size=128, intermediate_size=704, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=8192
+    )
     model = build_model(cfg, lora=LoraSpec(16, 32), seed=torch.seed() % 2**31)
     model.train()
     mbs = replayed_microbatches(model, 26, 512, seed=torch.seed() % 2**31)
@@ -39,8 +42,14 @@ def replay(h, runner, mbs, budget, reference):
     return float((g - g_ex).norm() / g_ex.norm()), taken
 
 
-@pytest.mark.parametrize("mode", ["hilore", pytest.param("hilore-hr", marks=pytest.mark.slow),
-                                  pytest.param("hilore-static", marks=pytest.mark.slow)])  # 50 s each on 2 cores
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "hilore",
+        pytest.param("hilore-hr", marks=pytest.mark.slow),
+        pytest.param("hilore-static", marks=pytest.mark.slow),
+    ],
+)  # 50 s each on 2 cores
 def test_replay_within_budget_and_tolerance(setup, mode):
     runner, cal, mbs, budget = setup
     h = HiLoRe(runner, budget, cal, mode=mode, loo=False, log=lambda *_: None)  # ms-level LOO is noise here
@@ -132,8 +141,11 @@ def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
     seed = torch.seed() % 2**31
     print("seed", seed)
     size = (torch.rand(9, generator=torch.Generator().manual_seed(seed)) * 0.03 + 0.001).tolist()
-    paired = {"costly": [-size[0], -size[1], -size[2]], "noisy": [-size[3] - size[5], size[5], -size[4] - size[5]],
-              "useful": size[6:9]}
+    paired = {
+        "costly": [-size[0], -size[1], -size[2]],
+        "noisy": [-size[3] - size[5], size[5], -size[4] - size[5]],
+        "useful": size[6:9],
+    }
     costs = SimpleNamespace(dtau={n: {"H": 0.01} for n in paired}, dm={n: {"H": 1 << 20} for n in paired})
     sp = ShapePlan("s", costs, dict({n: EXACT for n in paired}, other=CHECKPOINT), 0.0, 0.0, 0.0)
     pair = {n: 0 for n in paired}

@@ -1,4 +1,5 @@
 """Tasks and rewards: reasoning-gym, JSONL, math-verify, clear errors on bad files."""
+
 import json
 
 import pytest
@@ -88,7 +89,10 @@ def test_restating_the_question_earns_no_reward():
 
     assert math_verify_reward("To calculate -43 - 45, we need to perform the subtraction operation.", "-88") == 0.0
     assert math_verify_reward("To calculate -69 + 90, we need to add.", "21") == 0.0
-    assert math_verify_reward("The answer is -88.", "-88") == 1.0 and math_verify_reward("<answer>21</answer>", "21") == 1.0
+    assert (
+        math_verify_reward("The answer is -88.", "-88") == 1.0
+        and math_verify_reward("<answer>21</answer>", "21") == 1.0
+    )
     opts = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]}
     task = load_task("rg:basic_arithmetic", size=20, seed=5, options=opts, instruction=" Answer with the number only.")
     for ex in task.examples:

@@ -121,7 +121,11 @@ CASES = [
         ["--reward.path", "{tmp}/wrong_signature.py"],
         "parameters ['text'] are not ones it can be given",
     ),
-    ("a held-out set that does not exist", ["--eval.dataset", "{tmp}/held_out.jsonl"], "held_out.jsonl: dataset file not found"),
+    (
+        "a held-out set that does not exist",
+        ["--eval.dataset", "{tmp}/held_out.jsonl"],
+        "held_out.jsonl: dataset file not found",
+    ),
     (
         "a reward name without a reward file",
         ["--reward.name", "score"],

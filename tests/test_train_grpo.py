@@ -1,6 +1,7 @@
 """The GRPO training job end to end on CPU through Ray (tiny preset: 2 learner ranks under
 DeepSpeed ZeRO-2, 1 HF rollout worker, a reference worker, the budget coordinator), its
 checkpoints and resume, and its answers to bad input and a dying worker."""
+
 import json
 import math
 
@@ -62,8 +63,13 @@ def test_resume_refuses_a_changed_model_or_data_and_replans_a_changed_budget(uni
 
     run = tmp_path / "run"
     shutil.copytree(uninterrupted[0], run)  # its checkpoint of step 3, with the flags it was saved with
-    refused = ((["--pretrain", "tiny:llama"], "--actor.model_name_or_path (--pretrain) 'tiny:llama' (the checkpoint's "
-                "'tiny:qwen2')"), (["--train.seed", "7"], "--train.seed 7 (the checkpoint's 42)"))
+    refused = (
+        (
+            ["--pretrain", "tiny:llama"],
+            "--actor.model_name_or_path (--pretrain) 'tiny:llama' (the checkpoint's 'tiny:qwen2')",
+        ),
+        (["--train.seed", "7"], "--train.seed 7 (the checkpoint's 42)"),
+    )
     for args, want in refused:
         t = time.monotonic()
         r = job(run, "--max_steps", "4", "--resume", *args, timeout=120)
@@ -111,8 +117,13 @@ def test_a_resumed_rank_takes_the_chunked_head_as_an_uninterrupted_one(uninterru
     import sys
 
     step = uninterrupted[0] / "checkpoints" / "step_3"
-    r = subprocess.run([sys.executable, "-c", RESUMED_RANK, str(step)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    r = subprocess.run(
+        [sys.executable, "-c", RESUMED_RANK, str(step)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, DS_ACCELERATOR="cpu"),
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "chunked head: True True" in r.stdout, r.stdout[-2000:]
 
@@ -125,11 +136,25 @@ def test_offline_wandb_tensorboard_samples_entropy_and_held_out_evaluation(tmp_p
     from train_job import tensorboard_scalars, wandb_scalars
 
     held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
-                                for i in range(5)))
+    held_out.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(5))
+    )
     out = tmp_path / "run"
-    r = job(out, "--max_steps", "2", "--use_wandb", "--wandb_run_name", "tiny-test", "--eval.dataset", str(held_out),
-            "--eval.steps", "1", "--eval.max_samples", "3", env={"WANDB_MODE": "offline"})
+    r = job(
+        out,
+        "--max_steps",
+        "2",
+        "--use_wandb",
+        "--wandb_run_name",
+        "tiny-test",
+        "--eval.dataset",
+        str(held_out),
+        "--eval.steps",
+        "1",
+        "--eval.max_samples",
+        "3",
+        env={"WANDB_MODE": "offline"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = metrics(out)
     assert [m["step"] for m in rows] == [1, 2]
@@ -142,13 +167,27 @@ def test_offline_wandb_tensorboard_samples_entropy_and_held_out_evaluation(tmp_p
     for k, v in tb.items():
         assert wb[k] == pytest.approx(v, rel=1e-6), k
     names = {k for k, _ in tb}
-    assert {"reward/mean", "reward/std", "actor/loss", "actor/kl", "actor/entropy", "actor/clip_fraction",
-            "actor/grad_norm", "perf/update_seconds", "memory/peak_over_budget/0", "memory/peak_over_budget/1",
-            "hilore/fraction_H", "rollout/response_length", "eval/accuracy", "eval/reward_mean"} <= names
+    assert {
+        "reward/mean",
+        "reward/std",
+        "actor/loss",
+        "actor/kl",
+        "actor/entropy",
+        "actor/clip_fraction",
+        "actor/grad_norm",
+        "perf/update_seconds",
+        "memory/peak_over_budget/0",
+        "memory/peak_over_budget/1",
+        "hilore/fraction_H",
+        "rollout/response_length",
+        "eval/accuracy",
+        "eval/reward_mean",
+    } <= names
     assert tb[("actor/entropy", 2)] == pytest.approx(rows[1]["entropy"], rel=1e-6)
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
-    assert [(s["step"], s["split"]) for s in samples] == [(1, "train")] * 2 + [(1, "eval")] * 2 + \
-        [(2, "train")] * 2 + [(2, "eval")] * 2
+    assert [(s["step"], s["split"]) for s in samples] == [(1, "train")] * 2 + [(1, "eval")] * 2 + [(2, "train")] * 2 + [
+        (2, "eval")
+    ] * 2
     assert samples[2]["prompt"] == "What is 0 + 1?" and samples[2]["answer"] == "1"
     assert "held-out after step 2: accuracy" in r.stdout and "Traceback" not in r.stderr
 
@@ -158,8 +197,16 @@ def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(t
     """Mode hilore: the first step runs H/R, then L's risk is calibrated once for the job on
     that step's real microbatches (both ranks' shares pooled), every rank re-plans with it,
     and a resumed run reads it from the checkpoint instead of calibrating again."""
-    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "2", "--hilore.calibration_batches", "4",
-            "--measure_grad_error")
+    r = job(
+        tmp_path,
+        "--hilore.mode",
+        "hilore",
+        "--max_steps",
+        "2",
+        "--hilore.calibration_batches",
+        "4",
+        "--measure_grad_error",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("calibrated L's risk on 4 real microbatches") == 1, r.stdout[-3000:]
     rows = metrics(tmp_path)
@@ -191,7 +238,9 @@ def test_a_dead_learner_fails_cleanly_and_a_damaged_checkpoint_is_skipped_on_res
     ck = tmp_path / "checkpoints"
     assert (ck / "latest").read_text() == "step_2" and (ck / "step_1" / "meta.json").is_file()
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not list(ck.glob(".*tmp*"))
-    victim = max((f for f in (ck / "step_2").rglob("*") if f.is_file() and f.name != "meta.json"), key=lambda f: f.stat().st_size)
+    victim = max(
+        (f for f in (ck / "step_2").rglob("*") if f.is_file() and f.name != "meta.json"), key=lambda f: f.stat().st_size
+    )
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     r = job(tmp_path, "--max_steps", "3", "--resume")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -247,15 +296,27 @@ def test_faults_a_run_survives(uninterrupted, tmp_path):
     assert [m["coordinator_restarts"] for m in rows] == [0, 1, 1, 1, 1]
     assert "step 2: the budget coordinator died and was restarted" in r.stdout
     state = json.loads((tmp_path / "checkpoints" / "step_5" / "coordinator.json").read_text())
-    assert sorted(state["steps"]) == ["0", "1", "2", "3", "4"] and state["restarts"] == 1  # step 1 came back from its checkpoint
+    assert (
+        sorted(state["steps"]) == ["0", "1", "2", "3", "4"] and state["restarts"] == 1
+    )  # step 1 came back from its checkpoint
     assert all(state["steps"]["1"][rank]["microbatches"] == 2 for rank in ("0", "1"))
     assert [m["oom_reruns"] for m in rows] == [0, 0, 1, 0, 0]
     ooms = rows[2]["coordinator"]["1"]["out_of_memory"]
     assert len(ooms) == 1 and ooms[0]["microbatch"] == 0 and rows[2]["coordinator"]["0"]["out_of_memory"] == []
     assert ooms[0]["by_bytes"] > 0  # the plan stored units at that size (fraction_H > 0) and gave up half of them
     assert "step 3: 1 microbatch(es) ran out of memory (rank 1) and were rerun all-R" in r.stdout
-    assert [m["skipped_updates"] for m in rows] == [0, 0, 0, 1, 0] and "step 4: an update had a non-finite gradient" in r.stdout
-    assert not math.isfinite(rows[3]["grad_norm"]) and math.isfinite(rows[4]["grad_norm"]) and math.isfinite(rows[4]["loss"])
+    assert [m["skipped_updates"] for m in rows] == [
+        0,
+        0,
+        0,
+        1,
+        0,
+    ] and "step 4: an update had a non-finite gradient" in r.stdout
+    assert (
+        not math.isfinite(rows[3]["grad_norm"])
+        and math.isfinite(rows[4]["grad_norm"])
+        and math.isfinite(rows[4]["loss"])
+    )
     assert CheckpointDir(tmp_path / "checkpoints").resumable(log=print) == (tmp_path / "checkpoints" / "step_5", [])
 
 
@@ -320,25 +381,42 @@ def test_own_data_and_reward_drive_the_run_and_a_reward_error_is_one_line(tmp_pa
     step 2 the function raises: exit 1, one line naming the function and the error, the trace in
     error.log, step 1's metrics and checkpoint kept."""
     data = tmp_path / "qa.jsonl"
-    data.write_text('{"question": "Name a vowel.", "solution": "a"}\n'
-                    '{"question": [{"role": "user", "content": "Name two vowels."}], "solution": "e"}\n')
+    data.write_text(
+        '{"question": "Name a vowel.", "solution": "a"}\n'
+        '{"question": [{"role": "user", "content": "Name two vowels."}], "solution": "e"}\n'
+    )
     reward = tmp_path / "my_reward.py"
-    reward.write_text("calls = []\n"
-                      "def reward_func(queries, prompts, labels):\n"
-                      "    calls.append(1)\n"
-                      "    if len(calls) == 2:\n"
-                      "        raise KeyError('step two')\n"
-                      "    assert set(labels) <= {'a', 'e'} and all(q.startswith(p) for q, p in zip(queries, prompts))\n"
-                      "    return [0.25 if l == 'a' else 0.75 for l in labels]\n")
+    reward.write_text(
+        "calls = []\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        raise KeyError('step two')\n"
+        "    assert set(labels) <= {'a', 'e'} and all(q.startswith(p) for q, p in zip(queries, prompts))\n"
+        "    return [0.25 if l == 'a' else 0.75 for l in labels]\n"
+    )
     out = tmp_path / "run"
-    r = job(out, "--data.prompt_dataset", str(data), "--data.input_key", "question", "--data.label_key", "solution",
-            "--reward.path", str(reward), "--max_steps", "2")
+    r = job(
+        out,
+        "--data.prompt_dataset",
+        str(data),
+        "--data.input_key",
+        "question",
+        "--data.label_key",
+        "solution",
+        "--reward.path",
+        str(reward),
+        "--max_steps",
+        "2",
+    )
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     err = r.stderr.strip().splitlines()[-1]
     assert "reward function reward_func" in err and "raised KeyError: 'step two'" in err and "error.log" in err, err
     assert "Traceback" not in r.stderr and "KeyError" in (out / "error.log").read_text()
     rows = metrics(out)
-    assert [m["step"] for m in rows] == [1] and rows[0]["reward_mean"] == 0.5  # one prompt of each label, 4 samples each
+    assert [m["step"] for m in rows] == [1] and rows[0][
+        "reward_mean"
+    ] == 0.5  # one prompt of each label, 4 samples each
     assert (out / "checkpoints" / "latest").read_text() == "step_1"
 
 

@@ -1,44 +1,109 @@
 """The training job's logging without a job run: metric key -> TensorBoard / W&B name, the
 writers (metrics.jsonl, samples.jsonl, TensorBoard, offline W&B) agreeing, the learner's entropy
 statistic, the W&B and --eval.* checks of the flags, and the summary line's loss format."""
+
 import json
 
 import pytest
 import torch
 
-from hilore_actor.train.metrics import (MetricsLog, _scalars, learner_means, logging_errors, pick_samples,
-                                        rollout_metrics, scalars, summary, tag, wandb_options)
+from hilore_actor.train.metrics import (
+    MetricsLog,
+    _scalars,
+    learner_means,
+    logging_errors,
+    pick_samples,
+    rollout_metrics,
+    scalars,
+    summary,
+    tag,
+    wandb_options,
+)
 
 from train_job import tensorboard_scalars, wandb_history, wandb_scalars  # noqa: E402
 
 # a step's row as train_grpo.step_metrics (+ replay, --compare_gc, --measure_grad_error, eval) writes it
 ROW = {
-    "reward_mean": 0.5, "reward_std": 0.1, "reward_min": 0.2, "reward_max": 0.9, "accuracy": 0.25,
-    "response_length": 12.5, "response_length_max": 16, "loss": 1e-6, "policy_loss": -0.01, "kl": 0.001,
-    "entropy": 2.5, "clip_fraction": 0.0, "grad_norm": 0.3, "lr": 1e-3, "skipped_updates": 0, "oom_reruns": 0,
-    "update_seconds": 1.5, "rollout_seconds": 0.5, "ref_seconds": 0.1, "tokens_per_second": 100.0,
-    "peak_over_budget": {"0": 0.9, "1": 0.95}, "peak_over_budget_max": 0.95, "plan_peak_over_budget": 0.97,
-    "budget_scope": "device", "coordinator_restarts": 0, "learner_nodes": {"0": "abc", "1": "abc"},
-    "fraction_H": 0.5, "fraction_L": 0.0, "fraction_P": 0.0, "fraction_R": 0.5,
+    "reward_mean": 0.5,
+    "reward_std": 0.1,
+    "reward_min": 0.2,
+    "reward_max": 0.9,
+    "accuracy": 0.25,
+    "response_length": 12.5,
+    "response_length_max": 16,
+    "loss": 1e-6,
+    "policy_loss": -0.01,
+    "kl": 0.001,
+    "entropy": 2.5,
+    "clip_fraction": 0.0,
+    "grad_norm": 0.3,
+    "lr": 1e-3,
+    "skipped_updates": 0,
+    "oom_reruns": 0,
+    "update_seconds": 1.5,
+    "rollout_seconds": 0.5,
+    "ref_seconds": 0.1,
+    "tokens_per_second": 100.0,
+    "peak_over_budget": {"0": 0.9, "1": 0.95},
+    "peak_over_budget_max": 0.95,
+    "plan_peak_over_budget": 0.97,
+    "budget_scope": "device",
+    "coordinator_restarts": 0,
+    "learner_nodes": {"0": "abc", "1": "abc"},
+    "fraction_H": 0.5,
+    "fraction_L": 0.0,
+    "fraction_P": 0.0,
+    "fraction_R": 0.5,
     "coordinator": {"0": {"peak_over_budget": 0.9, "microbatches": 2, "actions": {"H": 3}, "tokens": [5, 6]}},
-    "fresh_fraction_H": 0.5, "fresh_clip_fraction": 0.0, "fresh_microbatches": 2, "replay_fraction_H": 0.4,
-    "replay_clip_fraction": 0.1, "replay_microbatches": 1, "replay_buffer_size": 8, "replayed": 8,
-    "replay_mean_age": 1.5, "replay_mean_abs_advantage": 0.7,
-    "compare_gc_seconds": 2.0, "compare_hilore_seconds": 1.5, "compare_speedup_vs_gc": 1.33,
-    "grad_rel_error": 0.0, "grad_rel_error_max": 0.0, "grad_cosine_min": 1.0,
-    "eval_accuracy": 0.5, "eval_reward_mean": 0.6, "eval_response_length": 10.0, "eval_prompts": 4, "eval_seconds": 3.0,
+    "fresh_fraction_H": 0.5,
+    "fresh_clip_fraction": 0.0,
+    "fresh_microbatches": 2,
+    "replay_fraction_H": 0.4,
+    "replay_clip_fraction": 0.1,
+    "replay_microbatches": 1,
+    "replay_buffer_size": 8,
+    "replayed": 8,
+    "replay_mean_age": 1.5,
+    "replay_mean_abs_advantage": 0.7,
+    "compare_gc_seconds": 2.0,
+    "compare_hilore_seconds": 1.5,
+    "compare_speedup_vs_gc": 1.33,
+    "grad_rel_error": 0.0,
+    "grad_rel_error_max": 0.0,
+    "grad_cosine_min": 1.0,
+    "eval_accuracy": 0.5,
+    "eval_reward_mean": 0.6,
+    "eval_response_length": 10.0,
+    "eval_prompts": 4,
+    "eval_seconds": 3.0,
 }
 
 
 def test_every_key_has_a_distinct_name_in_its_area():
     got = scalars(ROW)
     assert len(got) == len(_scalars(ROW))  # one name per number: no two keys share one
-    expect = {"reward/mean": 0.5, "reward/std": 0.1, "actor/loss": 1e-6, "actor/kl": 0.001, "actor/entropy": 2.5,
-              "actor/clip_fraction": 0.0, "actor/grad_norm": 0.3, "perf/update_seconds": 1.5,
-              "memory/peak_over_budget/1": 0.95, "hilore/fraction_H": 0.5, "rollout/response_length": 12.5,
-              "eval/accuracy": 0.5, "eval/reward_mean": 0.6, "coordinator/0/actions/H": 3.0,
-              "coordinator/restarts": 0.0, "replay/buffer_size": 8.0, "hilore/replay_fraction_H": 0.4,
-              "actor/fresh_clip_fraction": 0.0, "perf/compare_speedup_vs_gc": 1.33, "hilore/grad_rel_error": 0.0}
+    expect = {
+        "reward/mean": 0.5,
+        "reward/std": 0.1,
+        "actor/loss": 1e-6,
+        "actor/kl": 0.001,
+        "actor/entropy": 2.5,
+        "actor/clip_fraction": 0.0,
+        "actor/grad_norm": 0.3,
+        "perf/update_seconds": 1.5,
+        "memory/peak_over_budget/1": 0.95,
+        "hilore/fraction_H": 0.5,
+        "rollout/response_length": 12.5,
+        "eval/accuracy": 0.5,
+        "eval/reward_mean": 0.6,
+        "coordinator/0/actions/H": 3.0,
+        "coordinator/restarts": 0.0,
+        "replay/buffer_size": 8.0,
+        "hilore/replay_fraction_H": 0.4,
+        "actor/fresh_clip_fraction": 0.0,
+        "perf/compare_speedup_vs_gc": 1.33,
+        "hilore/grad_rel_error": 0.0,
+    }
     for name, v in expect.items():
         assert got[name] == v, name
     assert not [n for n in got if n.startswith("train/")]  # every key of a job's row has an area
@@ -56,8 +121,11 @@ def test_rollout_spread_samples_and_means():
     assert m == {"reward_std": 0.5, "reward_min": 0.0, "reward_max": 1.0, "response_length_max": 7}
     assert rollout_metrics([0.3], [2])["reward_std"] == 0.0  # population std: no NaN for one response
     s = pick_samples([Ex("p0"), Ex("p1")], ["r00", "r01", "r10", "r11"], [0.1, 0.2, 0.3, 0.4], 2, 3)
-    assert [(x["prompt"], x["response"], x["reward"]) for x in s] == [("p0", "r00", 0.1), ("p1", "r10", 0.3),
-                                                                      ("p0", "r01", 0.2)]
+    assert [(x["prompt"], x["response"], x["reward"]) for x in s] == [
+        ("p0", "r00", 0.1),
+        ("p1", "r10", 0.3),
+        ("p0", "r01", 0.2),
+    ]
     assert pick_samples([Ex("p0")], ["r"], [1.0], 1, 0) == []
     assert learner_means([{"entropy": 1.0}, {"entropy": 3.0}], ["entropy"]) == {"entropy": 2.0}
     assert learner_means([{"loss": 1.0}], ["entropy"]) == {}
@@ -94,9 +162,16 @@ def test_offline_wandb_and_tensorboard_hold_the_same_scalars(tmp_path, monkeypat
     opts = wandb_options(cfg)
     assert opts["name"] == "unit" and opts["dir"] == cfg.save_path and "logger.wandb.key" not in opts["config"]
     log = MetricsLog(cfg.save_path, wandb=opts)
-    samples = [{"split": "train", "prompt": "say a", "response": "a", "reward": 1.0, "answer": "a"},
-               {"split": "eval", "prompt": [{"role": "user", "content": "say b"}], "response": "c", "reward": 0.0,
-                "answer": "b"}]
+    samples = [
+        {"split": "train", "prompt": "say a", "response": "a", "reward": 1.0, "answer": "a"},
+        {
+            "split": "eval",
+            "prompt": [{"role": "user", "content": "say b"}],
+            "response": "c",
+            "reward": 0.0,
+            "answer": "b",
+        },
+    ]
     log.log(1, ROW, samples)
     log.log(2, dict(ROW, reward_mean=0.75, peak_over_budget={"0": 1.01, "1": 0.5}))
     log.close()

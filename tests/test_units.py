@@ -1,6 +1,7 @@
 """Units found by structure: cut at the residual adds of a traced layer (``structure.segments``
 against hand-made event lists), norms in the unit of the block they belong to, and H/R bitwise
 equal to no-gc on the architectures whose layouts the name table got wrong."""
+
 import random
 import warnings
 
@@ -20,8 +21,14 @@ C, A, S = "call", "add", "save"
 def test_segments_cut_at_the_residual_adds():
     ev = [(C, "input_layernorm"), (C, "self_attn"), (A, None), (C, "post_attention_layernorm"), (C, "mlp"), (A, None)]
     assert segments(ev) == [["input_layernorm", "self_attn"], ["post_attention_layernorm", "mlp"]]
-    post = [(C, "self_attn"), (C, "post_attention_layernorm"), (A, None), (C, "mlp"), (C, "post_feedforward_layernorm"),
-            (A, None)]
+    post = [
+        (C, "self_attn"),
+        (C, "post_attention_layernorm"),
+        (A, None),
+        (C, "mlp"),
+        (C, "post_feedforward_layernorm"),
+        (A, None),
+    ]
     assert segments(post) == [["self_attn", "post_attention_layernorm"], ["mlp", "post_feedforward_layernorm"]]
     assert segments([(C, "ln_1"), (C, "attn"), (C, "mlp"), (A, None), (A, None)]) == [["ln_1", "attn", "mlp"]]
     # saves at the layer's own level: harmless after a segment's last child, fatal between two children
@@ -52,9 +59,19 @@ def test_segments_against_a_brute_force_cut():
 
 
 def _tiny(cls_name, **kw):
-    cfg = getattr(transformers, cls_name)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                          pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -86,7 +103,12 @@ def test_each_norm_sits_in_the_unit_of_its_block(arch):
         engine = _exact_under_h_and_r(model)
     layer = model.model.layers[0]
     attn, mlp = engine.layer_specs[0].units
-    assert (attn.name, attn.kind, mlp.name, mlp.kind) == ("model.layers.0.self_attn", "attn", "model.layers.0.mlp", "mlp")
+    assert (attn.name, attn.kind, mlp.name, mlp.kind) == (
+        "model.layers.0.self_attn",
+        "attn",
+        "model.layers.0.mlp",
+        "mlp",
+    )
     if arch == "Olmo2":  # post-norm: the norm after each block
         assert attn.modules == [layer.self_attn, layer.post_attention_layernorm]
         assert mlp.modules == [layer.mlp, layer.post_feedforward_layernorm]
@@ -97,8 +119,17 @@ def test_each_norm_sits_in_the_unit_of_its_block(arch):
 
 
 def test_one_residual_add_for_both_blocks_is_one_unit():
-    cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.GPTJConfig(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        rotary_dim=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.GPTJForCausalLM(cfg).train()
     engine = RecoveryEngine(model)
     (unit,) = engine.layer_specs[0].units

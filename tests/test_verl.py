@@ -3,6 +3,7 @@
 Both engines are verl's real code (FSDP2 or FSDP1 over gloo, one rank, a tiny Llama with LoRA);
 only the device platform is supplied (``verl_cpu.py``). The reference is verl's path with its
 gradient checkpointing."""
+
 import os
 import socket
 
@@ -69,8 +70,9 @@ def engines(verl_env):
     def get(kind: str, remove_padding: bool = True):
         if (kind, remove_padding) not in built:
             try:
-                built[kind, remove_padding] = verify.build_engine(kind, path, seed, remove_padding=remove_padding,
-                                                                  settings=SETTINGS, job=JOB)
+                built[kind, remove_padding] = verify.build_engine(
+                    kind, path, seed, remove_padding=remove_padding, settings=SETTINGS, job=JOB
+                )
             finally:
                 os.environ.pop(CONFIG_ENV, None)
         return built[kind, remove_padding]
@@ -91,7 +93,9 @@ def test_hr_plan_is_bitwise_equal_to_verls_checkpointed_path(verl_env, engines, 
     Each learner microbatch closes after verl's ``micro_batch<i>`` scope has ended (a profiler
     stopped inside a scope that began while it ran corrupts the heap: engine.py)."""
     path, seed = verl_env
-    td = verify.grpo_batch(seed, vocab=VOCAB, remove_padding=remove_padding, full=True)  # micro-batches of the planning size
+    td = verify.grpo_batch(
+        seed, vocab=VOCAB, remove_padding=remove_padding, full=True
+    )  # micro-batches of the planning size
     loss_fn = verify.ppo_loss_fn()
     ref = verify.batch_gradient(engines("verl", remove_padding), td.clone(), loss_fn)
     ours = engines("hilore-hr", remove_padding)
@@ -117,9 +121,14 @@ def test_hr_plan_is_bitwise_equal_to_verls_checkpointed_path(verl_env, engines, 
     assert ref.abs().sum() > 0 and torch.equal(g, ref)
 
 
-@pytest.mark.parametrize("actor,entropy", [({}, False),
-                                           ({"loss_agg_mode": "seq-mean-token-mean", "use_kl_loss": True}, False),
-                                           ({"entropy_coeff": 0.01, "loss_agg_mode": "token-sum"}, True)])
+@pytest.mark.parametrize(
+    "actor,entropy",
+    [
+        ({}, False),
+        ({"loss_agg_mode": "seq-mean-token-mean", "use_kl_loss": True}, False),
+        ({"entropy_coeff": 0.01, "loss_agg_mode": "token-sum"}, True),
+    ],
+)
 def test_omega_is_autograd_of_verls_loss_and_zero_off_the_responses(verl_env, engines, monkeypatch, actor, entropy):
     """omega from the re-wrapped log-probs equals d loss / d log-prob taken by autograd on verl's
     own nested output (a stock engine, same weights), for several loss settings; it and the
@@ -130,7 +139,9 @@ def test_omega_is_autograd_of_verls_loss_and_zero_off_the_responses(verl_env, en
     refs = []
 
     def reference(model_output, data, dp_group=None):  # verl's loss on detached leaves: autograd w.r.t. them
-        leaves = {k: v.values().detach().requires_grad_() for k, v in model_output.items() if k in ("log_probs", "entropy")}
+        leaves = {
+            k: v.values().detach().requires_grad_() for k, v in model_output.items() if k in ("log_probs", "entropy")
+        }
         loss, _ = loss_fn(model_output=leaves, data=data, dp_group=dp_group)
         refs.append(torch.autograd.grad(loss, leaves["log_probs"])[0])
         return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
@@ -205,8 +216,13 @@ def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(tmp_path):
     model = verl_cpu.save_tiny_model(tmp_path / "tiny", seed)
     out = tmp_path / "two.json"
     script = Path(__file__).parent / "verl_two_ranks.py"
-    run = subprocess.run([sys.executable, str(script), model, str(seed), str(out)], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "HILORE_TEST_HANG_S": "300"})
+    run = subprocess.run(
+        [sys.executable, str(script), model, str(seed), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HILORE_TEST_HANG_S": "300"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r0, r1 = json.loads(out.read_text())["ranks"]
     print({k: (r0[k]["counts"], r1[k]["counts"]) for k in r0})
@@ -214,7 +230,10 @@ def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(tmp_path):
         assert r0[kind]["plan"] == r1[kind]["plan"] and r0[kind]["budget"] == r1[kind]["budget"]
     assert r0["hilore-hr"]["equal"] and r1["hilore-hr"]["equal"]
     assert r0["hilore-hr"]["counts"]["H"] >= 1 and r0["hilore-hr"]["counts"]["R"] >= 1  # a mixed plan ran
-    assert r1["divergent"]["counts"]["R"] == sum(r1["divergent"]["counts"].values()) and r0["divergent"]["counts"]["H"] >= 1
+    assert (
+        r1["divergent"]["counts"]["R"] == sum(r1["divergent"]["counts"].values())
+        and r0["divergent"]["counts"]["H"] >= 1
+    )
     assert r0["divergent"]["equal"] and r1["divergent"]["equal"]
     assert r0["hilore"]["rel"] <= 0.015 and r1["hilore"]["rel"] <= 0.015
 
@@ -259,7 +278,9 @@ def test_a_worker_without_cuda_stops_with_one_message(verl_env, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
     with pytest.raises(RuntimeError, match="needs a CUDA device in each actor worker"):
-        engine_mod.HiLoReFSDPEngine(mc, FSDPEngineConfig(strategy="fsdp2"), FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+        engine_mod.HiLoReFSDPEngine(
+            mc, FSDPEngineConfig(strategy="fsdp2"), FSDPOptimizerConfig(lr=1e-3), CheckpointConfig()
+        )
 
 
 @pytest.mark.parametrize("forward_only", [False, True])
@@ -277,15 +298,26 @@ def test_the_training_engine_turns_verls_activation_offload_off(verl_env, monkey
     _hilore(monkeypatch)
     seen = []
     monkeypatch.setattr(engine_mod, "_need_device", lambda: None)
-    monkeypatch.setattr(FSDPEngineWithLMHead, "__init__", lambda self, mc, *a: seen.append(mc.enable_activation_offload))
+    monkeypatch.setattr(
+        FSDPEngineWithLMHead, "__init__", lambda self, mc, *a: seen.append(mc.enable_activation_offload)
+    )
     mc = HFModelConfig(path=path, load_tokenizer=False, enable_activation_offload=True)
-    engine_mod.HiLoReFSDPEngine(mc, FSDPEngineConfig(strategy="fsdp2", forward_only=forward_only),
-                                FSDPOptimizerConfig(lr=1e-3), CheckpointConfig())
+    engine_mod.HiLoReFSDPEngine(
+        mc,
+        FSDPEngineConfig(strategy="fsdp2", forward_only=forward_only),
+        FSDPOptimizerConfig(lr=1e-3),
+        CheckpointConfig(),
+    )
     assert seen == [forward_only]
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ([] if forward_only else [
-        "[hilore] actor_rollout_ref.model.enable_activation_offload=true is turned off: HiLoRe's plan decides per "
-        "unit what is kept, compressed or recomputed"])
+    assert lines == (
+        []
+        if forward_only
+        else [
+            "[hilore] actor_rollout_ref.model.enable_activation_offload=true is turned off: HiLoRe's plan decides per "
+            "unit what is kept, compressed or recomputed"
+        ]
+    )
 
 
 def test_registration_is_idempotent(verl_env):

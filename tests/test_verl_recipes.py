@@ -8,6 +8,7 @@ quoting resolved as the shell passes it and its variables as the script sets the
 config through verl's own ``validate_config`` (vllm's LoRA-rank helper stubbed as in
 ``tests/test_verl_launcher.py``). No engine runs for the recipes.
 """
+
 import pytest
 import torch
 
@@ -18,70 +19,146 @@ ENABLE = "+actor_rollout_ref.actor.hilore.enable=true"
 
 # examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh: LoRA 64 on Qwen2.5-3B, remove-padding, vLLM
 LORA_3B = [
-    "algorithm.adv_estimator=grpo", "trainer.val_before_train=False", "data.train_files=$HOME/data/gsm8k/train.parquet",
-    "data.val_files=$HOME/data/gsm8k/test.parquet", "data.train_batch_size=16", "data.max_prompt_length=512",
-    "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error", "data.shuffle=False",
-    "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct", "actor_rollout_ref.model.lora_rank=64",
-    "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.actor.optim.lr=3e-6",
-    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
-    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-    "actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
-    "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.rollout.load_format=safetensors",
-    "actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
-    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0",
-    'trainer.logger=["console","wandb"]', "trainer.project_name=verl_grpo_example_gsm8k",
-    "trainer.experiment_name=qwen2.5_3b_grpo_lora", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
-    "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15"]
+    "algorithm.adv_estimator=grpo",
+    "trainer.val_before_train=False",
+    "data.train_files=$HOME/data/gsm8k/train.parquet",
+    "data.val_files=$HOME/data/gsm8k/test.parquet",
+    "data.train_batch_size=16",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "data.shuffle=False",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
+    "actor_rollout_ref.model.lora_rank=64",
+    "actor_rollout_ref.model.lora_alpha=32",
+    "actor_rollout_ref.actor.optim.lr=3e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.rollout.load_format=safetensors",
+    "actor_rollout_ref.rollout.layered_summon=True",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    'trainer.logger=["console","wandb"]',
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2.5_3b_grpo_lora",
+    "trainer.n_gpus_per_node=2",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
 
 # examples/grpo_trainer/run_seed_oss_36b.sh: fused kernels, dynamic batch sizes, FSDP2, parameter
 # offload (the recipe gives param_offload twice)
 SEED_OSS_36B = [
-    "algorithm.adv_estimator=grpo", "data.train_files=$HOME/data/gsm8k/train.parquet",
-    "data.val_files=$HOME/data/gsm8k/test.parquet", "data.train_batch_size=64", "data.max_prompt_length=512",
-    "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error",
-    "actor_rollout_ref.model.path=ByteDance-Seed/Seed-OSS-36B-Base", "actor_rollout_ref.actor.optim.lr=1e-6",
-    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-    "actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=True",
-    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.use_dynamic_bsz=True",
-    "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-    "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
-    "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.free_cache_engine=True",
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.ref.strategy=fsdp2",
-    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console"]',
-    "trainer.project_name=verl_grpo_seed_oss_36b", "trainer.experiment_name=seed_oss_36b",
-    "trainer.val_before_train=False", "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20",
-    "trainer.test_freq=5", "trainer.total_epochs=15"]
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=$HOME/data/gsm8k/train.parquet",
+    "data.val_files=$HOME/data/gsm8k/test.parquet",
+    "data.train_batch_size=64",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=ByteDance-Seed/Seed-OSS-36B-Base",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.model.use_fused_kernels=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.free_cache_engine=True",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "actor_rollout_ref.ref.strategy=fsdp2",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    'trainer.logger=["console"]',
+    "trainer.project_name=verl_grpo_seed_oss_36b",
+    "trainer.experiment_name=seed_oss_36b",
+    "trainer.val_before_train=False",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
 
 # examples/grpo_trainer/run_qwen2-7b_seq_balance.sh (rollout_name=sglang, rollout_mode=async,
 # return_raw_chat=True, as the script sets them): dynamic batch sizes. No GRPO recipe of that
 # snapshot sets Ulysses beside dynamic batch sizes, so SP2 goes after it, as the script's "$@" would.
 SEQ_BALANCE_7B = [
-    "algorithm.adv_estimator=grpo", "data.train_files=$HOME/data/gsm8k/train.parquet",
-    "data.val_files=$HOME/data/gsm8k/test.parquet", "data.return_raw_chat=True", "data.train_batch_size=1024",
-    "data.max_prompt_length=512", "data.max_response_length=1024", "data.filter_overlong_prompts=True",
-    "data.truncation=error", "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "actor_rollout_ref.actor.optim.lr=1e-6",
-    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
-    "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
-    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-    "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.mode=async",
-    "actor_rollout_ref.rollout.multi_turn.format=hermes", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
-    "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
-    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]',
-    "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen2_7b_function_rm_kl1e-3",
-    "trainer.val_before_train=False", "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20",
-    "trainer.test_freq=5", "trainer.total_epochs=15"]
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=$HOME/data/gsm8k/train.parquet",
+    "data.val_files=$HOME/data/gsm8k/test.parquet",
+    "data.return_raw_chat=True",
+    "data.train_batch_size=1024",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=sglang",
+    "actor_rollout_ref.rollout.mode=async",
+    "actor_rollout_ref.rollout.multi_turn.format=hermes",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    'trainer.logger=["console","wandb"]',
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_7b_function_rm_kl1e-3",
+    "trainer.val_before_train=False",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
 SP2 = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
 
 # examples/tuning/7b/qwen2-7b_grpo_2_h800_fsdp_vllm.sh (model_path and the data lists as the
@@ -89,37 +166,72 @@ SP2 = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
 # case. (The tuning LoRA recipes give only verl's deprecated global micro-batch sizes, which verl
 # 0.9.1's engine worker no longer converts: it asserts ppo_micro_batch_size_per_gpu.)
 OFFLOAD_7B = [
-    "algorithm.adv_estimator=grpo", "data.train_files=['$HOME/data/rlhf/gsm8k/train.parquet']",
-    "data.val_files=['$HOME/data/rlhf/math/test.parquet']", "data.train_batch_size=1024", "data.max_prompt_length=1024",
-    "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error",
-    "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "actor_rollout_ref.actor.optim.lr=1e-6",
-    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.use_kl_loss=True",
-    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-    "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
-    "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
-    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0",
-    'trainer.logger=["console","wandb"]', "trainer.project_name=verl_grpo_example_gsm8k",
-    "trainer.experiment_name=qwen2_7b_function_rm", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
-    "trainer.save_freq=-1", "trainer.test_freq=5", "trainer.total_epochs=15"]
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=['$HOME/data/rlhf/gsm8k/train.parquet']",
+    "data.val_files=['$HOME/data/rlhf/math/test.parquet']",
+    "data.train_batch_size=1024",
+    "data.max_prompt_length=1024",
+    "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    'trainer.logger=["console","wandb"]',
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_7b_function_rm",
+    "trainer.n_gpus_per_node=2",
+    "trainer.nnodes=1",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
 FSDP2 = ["actor_rollout_ref.actor.strategy=fsdp2"]
 
 # (name, overrides, what the composed config must still say, the job facts the workers get)
 ACCEPTED = [
-    ("lora-3b", LORA_3B, {"model.lora_rank": 64, "actor.fsdp_config.param_offload": False},
-     {"fsdp": "fsdp2", "plan_tokens": 40 * 1536, "group_size": 5}),
-    ("dynamic-bsz-ulysses-7b", SEQ_BALANCE_7B + SP2,
-     {"actor.use_dynamic_bsz": True, "actor.ulysses_sequence_parallel_size": 2},
-     {"fsdp": "fsdp2", "plan_tokens": 24000, "seqs_per_microbatch": 24000 // 1536, "group_size": 5}),
-    ("fsdp2-offload-7b", OFFLOAD_7B + FSDP2,
-     {"actor.fsdp_config.param_offload": True, "actor.fsdp_config.optimizer_offload": True},
-     {"fsdp": "fsdp2", "plan_tokens": 16 * 2048, "group_size": 5}),
-    ("seed-oss-36b-fused-kernels", SEED_OSS_36B,
-     {"actor.use_dynamic_bsz": True, "actor.fsdp_config.param_offload": True, "model.use_fused_kernels": True},
-     {"fsdp": "fsdp2", "group_size": 2}),
+    (
+        "lora-3b",
+        LORA_3B,
+        {"model.lora_rank": 64, "actor.fsdp_config.param_offload": False},
+        {"fsdp": "fsdp2", "plan_tokens": 40 * 1536, "group_size": 5},
+    ),
+    (
+        "dynamic-bsz-ulysses-7b",
+        SEQ_BALANCE_7B + SP2,
+        {"actor.use_dynamic_bsz": True, "actor.ulysses_sequence_parallel_size": 2},
+        {"fsdp": "fsdp2", "plan_tokens": 24000, "seqs_per_microbatch": 24000 // 1536, "group_size": 5},
+    ),
+    (
+        "fsdp2-offload-7b",
+        OFFLOAD_7B + FSDP2,
+        {"actor.fsdp_config.param_offload": True, "actor.fsdp_config.optimizer_offload": True},
+        {"fsdp": "fsdp2", "plan_tokens": 16 * 2048, "group_size": 5},
+    ),
+    (
+        "seed-oss-36b-fused-kernels",
+        SEED_OSS_36B,
+        {"actor.use_dynamic_bsz": True, "actor.fsdp_config.param_offload": True, "model.use_fused_kernels": True},
+        {"fsdp": "fsdp2", "group_size": 2},
+    ),
 ]
 
 
@@ -163,28 +275,48 @@ def test_verls_recipes_pass_the_launcher_and_verls_validation(monkeypatch, vllm_
 # the example's YAML, its search path the installed verl's config). Its interaction_config_path
 # override is left out: verl 0.9.1's rollout config has no such key (verl's main_ppo refuses it too).
 MULTITURN_05B = [
-    "--config-name=gsm8k_multiturn_grpo_w_interaction", "algorithm.adv_estimator=grpo", "data.train_batch_size=512",
-    "data.max_prompt_length=1024", "data.max_response_length=3072", "data.filter_overlong_prompts=True",
-    "data.truncation=error", "data.return_raw_chat=True", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
-    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-    "actor_rollout_ref.model.enable_activation_offload=True", "actor_rollout_ref.actor.optim.lr=1e-6",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=512", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+    "--config-name=gsm8k_multiturn_grpo_w_interaction",
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=512",
+    "data.max_prompt_length=1024",
+    "data.max_response_length=3072",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "data.return_raw_chat=True",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.model.enable_activation_offload=True",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=512",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
     "actor_rollout_ref.actor.fsdp_config.param_offload=False",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
     "actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=sglang",
-    "actor_rollout_ref.rollout.gpu_memory_utilization=0.7", "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=sglang",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+    "actor_rollout_ref.rollout.n=8",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.ref.fsdp_config.param_offload=False",
-    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]',
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    'trainer.logger=["console","wandb"]',
     "trainer.project_name=gsm8k_async_rl",
     "trainer.experiment_name=qwen2.5-0.5b_function_rm-gsm8k-sgl-multi-w-interaction-n8",
-    "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=20",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=1",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=20",
     "data.train_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/train.parquet",
-    "data.val_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/test.parquet", "trainer.total_epochs=15"]
+    "data.val_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/test.parquet",
+    "trainer.total_epochs=15",
+]
 MULTITURN_YAML = """hydra:
   searchpath:
     - file://{verl_config}
@@ -211,10 +343,18 @@ OFFLOAD_KEY = "actor_rollout_ref.model.enable_activation_offload"
 GC_KEY = "actor_rollout_ref.model.enable_gradient_checkpointing"
 
 
-@pytest.mark.parametrize("name", ["sglang-multiturn-0.5b", "lora-3b+activation-offload",
-                                  "fsdp2-offload-7b+activation-offload", "lora-3b-gc-off+activation-offload"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sglang-multiturn-0.5b",
+        "lora-3b+activation-offload",
+        "fsdp2-offload-7b+activation-offload",
+        "lora-3b-gc-off+activation-offload",
+    ],
+)
 def test_activation_offload_and_gradient_checkpointing_are_turned_off_with_one_line_each(
-        capsys, tmp_path, vllm_lora_helper, name):
+    capsys, tmp_path, vllm_lora_helper, name
+):
     """verl's activation offload and HF gradient checkpointing (``main_ppo.REPLACED``) are
     HiLoRe's plan's job: a recipe that turns them on passes the launcher and verl's
     ``validate_config`` with HiLoRe on, both set to false once each, and the launcher says so in
@@ -225,9 +365,11 @@ def test_activation_offload_and_gradient_checkpointing_are_turned_off_with_one_l
     from hilore_actor.verl.main_ppo import compose, launch_args, verl_config_dir
 
     on = f"{OFFLOAD_KEY}=True"
-    recipe = {"lora-3b+activation-offload": LORA_3B + [on],
-              "fsdp2-offload-7b+activation-offload": OFFLOAD_7B + FSDP2 + [on],
-              "lora-3b-gc-off+activation-offload": LORA_3B + [f"{GC_KEY}=False", on]}.get(name)
+    recipe = {
+        "lora-3b+activation-offload": LORA_3B + [on],
+        "fsdp2-offload-7b+activation-offload": OFFLOAD_7B + FSDP2 + [on],
+        "lora-3b-gc-off+activation-offload": LORA_3B + [f"{GC_KEY}=False", on],
+    }.get(name)
     if recipe is None:
         yaml = MULTITURN_YAML.format(verl_config=verl_config_dir())
         (tmp_path / "gsm8k_multiturn_grpo_w_interaction.yaml").write_text(yaml)
@@ -239,9 +381,10 @@ def test_activation_offload_and_gradient_checkpointing_are_turned_off_with_one_l
     theirs = [] if gc_on else [a for a in recipe if key(a) == GC_KEY]  # checkpointing off: the recipe's, as given
     want = theirs + [f"{OFFLOAD_KEY}=false"] + ([f"{GC_KEY}=false"] if gc_on else [])
     assert [a for a in overrides if key(a) in (OFFLOAD_KEY, GC_KEY)] == want
-    assert lines == [f"[hilore] {OFFLOAD_KEY}=true is turned off: HiLoRe's plan decides per unit what is kept, "
-                     "compressed or recomputed"] + ([f"[hilore] {GC_KEY}=true is turned off: HiLoRe's plan recomputes "
-                                                     "per unit instead"] if gc_on else [])
+    assert lines == [
+        f"[hilore] {OFFLOAD_KEY}=true is turned off: HiLoRe's plan decides per unit what is kept, "
+        "compressed or recomputed"
+    ] + ([f"[hilore] {GC_KEY}=true is turned off: HiLoRe's plan recomputes per unit instead"] if gc_on else [])
     cfg = compose(overrides)
     validate_config(cfg, use_reference_policy=True, use_critic=False)
     assert cfg.actor_rollout_ref.actor.strategy == "hilore" and env
@@ -259,13 +402,17 @@ def _fused_model(monkeypatch, seed):
 
     from hilore_actor.models import LoraSpec, build_model, init_lora_b, tiny_config
 
-    model = build_model(tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=128),
-                        lora=LoraSpec(rank=4, alpha=8, dropout=0.0), seed=seed).train()
+    model = build_model(
+        tiny_config("llama", hidden_size=64, num_layers=2, vocab_size=128),
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=seed,
+    ).train()
     init_lora_b(model, 0.02, seed)  # lora_A's gradients nonzero
     base = type(model.get_base_model())
     monkeypatch.setattr(base, "forward", base.forward)  # verl patches the class; undone at teardown
-    return model, lambda: patch_forward_with_backends(model.get_base_model(), use_fused_kernels=True,
-                                                      fused_kernels_backend="torch")
+    return model, lambda: patch_forward_with_backends(
+        model.get_base_model(), use_fused_kernels=True, fused_kernels_backend="torch"
+    )
 
 
 def _fused_loss(model, ids, pos, seed=0):

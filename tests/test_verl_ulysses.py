@@ -4,6 +4,7 @@ The ranks of one SP group run verl's all-to-alls inside attention, so a unit rec
 rank and stored on the other hangs both: ``tests/verl_ulysses_ranks.py`` runs the engines in two
 processes under a timeout, and this test asserts on what they saw (``verl/attach.py``).
 """
+
 import json
 import os
 import subprocess
@@ -38,8 +39,13 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     model = verl_cpu.save_tiny_model(tmp_path / "tiny", seed)
     out = tmp_path / "ulysses.json"
     script = Path(__file__).parent / "verl_ulysses_ranks.py"
-    run = subprocess.run([sys.executable, str(script), model, str(seed), str(out)], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "HILORE_TEST_HANG_S": "600"})
+    run = subprocess.run(
+        [sys.executable, str(script), model, str(seed), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HILORE_TEST_HANG_S": "600"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r0, r1 = json.loads(out.read_text())["ranks"]
     kinds = ("hilore-hr", "overruled", "hilore")

@@ -6,6 +6,7 @@ in the arguments is refused: vLLM's encoder refuses functions, and a tensor in a
 utility argument would not come back as a tensor), then the method is looked up by name on a
 worker class that has the extension mixed in, as vLLM's ``WorkerWrapperBase.init_worker`` does.
 """
+
 import subprocess
 import sys
 
@@ -117,8 +118,13 @@ def test_the_lambda_sync_is_what_msgpack_refuses():
 
 
 def test_chunks_round_trip_dtypes_and_shapes():
-    ts = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64), "c": torch.tensor(2.5),
-          "d": torch.empty(0, 4), "e": torch.randn(4, 6)[:, ::2]}
+    ts = {
+        "a": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.tensor(2.5),
+        "d": torch.empty(0, 4),
+        "e": torch.randn(4, 6)[:, ::2],
+    }
     out = dict(vllm_sync.decode(e) for g in vllm_sync.chunks(ts, max_bytes=16) for e in g)
     assert list(out) == list(ts)
     for k, v in ts.items():
@@ -135,7 +141,6 @@ def test_a_tied_head_that_differs_is_refused():
 
 
 def test_the_extension_imports_no_vllm():
-    code = ("import sys; import hilore_actor.train.vllm_sync, hilore_actor.train.workers; "
-            "print('vllm' in sys.modules)")
+    code = "import sys; import hilore_actor.train.vllm_sync, hilore_actor.train.workers; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -1,5 +1,6 @@
 """Weights sent from learner to rollout workers: merged LoRA equals the adapted model;
 adapter and full round trips reproduce the learner's outputs."""
+
 import pytest
 import torch
 
@@ -112,6 +113,7 @@ def test_export_gathers_one_module_at_a_time():
     for kind in ("merged", "full", "adapter"):
         calls = {True: [], False: []}
         for keep in (True, False):
+
             def gather(params, keep=keep):
                 calls[keep].append([id(p) for p in params])
                 return contextlib.nullcontext()
@@ -138,12 +140,19 @@ def test_zero3_export_gathers_module_by_module_on_two_ranks(tmp_path):
     from test_distributed import free_port
 
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(os.path.dirname(__file__), "zero3_export_ranks.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        os.path.join(os.path.dirname(__file__), "zero3_export_ranks.py"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r0, r1 = json.loads(lines[0][len("RESULT "):])
+    r0, r1 = json.loads(lines[0][len("RESULT ") :])
     print(r0)
     assert r0["partitioned"]
     for kind in ("merged", "full", "adapter"):

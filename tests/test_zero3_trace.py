@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-3's parameter trace under plans that change per microbatch, on two gloo ranks
 (``zero3_trace_ranks.py``): replays in backward stay out of the coordinator."""
+
 import json
 import os
 import subprocess
@@ -19,8 +20,14 @@ def test_zero3_trace_survives_changing_plans(zero, tmp_path):
     ``zero``: whether forward's weights stay gathered for backward (``zero3_trace_ranks.ZERO``)."""
     out = tmp_path / "ranks.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "zero3_trace_ranks.py"), str(out), zero],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "zero3_trace_ranks.py"), str(out), zero],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in json.loads(out.read_text())["ranks"]:
         ref, got = r["no-gc"], r["hilore"]

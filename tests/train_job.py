@@ -1,6 +1,7 @@
 """Running the training job from tests: the tiny preset (2 learner ranks under ZeRO-2, 1 HF
 rollout worker, a reference worker, the budget coordinator) in H/R mode, whose gradients are
 exact, so runs compare bitwise."""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,13 @@ TINY = ["--preset", "tiny", "--hilore.mode", "hilore-hr"]
 def job(tmp, *args, env=None, timeout=420):
     e = dict(os.environ, DS_ACCELERATOR="cpu")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "hilore_actor.train_grpo", *TINY, "--save_path", str(tmp), *args],
-                          capture_output=True, text=True, timeout=timeout, env=e)
+    return subprocess.run(
+        [sys.executable, "-m", "hilore_actor.train_grpo", *TINY, "--save_path", str(tmp), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+    )
 
 
 def metrics(path):
@@ -51,11 +57,11 @@ def wandb_records(path):
         if left < 7:
             pos += left
             continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding: the rest of the block
             pos += left
             continue
-        parts.append(data[pos + 7:pos + 7 + n])
+        parts.append(data[pos + 7 : pos + 7 + n])
         pos += 7 + n
         if kind in (1, 4):
             rec = pb.Record()
@@ -80,8 +86,12 @@ def wandb_history(save_path):
 def wandb_scalars(save_path):
     """``{(name, step): value}`` of the W&B run's logged numbers (what TensorBoard's scalars
     hold; a table's fields, ``name.field``, left out: the job's names hold no dot)."""
-    return {(k, s): float(v) for s, row in wandb_history(save_path).items() for k, v in row.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and "." not in k}
+    return {
+        (k, s): float(v)
+        for s, row in wandb_history(save_path).items()
+        for k, v in row.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and "." not in k
+    }
 
 
 def tensorboard_scalars(logdir):

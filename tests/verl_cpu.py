@@ -6,12 +6,20 @@ engine; here only the platform is supplied, through verl's own plugin point
 (``verl.plugin.platform.set_platform``), so ``FSDPEngine`` builds, wraps (FSDP2 or FSDP1 over
 gloo, one rank) and trains exactly as it does on a GPU, minus the device.
 """
+
 import contextlib
 
 import torch
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def cpu_platform():
@@ -22,24 +30,59 @@ def cpu_platform():
         vendor_name = property(lambda self: "cpu")
         device_module = property(lambda self: torch.cpu)
 
-        def is_available(self): return True
-        def current_device(self): return "cpu"
-        def device_count(self): return 1
-        def set_device(self, i): pass
-        def synchronize(self, i=None): pass
-        def manual_seed(self, s): torch.manual_seed(s)
-        def manual_seed_all(self, s): torch.manual_seed(s)
-        def set_allocator_settings(self, s): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, i=0): return (None, None)
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, i):
+            pass
+
+        def synchronize(self, i=None):
+            pass
+
+        def manual_seed(self, s):
+            torch.manual_seed(s)
+
+        def manual_seed_all(self, s):
+            torch.manual_seed(s)
+
+        def set_allocator_settings(self, s):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def get_device_capability(self, i=0):
+            return (None, None)
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
 
         @contextlib.contextmanager
         def nvtx_range(self, msg):

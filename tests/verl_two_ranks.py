@@ -11,6 +11,7 @@ then in mode hilore (rank 0 plans, rank 1 replays: ``learner/lockstep.py``); one
 gradient; then hilore-hr again with rank 1 forced all-R while rank 0 keeps its H/R plan, so
 the ranks take different actions in the same step.
 """
+
 import os
 import sys
 
@@ -28,9 +29,12 @@ JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
 def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True)  # a hang: say where
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True
+    )  # a hang: say where
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     from verl.plugin.platform import platform_manager
 
     platform_manager.set_platform(verl_cpu.cpu_platform())
@@ -56,9 +60,14 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
         engine = build(kind, budget)
         g = verify.batch_gradient(engine, td.clone(), loss_fn)
         mb = engine.hilore
-        seen[kind] = {"equal": bool(torch.equal(g, ref)), "rel": float((g - ref).norm() / ref.norm()),
-                      "plan": {k: v for k, v in mb.plan.sp.plan.items()}, "budget": mb.plan.budget,
-                      "counts": mb.last["counts"], "peaks": list(mb.batch_peaks)}
+        seen[kind] = {
+            "equal": bool(torch.equal(g, ref)),
+            "rel": float((g - ref).norm() / ref.norm()),
+            "plan": {k: v for k, v in mb.plan.sp.plan.items()},
+            "budget": mb.plan.budget,
+            "counts": mb.last["counts"],
+            "peaks": list(mb.batch_peaks),
+        }
         if kind == "hilore-hr":
             if rank == 1:  # this rank recomputes everything; rank 0 keeps its mixed plan
                 mb._choose = lambda rec, loss, held, data: {n: "R" for n in rec.sp.plan}

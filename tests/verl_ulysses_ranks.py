@@ -21,6 +21,7 @@ check of the stand-in and of verl's all-to-alls), then HiLoRe's engine in modes 
 hilore; one ``forward_backward_batch`` each (two micro-batches); the whole LoRA gradient, the
 plan, the actions taken on each micro-batch and the all-to-alls run.
 """
+
 import contextlib
 import os
 import sys
@@ -51,8 +52,9 @@ def cpu_varlen(q, k, v, attention_mask, query_length, *args, position_ids=None, 
     seq = start.cumsum(0)
     i = torch.arange(pos.numel(), device=pos.device)
     mask = (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None])
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                           attn_mask=mask, scale=softmax_scale, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale, enable_gqa=True
+    )
     return out.transpose(1, 2)
 
 
@@ -137,10 +139,18 @@ def overrule(mb, rank: int) -> None:
 
 def hilore_record(engine, g, ref, a2a, actions) -> dict:
     mb = engine.hilore
-    return {"equal": bool(torch.equal(g, ref)), "rel": float((g - ref).norm() / ref.norm()),
-            "plan": dict(mb.plan.sp.plan), "budget": mb.plan.budget, "tokens": mb.plan.sp.costs.tokens,
-            "actions": list(actions), "all_to_all": a2a, "disagreements": mb.disagreements,
-            "class": type(mb).__name__, "peaks": list(mb.batch_peaks)}
+    return {
+        "equal": bool(torch.equal(g, ref)),
+        "rel": float((g - ref).norm() / ref.norm()),
+        "plan": dict(mb.plan.sp.plan),
+        "budget": mb.plan.budget,
+        "tokens": mb.plan.sp.costs.tokens,
+        "actions": list(actions),
+        "all_to_all": a2a,
+        "disagreements": mb.disagreements,
+        "class": type(mb).__name__,
+        "peaks": list(mb.batch_peaks),
+    }
 
 
 def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
@@ -150,7 +160,9 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     def build(kind, sp, budget=SETTINGS["budget"]):
         try:
             with ulysses(sp):
-                return verify.build_engine(kind, path, seed, attn=ATTN, settings={**SETTINGS, "budget": budget}, job=JOB)
+                return verify.build_engine(
+                    kind, path, seed, attn=ATTN, settings={**SETTINGS, "budget": budget}, job=JOB
+                )
         finally:
             os.environ.pop(CONFIG_ENV, None)
 
@@ -181,8 +193,9 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     from verl.plugin.platform import platform_manager
 
     platform_manager.set_platform(verl_cpu.cpu_platform())

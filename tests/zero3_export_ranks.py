@@ -1,6 +1,7 @@
 """Worker for test_weights.py: the learner's weight export under DeepSpeed ZeRO-3 on 2 CPU ranks
 (gloo), per-module gathers, against the unwrapped model's export. Launched with torchrun; rank 0
 prints JSON."""
+
 import json
 import os
 import sys
@@ -39,8 +40,11 @@ def main():
     for kind in ref:
         gathered.clear()
         got = weights.export_weights(engine.module, kind, gather=gather, keep=rank == 0)
-        out[kind] = {"gathers": len(gathered), "max_gathered": max(gathered),
-                     "total": sum(p.ds_numel for p in engine.module.parameters())}
+        out[kind] = {
+            "gathers": len(gathered),
+            "max_gathered": max(gathered),
+            "total": sum(p.ds_numel for p in engine.module.parameters()),
+        }
         if rank == 0:
             out[kind]["equal"] = list(got) == list(ref[kind]) and all(torch.equal(got[k], ref[kind][k]) for k in got)
         else:

@@ -8,6 +8,7 @@ instance after ``deepspeed.initialize``, which invalidates once itself) and, aft
 reads its count of available parameter elements and the true count, as it does at every fetch.
 ``python zero3_trace_ranks.py OUT.json kept|tight [PLAN,PLAN,...]``.
 """
+
 import os
 import sys
 
@@ -21,9 +22,16 @@ PLANS = ["H", "H", "H", "HR", "H", "RH", "R", "PR", "H"]
 # nothing persistent (else the tiny model stays gathered). "kept": DeepSpeed's reuse distance keeps
 # forward's weights for backward, so a replay meets them gathered. "tight": weights released after
 # each use and a short prefetch: backward gathers again, and a replay meets weights in flight.
-ZERO = {"kept": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "tight": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                  "stage3_prefetch_bucket_size": 3000, "stage3_max_live_parameters": 6000}}
+ZERO = {
+    "kept": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "tight": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 3000,
+        "stage3_max_live_parameters": 6000,
+    },
+}
 
 
 def actions(plan: str, units):
@@ -38,8 +46,9 @@ def run(rank: int, hilore: bool, zero: str, plans) -> dict:
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine
 
-    model = build_model(tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(4, 8, 0.1),
-                        seed=0)
+    model = build_model(
+        tiny_config("qwen2", hidden_size=64, num_layers=3, vocab_size=128), lora=LoraSpec(4, 8, 0.1), seed=0
+    )
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": ZERO[zero]}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
@@ -77,8 +86,9 @@ def run(rank: int, hilore: bool, zero: str, plans) -> dict:
         eng.step()
         resident = sum(p.ds_numel for p in eng.module.parameters() if p.ds_status.name == "AVAILABLE")
         counted = coord._PartitionedParameterCoordinator__n_available_params
-        seen["steps"].append({"plan": plan, "complete": mode, "counted": counted, "resident": resident,
-                              "drift": sorted(drift)})
+        seen["steps"].append(
+            {"plan": plan, "complete": mode, "counted": counted, "resident": resident, "drift": sorted(drift)}
+        )
         drift.clear()
     seen["invalidated_at"] = invalidated
     if rec is not None:
@@ -90,15 +100,23 @@ def rank_main(rank: int, world: int, port: int, out: str, zero: str, plans) -> N
     import faulthandler
 
     faulthandler.dump_traceback_later(240, exit=True)  # a hang: say where
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     from hilore_actor.runtime.distributed import init_deepspeed_distributed
 
     init_deepspeed_distributed("cpu")
     ref, got = run(rank, False, zero, plans), run(rank, True, zero, plans)
-    bitwise = [set(g) == set(r) and all(g[n] is not None and torch.equal(g[n], r[n]) for n in r)
-               for g, r in zip(got.pop("grads"), ref.pop("grads"))]
+    bitwise = [
+        set(g) == set(r) and all(g[n] is not None and torch.equal(g[n], r[n]) for n in r)
+        for g, r in zip(got.pop("grads"), ref.pop("grads"))
+    ]
     write_ranks({"no-gc": ref, "hilore": got, "bitwise": bitwise}, out, world)
 
 

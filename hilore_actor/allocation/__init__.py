@@ -1,5 +1,6 @@
 """HiLoRe allocation: exposure (Eq. 7), utility (Eq. 9), calibrated risk, the knapsack (Eq. 13),
 validated schedules and online actions. Imports torch (and numpy for the knapsack) only."""
+
 from .budget import BudgetError, parse_budget, resolve_budget
 from .calibration import Calibration, calibrate, fit_kappa
 from .exposure import exposures, token_weights, unit_exposure
@@ -9,7 +10,23 @@ from .runner import Runner, RunResult
 from .schedule import MODES, HiLoRe, ShapePlan
 
 __all__ = [
-    "MODES", "BudgetError", "Calibration", "HiLoRe", "Option", "RunResult", "Runner", "ShapePlan", "UnitCosts",
-    "calibrate", "exposures", "fit_kappa", "parse_budget", "profile_units", "resolve_budget", "shape_class", "solve",
-    "token_weights", "unit_exposure",
+    "MODES",
+    "BudgetError",
+    "Calibration",
+    "HiLoRe",
+    "Option",
+    "RunResult",
+    "Runner",
+    "ShapePlan",
+    "UnitCosts",
+    "calibrate",
+    "exposures",
+    "fit_kappa",
+    "parse_budget",
+    "profile_units",
+    "resolve_budget",
+    "shape_class",
+    "solve",
+    "token_weights",
+    "unit_exposure",
 ]

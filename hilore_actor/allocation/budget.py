@@ -1,4 +1,5 @@
 """The memory budget B: bytes, or a ratio of the measured gc peak on the same workload."""
+
 from __future__ import annotations
 
 import re

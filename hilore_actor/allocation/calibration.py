@@ -9,6 +9,7 @@ through the origin ``kappa_c = sum x y / sum x^2``. At training time the risk of
 ``psi_u = kappa_c(u) * E_u * e_bar_u``. Calibration is saved as JSON next to the run and
 reused on restart.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,10 @@ def check_levels(calibrations: Dict[str, "Calibration"], codecs: str, path="the 
     want = {a: split_label(a)[1] or default for a in levels}
     got = {a: c.codec for a, c in calibrations.items()}
     if got != want:
-        raise ValueError(f"{path} calibrates {got} (L level: codec), the codecs asked for need {want}: "
-                         f"remove the file, or point the calibration path elsewhere, to calibrate again")
+        raise ValueError(
+            f"{path} calibrates {got} (L level: codec), the codecs asked for need {want}: "
+            f"remove the file, or point the calibration path elsewhere, to calibrate again"
+        )
 
 
 def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
@@ -140,13 +143,16 @@ def calibration_prefix(runner, mb, level: str, cap: int, margin: float = 1.15):
             break
         t = max(fits)
     if best is None:
-        raise ValueError(f"even a {min(T, max(64, T // 8))}-token prefix of a calibration microbatch holds more than "
-                         f"{cap} B under L: give a larger budget or use hilore-hr")
+        raise ValueError(
+            f"even a {min(T, max(64, T // 8))}-token prefix of a calibration microbatch holds more than "
+            f"{cap} B under L: give a larger budget or use hilore-hr"
+        )
     return best
 
 
-def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=None, level: str = "L",
-              cap: Optional[int] = None) -> Calibration:
+def calibrate(
+    runner, batches, units: Optional[Sequence[str]] = None, progress=None, level: str = "L", cap: Optional[int] = None
+) -> Calibration:
     """Single-unit L interventions on ``batches`` (see module docstring). ``runner`` is an
     ``allocation.runner.Runner``; ``progress`` an optional callable(done, total); ``level``
     the L action label (``"L"``: the engine's codec; ``"L:bf16"``: that codec); ``cap``: no
@@ -171,15 +177,26 @@ def calibrate(runner, batches, units: Optional[Sequence[str]] = None, progress=N
             y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
             E = unit_exposure(ref.omega, res.token_norms[name], ref.mask)
             E_adv = unit_exposure(mb.advantages, res.token_norms[name], ref.mask)  # advantage-only proxy
-            samples.append({"unit": name, "batch": b, "group": groups[name], "exposure": E, "adv_exposure": E_adv,
-                            "recon": e, "grad_err": y})
+            samples.append(
+                {
+                    "unit": name,
+                    "batch": b,
+                    "group": groups[name],
+                    "exposure": E,
+                    "adv_exposure": E_adv,
+                    "recon": e,
+                    "grad_err": y,
+                }
+            )
             done += 1
             if progress:
                 progress(done, total)
     return from_samples(codec, groups, samples)
 
 
-def calibrate_levels(runner, batches, levels: Sequence[str], progress=None, cap: Optional[int] = None) -> Dict[str, Calibration]:
+def calibrate_levels(
+    runner, batches, levels: Sequence[str], progress=None, cap: Optional[int] = None
+) -> Dict[str, Calibration]:
     """``{level: calibration}`` for several L levels (every enabled codec's single-unit error)."""
     return {a: calibrate(runner, batches, progress=progress, level=a, cap=cap) for a in levels}
 

@@ -7,6 +7,7 @@ measured gradient error y of each (unit, microbatch); three predictors are score
 by Spearman correlation, recall of the top 10%, and AUROC of "y is in the top 10%":
 advantage-only exposure (sum alpha |A|), complete exposure (Eq. 7), and psi_u.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
@@ -61,21 +62,28 @@ def coefficient_structure(batches) -> Dict[str, float]:
     for mb in batches:
         opts = dict(mb.loss_options, kl_coef=0.0)  # the policy-gradient part alone
         om = token_coefficients(mb.old_log_probs, mb.old_log_probs, mb.advantages, mb.action_mask, **opts)
-        full = token_coefficients(mb.old_log_probs, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options)
+        full = token_coefficients(
+            mb.old_log_probs, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options
+        )
         valid = mb.action_mask.bool()
         zero += int((om[valid] == 0).sum())
         total += int(valid.sum())
         mags.append(full[valid].abs().flatten())
     m = torch.cat(mags).sort(descending=True).values
     k = max(1, len(m) // 10)
-    return {"zero_pg_coefficient_fraction": zero / max(total, 1), "top10_omega_mass": float(m[:k].sum() / m.sum().clamp(min=1e-30))}
+    return {
+        "zero_pg_coefficient_fraction": zero / max(total, 1),
+        "top10_omega_mass": float(m[:k].sum() / m.sum().clamp(min=1e-30)),
+    }
 
 
 def predictor_quality(runner, calib_batches, heldout_batches, calibration: Calibration = None, progress=None) -> Dict:
     """Calibrate (unless given), then score the three predictors on held-out interventions;
     ``progress(done, total)`` is called after every pass of each set."""
     cal = calibration or calibrate(runner, calib_batches, progress=progress)
-    held = calibrate(runner, heldout_batches, progress=progress)  # same interventions: measured e, y and E per (unit, batch)
+    held = calibrate(
+        runner, heldout_batches, progress=progress
+    )  # same interventions: measured e, y and E per (unit, batch)
     preds: Dict[str, List[float]] = {"advantage_only": [], "complete_exposure": [], "psi": []}
     truth: List[float] = []
     for s in held.samples:
@@ -89,7 +97,11 @@ def predictor_quality(runner, calib_batches, heldout_batches, calibration: Calib
     return {
         "n_samples": len(truth),
         "predictors": {
-            name: {"spearman": spearman(p, truth), "top10_recall": top_recall(p, truth), "auroc_top10": auroc(p, labels)}
+            name: {
+                "spearman": spearman(p, truth),
+                "top10_recall": top_recall(p, truth),
+                "auroc_top10": auroc(p, labels),
+            }
             for name, p in preds.items()
         },
         "kappa": cal.kappa,

@@ -7,6 +7,7 @@ the valid positions of (unit, microbatch); masked positions (prompt tokens, padd
 position that would predict the next packed sequence's first token) weigh 0. If every omega
 on the support is 0, the exposure, and so the risk, is exactly 0.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -39,8 +40,9 @@ def advantage_only_exposure(advantages: torch.Tensor, mask: torch.Tensor) -> flo
     return float((advantages.to(torch.float64).abs() * mask.to(torch.float64)).sum())
 
 
-def rest_exposures(omega: torch.Tensor, token_norms: Dict[str, torch.Tensor], mask: torch.Tensor,
-                   kept_rows: Dict[str, torch.Tensor]) -> Dict[str, float]:
+def rest_exposures(
+    omega: torch.Tensor, token_norms: Dict[str, torch.Tensor], mask: torch.Tensor, kept_rows: Dict[str, torch.Tensor]
+) -> Dict[str, float]:
     """Token L: ``E_u`` over the rows a unit compressed, i.e. Eq. 7 without the rows it kept
     exact (``Step.kept_rows``; weights normalised over all valid positions, as for ``E_u``)."""
     out = {}

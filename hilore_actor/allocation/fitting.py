@@ -19,6 +19,7 @@ candidate is sized from what was measured, cautiously:
   plan's marginal ratio stays below 1 / GROWTH;
 - after a candidate above B: the room its own ratio allows, less a margin.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -44,15 +45,29 @@ def next_candidate(room: float, memory_budget: float, ratio: float, fits: bool) 
     return min(memory_budget + GROWTH * (target - memory_budget), memory_budget + GROWTH * left / max(ratio, 1.0))
 
 
-def record(kinds: Dict[str, int], memory_budget: float, predicted: int, peak_over_budget: float,
-           ratio: Optional[float], risk_scale: float) -> Dict:
+def record(
+    kinds: Dict[str, int],
+    memory_budget: float,
+    predicted: int,
+    peak_over_budget: float,
+    ratio: Optional[float],
+    risk_scale: float,
+) -> Dict:
     """One measured candidate (``ShapePlan.report["fit_candidates"]``): how many units it keeps
     exact, compressed and partial, and its real peak increase per predicted byte."""
-    return dict(risk_scale=risk_scale, memory_budget=int(memory_budget), predicted=int(predicted),
-                peak_over_budget=peak_over_budget, ratio=ratio, **kinds)
+    return dict(
+        risk_scale=risk_scale,
+        memory_budget=int(memory_budget),
+        predicted=int(predicted),
+        peak_over_budget=peak_over_budget,
+        ratio=ratio,
+        **kinds,
+    )
 
 
 def describe(rec: Dict) -> str:
-    return (f"[hilore] fit candidate at risk scale {rec['risk_scale']}: memory budget {rec['memory_budget'] / 2**20:.1f} MB, "
-            f"predicted {rec['predicted'] / 2**20:.1f} MB ({rec['exact']} exact, {rec['partial']} partial, "
-            f"{rec['compressed']} compressed), peak {rec['peak_over_budget']:.3f} B, real/predicted {rec['ratio'] or 0:.3f}")
+    return (
+        f"[hilore] fit candidate at risk scale {rec['risk_scale']}: memory budget {rec['memory_budget'] / 2**20:.1f} MB, "
+        f"predicted {rec['predicted'] / 2**20:.1f} MB ({rec['exact']} exact, {rec['partial']} partial, "
+        f"{rec['compressed']} compressed), peak {rec['peak_over_budget']:.3f} B, real/predicted {rec['ratio'] or 0:.3f}"
+    )

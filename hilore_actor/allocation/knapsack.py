@@ -13,6 +13,7 @@ Rounding up wastes up to a cell per chosen option (on the demo's plans, 42 store
 two cells each left 14% of B unused), so the grid answer is then filled by exact costs
 (``_fill``): upgrades that still fit the real budgets, best value per byte first.
 """
+
 from __future__ import annotations
 
 import math

@@ -19,6 +19,7 @@ codec times are measured on prefixes of the microbatch that fit and scaled to it
 tokens x tokens matrix (SDPA, flash-attention), except a packed microbatch's attention mask;
 ``bytes_linear_error`` says how far from a line the probes are.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -52,12 +53,22 @@ class UnitCosts:
     probe_tokens: List[int] = field(default_factory=list)  # where bytes and codec times were measured
     bytes_linear_error: float = 0.0  # worst relative residual of a straight line through the probes' bytes
     points: List[Dict] = field(default_factory=list)  # measured (tokens, all-R peak, dm) for costs_at
-    options: List[str] = field(default_factory=list)  # the non-R options profiled (a unit may lack one that keeps nothing of it)
-    partial_share: Dict[str, Dict[str, float]] = field(default_factory=dict)  # P label -> unit kind -> share of its replay it saves, on the whole microbatch
+    options: List[str] = field(
+        default_factory=list
+    )  # the non-R options profiled (a unit may lack one that keeps nothing of it)
+    partial_share: Dict[str, Dict[str, float]] = field(
+        default_factory=dict
+    )  # P label -> unit kind -> share of its replay it saves, on the whole microbatch
 
 
-def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] = None,
-                  levels: Sequence[str] = ("L",), partial: bool = False) -> UnitCosts:
+def profile_units(
+    runner,
+    mb: Microbatch,
+    repeats: int = 3,
+    cap: Optional[int] = None,
+    levels: Sequence[str] = ("L",),
+    partial: bool = False,
+) -> UnitCosts:
     """Eq. 9's costs of every unit on ``mb``, for H and each L level in ``levels`` (action
     labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another one). ``cap``: no profiling pass
     may peak above it (the budget B): the all-R passes run on ``mb`` (they are the plan's
@@ -80,30 +91,47 @@ def profile_units(runner, mb: Microbatch, repeats: int = 3, cap: Optional[int] =
     if cap is not None and peak > cap:
         raise ValueError(f"budget {cap} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
     probes = probe_bytes(runner, mb, repeats, cap, levels, partial=partial)
-    costs = UnitCosts(shape_class(mb), statistics.median(base), int(peak), tokens=mb.num_tokens,
-                      probe_tokens=sorted(probes), options=["H", *_kinds(levels, partial)])
+    costs = UnitCosts(
+        shape_class(mb),
+        statistics.median(base),
+        int(peak),
+        tokens=mb.num_tokens,
+        probe_tokens=sorted(probes),
+        options=["H", *_kinds(levels, partial)],
+    )
     est, costs.bytes_linear_error = scaled(probes, mb.num_tokens)
     for n in names:
         t = statistics.median(rec[n])
         costs.dtau[n] = dict({"H": t}, **{a: max(0.0, t - est[CODEC + a][n]) for a in levels})
         costs.dm[n] = _dm(est, n, _kinds(levels, partial))
-        for a in P_LABELS if partial else ():  # the probes' R and P replay times, both scaled: their difference is what P saves
+        for a in (
+            P_LABELS if partial else ()
+        ):  # the probes' R and P replay times, both scaled: their difference is what P saves
             if est[a][n] <= 0:  # this level keeps nothing of the unit: no option
                 del costs.dm[n][a]
                 continue
-            costs.dtau[n][a] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + a][n]) * (t / max(est[REPLAY + "R"][n], 1e-12))
+            costs.dtau[n][a] = max(0.0, est[REPLAY + "R"][n] - est[REPLAY + a][n]) * (
+                t / max(est[REPLAY + "R"][n], 1e-12)
+            )
     if partial and mb.num_tokens not in probes:
         room = (cap - peak) / 2 if cap is not None else float("inf")
         kinds = {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}
         for a in P_LABELS:
-            share = _partial_shares(runner, mb, repeats, kinds, a, {n: costs.dm[n][a] for n in names if a in costs.dm[n]}, room)
+            share = _partial_shares(
+                runner, mb, repeats, kinds, a, {n: costs.dm[n][a] for n in names if a in costs.dm[n]}, room
+            )
             costs.partial_share[a] = share
             for n in names:
                 if kinds[n] in share and a in costs.dtau[n]:
                     costs.dtau[n][a] = share[kinds[n]] * statistics.median(rec[n])
-    costs.points = [{"tokens": x, "base_peak": int(v["peak"]["all-r"]), "dm": {n: _dm(v, n, _kinds(levels, partial))
-                                                                               for n in names}}
-                    for x, v in sorted(probes.items())]
+    costs.points = [
+        {
+            "tokens": x,
+            "base_peak": int(v["peak"]["all-r"]),
+            "dm": {n: _dm(v, n, _kinds(levels, partial)) for n in names},
+        }
+        for x, v in sorted(probes.items())
+    ]
     return costs
 
 
@@ -142,20 +170,29 @@ def costs_at(costs: UnitCosts, tokens: int) -> UnitCosts:
     optimistic), recompute and codec times in proportion to tokens."""
     if tokens == costs.tokens:
         return costs
-    pts = [p for p in costs.points if p["tokens"] != costs.tokens] + [{"tokens": costs.tokens, "base_peak": costs.base_peak, "dm": costs.dm}]
+    pts = [p for p in costs.points if p["tokens"] != costs.tokens] + [
+        {"tokens": costs.tokens, "base_peak": costs.base_peak, "dm": costs.dm}
+    ]
     xs = [p["tokens"] for p in pts]
     f = tokens / costs.tokens
-    out = UnitCosts(shape=f"{costs.shape}@{tokens}", base_seconds=costs.base_seconds * f,
-                    base_peak=int(_poly_at(xs, [p["base_peak"] for p in pts], 1, tokens)) if len(pts) > 1 else costs.base_peak,
-                    tokens=tokens, probe_tokens=list(costs.probe_tokens), bytes_linear_error=costs.bytes_linear_error,
-                    options=list(costs.options))
+    out = UnitCosts(
+        shape=f"{costs.shape}@{tokens}",
+        base_seconds=costs.base_seconds * f,
+        base_peak=int(_poly_at(xs, [p["base_peak"] for p in pts], 1, tokens)) if len(pts) > 1 else costs.base_peak,
+        tokens=tokens,
+        probe_tokens=list(costs.probe_tokens),
+        bytes_linear_error=costs.bytes_linear_error,
+        options=list(costs.options),
+    )
     for n in costs.dm:
         out.dtau[n] = {a: v * f for a, v in costs.dtau[n].items()}
         out.dm[n] = {a: int(max(0.0, _poly_at(xs, [p["dm"][n][a] for p in pts], 2, tokens))) for a in costs.dm[n]}
     return out
 
 
-def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], partial: bool = False) -> Dict[str, Dict[str, float]]:
+def _bytes_at(
+    runner, mb: Microbatch, repeats: int, levels: Sequence[str], partial: bool = False
+) -> Dict[str, Dict[str, float]]:
     """Per unit on ``mb``: H and each L level's bytes as if held alone, each level's encode +
     decode seconds, and for an attention unit the MLP input that must then be kept; plus the
     all-R peak and the highest all-H / all-L peak. ``partial``: also P's bytes and the
@@ -163,9 +200,12 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], parti
     names = runner.engine.unit_names
     r = runner.run(mb, "all-r", measure_peak=True)
     h = runner.run(mb, "all-h", measure_peak=True)
-    out = {"H": {n: float(h.bytes_alone[n]["exact"]) for n in names}, "mixed": {},
-           "peak": {"all-h": float(h.peak_bytes), "all-r": float(r.peak_bytes)},
-           "structure": dict(h.saved_counts)}
+    out = {
+        "H": {n: float(h.bytes_alone[n]["exact"]) for n in names},
+        "mixed": {},
+        "peak": {"all-h": float(h.peak_bytes), "all-r": float(r.peak_bytes)},
+        "structure": dict(h.saved_counts),
+    }
     for a in levels:
         plan = {n: plan_for_label(a) for n in names}
         l_run = runner.run(mb, plan, measure_peak=True)  # also the codec passes' warm-up
@@ -181,8 +221,11 @@ def _bytes_at(runner, mb: Microbatch, repeats: int, levels: Sequence[str], parti
         _partial_at(runner, mb, repeats, out)
     # keeping a layer's attention H or L while its MLP is R breaks the shared layer replay: the
     # MLP then needs its own input kept (one hidden-state tensor)
-    mixed = {layer.units[0].name: layer.units[1].name for layer in runner.engine.layer_specs
-             if len(layer.units) == 2 and layer.units[0].kind in ("attn", "mixer")}  # the MLP or expert block after it
+    mixed = {
+        layer.units[0].name: layer.units[1].name
+        for layer in runner.engine.layer_specs
+        if len(layer.units) == 2 and layer.units[0].kind in ("attn", "mixer")
+    }  # the MLP or expert block after it
     if mixed:
         held = runner.run(mb, {n: ("exact" if n in mixed else "checkpoint") for n in names}).bytes_by_unit
         out["mixed"] = {a: float(held[m]["checkpoint"]) for a, m in mixed.items()}
@@ -208,8 +251,15 @@ def _partial_at(runner, mb: Microbatch, repeats: int, out: Dict) -> None:
         out[REPLAY + k] = {n: statistics.median(rec[k][n]) for n in names}
 
 
-def probe_bytes(runner, mb: Microbatch, repeats: int, cap: Optional[int], levels: Sequence[str] = ("L",),
-                margin: float = 1.15, partial: bool = False):
+def probe_bytes(
+    runner,
+    mb: Microbatch,
+    repeats: int,
+    cap: Optional[int],
+    levels: Sequence[str] = ("L",),
+    margin: float = 1.15,
+    partial: bool = False,
+):
     """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``cap`` is None, else up to three
     prefixes (a sixteenth of ``mb``, then halfway to, then at the longest prefix whose all-H
     peak, extrapolated from the probes so far by a polynomial of degree up to 2 (a packed
@@ -270,8 +320,9 @@ def _poly_at(xs: List[int], ys: List[float], degree: int, x: float) -> float:
     return float(np.polyval(np.polyfit(xs, ys, min(degree, len(xs) - 1)), x))
 
 
-def _partial_shares(runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], label: str, p_bytes: Dict[str, float],
-                    room: float) -> Dict[str, float]:
+def _partial_shares(
+    runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], label: str, p_bytes: Dict[str, float], room: float
+) -> Dict[str, float]:
     """``{unit kind: share of the unit's R replay time that P level ``label`` saves}``, measured on ``mb``
     itself. Within B the probes are short (on SmolLM2 at 1.10 B_GC, all-H of 30 layers fits
     a few hundred tokens), where a replay's per-op overhead hides what P keeps: scaled from

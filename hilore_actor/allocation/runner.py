@@ -9,6 +9,7 @@ every run is measured except timed ones (``profile`` or ``timed``), whose progra
 once measured (a warm-up, or the measured run after the timed repeats), since on CPU the
 meter's profiler would slow the very code being timed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -135,8 +136,14 @@ class Runner:
                     if method == "gc":
                         apply_baseline(self.model, "no-gc")
             else:
-                with self.engine.step(method, track_error=track_error, track_tokens=track_tokens, profile=profile,
-                                      token_scores=token_scores(mb), regions=regions) as step:
+                with self.engine.step(
+                    method,
+                    track_error=track_error,
+                    track_tokens=track_tokens,
+                    profile=profile,
+                    token_scores=token_scores(mb),
+                    regions=regions,
+                ) as step:
                     out = loss_fn(self.model, mb)
                     if callable(actions):
                         c = time.perf_counter()
@@ -156,8 +163,14 @@ class Runner:
                     info["unit_seconds"] = step.unit_seconds()
                     info["reconstruction"] = step.reconstruction_errors()
             self._sync()
-        res = RunResult(time.perf_counter() - t0, time.process_time() - c0, loss=float(out.loss.detach()),
-                        omega=out.omega, mask=out.mask, **info)
+        res = RunResult(
+            time.perf_counter() - t0,
+            time.process_time() - c0,
+            loss=float(out.loss.detach()),
+            omega=out.omega,
+            mask=out.mask,
+            **info,
+        )
         if meter is not None:
             res.peak_bytes = meter.report.peak_bytes
             if self.watch is not None:
@@ -165,8 +178,14 @@ class Runner:
                 self.watch_phases.append(self._phase)
         if grads:
             held = self._returned if self._returned is not None else [p.grad for p in self.params]
-            res.grad = torch.cat([_whole(g).detach().float().flatten() if g is not None  # unused: 0
-                                  else torch.zeros(_numel(p), device=self.device) for p, g in zip(self.params, held)])
+            res.grad = torch.cat(
+                [
+                    _whole(g).detach().float().flatten()
+                    if g is not None  # unused: 0
+                    else torch.zeros(_numel(p), device=self.device)
+                    for p, g in zip(self.params, held)
+                ]
+            )
         return res
 
     def _backward(self, loss, keep: bool) -> None:

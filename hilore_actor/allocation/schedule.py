@@ -20,6 +20,7 @@ risk psi_u -> knapsack restricted to each unit's planned representation -> actio
 Modes: ``hilore``; ``hilore-hr`` (delta = 0: H/R only); ``hilore-static`` (the plan's own
 actions, risk from calibration means, no refresh).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 from ..recovery.policies import stores_nothing
-from ..recovery.state import (CHECKPOINT, COMPRESSED, EXACT, PARTIAL, ROWS, action_for_plan, allows, plan_for_label,
-                              row_share, split_label)
+from ..recovery.state import (
+    CHECKPOINT,
+    COMPRESSED,
+    EXACT,
+    PARTIAL,
+    ROWS,
+    action_for_plan,
+    allows,
+    plan_for_label,
+    row_share,
+    split_label,
+)
 from . import fitting
 from .calibration import Calibration
 from .exposure import exposures, rest_exposures
@@ -98,7 +109,8 @@ class HiLoRe:
         self.runner, self.engine = runner, runner.engine
         self.budget = int(budget_bytes)
         self.calibrations: Dict[str, Calibration] = (
-            {} if calibration is None else dict(calibration) if isinstance(calibration, dict) else {"L": calibration})
+            {} if calibration is None else dict(calibration) if isinstance(calibration, dict) else {"L": calibration}
+        )
         self.calibration = self.calibrations.get("L") or next(iter(self.calibrations.values()), None)
         self.mode = mode
         self.delta = 0.0 if mode == "hilore-hr" else delta
@@ -110,11 +122,14 @@ class HiLoRe:
         self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
         # static has no online trimming, so its plan may not take more risk than delta
         self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
-            mode, tuple(plan_risk_scales))
+            mode, tuple(plan_risk_scales)
+        )
         self.profile_repeats, self.loo, self.loo_units, self.log = profile_repeats, loo, loo_units, log
         self.within_budget, self.first_fit = within_budget, first_fit
         self.plans: Dict[str, ShapePlan] = {}
-        self.costs_cache = costs_cache if costs_cache is not None else {}  # shape class -> UnitCosts (share across budgets)
+        self.costs_cache = (
+            costs_cache if costs_cache is not None else {}
+        )  # shape class -> UnitCosts (share across budgets)
         self._calls = 0
         self._last: Optional[Dict[str, str]] = None
         self._ratio: Optional[float] = None  # the largest real / predicted bytes a candidate measured (``_fit``)
@@ -133,8 +148,14 @@ class HiLoRe:
                 opts.append(Option(a, *option_cost(sp_costs, unit, a), risks.get(a, 0.0)))
         return opts
 
-    def allocate(self, costs: UnitCosts, risks: Dict[str, Dict[str, float]], memory_budget: float, risk_budget: float,
-                 plan: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    def allocate(
+        self,
+        costs: UnitCosts,
+        risks: Dict[str, Dict[str, float]],
+        memory_budget: float,
+        risk_budget: float,
+        plan: Optional[Dict[str, str]] = None,
+    ) -> Dict[str, str]:
         """Eq. 13: an action label per unit. ``risks``: unit -> L level -> risk (Eq. 11). With
         ``plan``, the units of its H layer regions keep H (``recovery.compiled.region_units``):
         they leave the knapsack, which needs a free option (R) per item, and their H bytes leave
@@ -150,8 +171,9 @@ class HiLoRe:
         chosen = {n: items[i][picks[i]].action for i, n in enumerate(free)}
         return {n: chosen.get(n, "H") for n in names}
 
-    def risks(self, exposure: Optional[Dict[str, float]] = None,
-              rest: Optional[Dict[str, float]] = None) -> Dict[str, Dict[str, float]]:
+    def risks(
+        self, exposure: Optional[Dict[str, float]] = None, rest: Optional[Dict[str, float]] = None
+    ) -> Dict[str, Dict[str, float]]:
         """Eq. 11 per unit and L level: at the microbatch's exposures, else at the
         calibration-mean exposure (``hilore-static``, and plans made before forward). Token L
         (``L@f``): at the exposure of the rows it compressed (``rest``, online), else at
@@ -159,13 +181,17 @@ class HiLoRe:
         names = exposure if exposure is not None else self.engine.unit_names
         out = {}
         for n in names:
-            r = {a: (cal.risk(n, exposure[n]) if exposure is not None else cal.static_risk(n))
-                 for a, cal in self.calibrations.items() if a in self.levels}
+            r = {
+                a: (cal.risk(n, exposure[n]) if exposure is not None else cal.static_risk(n))
+                for a, cal in self.calibrations.items()
+                if a in self.levels
+            }
             if n in self.token_wise:
                 for a in list(r):
                     for f in self.shares:
-                        r[f"{a}{ROWS}{f}"] = (self.calibrations[a].risk(n, rest[n]) if rest and n in rest
-                                              else r[a] * (1.0 - f))
+                        r[f"{a}{ROWS}{f}"] = (
+                            self.calibrations[a].risk(n, rest[n]) if rest and n in rest else r[a] * (1.0 - f)
+                        )
             out[n] = r
         return out
 
@@ -179,9 +205,14 @@ class HiLoRe:
         cached = self.costs_cache.get(shape)
         if cached is None or not set(self.kinds) <= set(cached.options):
             with self.runner.phase("profiling"):
-                self.costs_cache[shape] = profile_units(self.runner, dev[0], self.profile_repeats,
-                                                        cap=self.budget if self.within_budget else None,
-                                                        levels=self.levels, partial=self.partial)
+                self.costs_cache[shape] = profile_units(
+                    self.runner,
+                    dev[0],
+                    self.profile_repeats,
+                    cap=self.budget if self.within_budget else None,
+                    levels=self.levels,
+                    partial=self.partial,
+                )
         costs = self.costs_cache[shape]
         mem = float(self.budget - costs.base_peak)
         if mem < 0:
@@ -189,17 +220,25 @@ class HiLoRe:
         best, self._ratio, self._candidates, self._measured = None, None, [], {}
         for scale in self.scales:
             with self.runner.phase(f"fit at risk scale {scale}"):
-                sp, t, peak, actions = self._fit(ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0])
+                sp, t, peak, actions = self._fit(
+                    ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0]
+                )
             n = _kind_counts(sp)
             rows = sum(row_share(v) is not None for v in sp.plan.values())
             saved = self.saved_seconds(costs, actions)
-            self.log(f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed "
-                     f"({rows} by token rows); "
-                     f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B")
+            self.log(
+                f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed "
+                f"({rows} by token rows); "
+                f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B"
+            )
             if peak <= self.budget and (best is None or saved > best[0]):
                 best = (saved, sp, scale)
         if best is None:  # nothing fitted: start from all-R and let validation grow nothing
-            best = (0.0, ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0), 0.0)
+            best = (
+                0.0,
+                ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0),
+                0.0,
+            )
         with self.runner.phase("validation"):
             sp = self._validate(best[1], dev, accumulate)
         sp.report.update(plan_risk_scale=best[2], fit_candidates=self._candidates)
@@ -225,9 +264,15 @@ class HiLoRe:
             memory = (self.budget - costs.base_peak) * factor
         else:
             memory = min(peak_target, self.budget) - costs.base_peak
-        out = ShapePlan(costs.shape, costs, {}, max(0.0, memory), sp.risk_budget,
-                        sp.plan_risk_budget, report={"sized_from_tokens": sp.costs.tokens,
-                                                     "loo_recomputed": list(sp.report.get("loo_recomputed", []))})
+        out = ShapePlan(
+            costs.shape,
+            costs,
+            {},
+            max(0.0, memory),
+            sp.risk_budget,
+            sp.plan_risk_budget,
+            report={"sized_from_tokens": sp.costs.tokens, "loo_recomputed": list(sp.report.get("loo_recomputed", []))},
+        )
         self.replan(out)
         return out
 
@@ -258,13 +303,25 @@ class HiLoRe:
             t, peak, actions = self._measured[key]
             fits = peak <= self.budget
             if fits and (best is None or sp.memory_budget > best[0].memory_budget):
-                best = (ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
-                        t, peak, actions)
+                best = (
+                    ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
+                    t,
+                    peak,
+                    actions,
+                )
             predicted = self.planned_bytes(sp)
             ratio = max(peak - base, 1) / predicted if predicted else None  # real bytes per predicted byte
             if not seen:
-                self._candidates.append(fitting.record(_kind_counts(sp), sp.memory_budget, predicted, peak / self.budget,
-                                                       ratio, sp.plan_risk_budget / (self.delta or 1.0)))
+                self._candidates.append(
+                    fitting.record(
+                        _kind_counts(sp),
+                        sp.memory_budget,
+                        predicted,
+                        peak / self.budget,
+                        ratio,
+                        sp.plan_risk_budget / (self.delta or 1.0),
+                    )
+                )
                 self.log(fitting.describe(self._candidates[-1]))
             if predicted == 0 or (fits and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
@@ -324,7 +381,7 @@ class HiLoRe:
         worst = 0.0
         for i in range(0, len(dev), accumulate):
             g = g_ex = None
-            for j, mb in enumerate(dev[i:i + accumulate]):
+            for j, mb in enumerate(dev[i : i + accumulate]):
                 a = self._run(sp, mb, grads=True, seed=j).grad
                 b = self.runner.run(mb, "all-r", grads=True, seed=j).grad
                 g, g_ex = (a, b) if g is None else (g + a, g_ex + b)
@@ -347,6 +404,7 @@ class HiLoRe:
         utility per byte are checked: those are where a measured utility of zero is likely."""
         stored = [n for n, q in sp.plan.items() if q != CHECKPOINT]
         label = {n: action_for_plan(sp.plan[n]) for n in stored}
+
         def per_byte(n: str) -> float:
             dt, dm = option_cost(sp.costs, n, label[n])
             return dt / max(dm, 1)
@@ -393,8 +451,16 @@ class HiLoRe:
             # an integration's step stand-in (OpenRLHF, verl) may carry norms only: then token L's
             # risk is (1 - f) x the unit's (risks)
             kept = getattr(step, "kept_rows", dict)() if self.shares else {}
-            rest = rest_exposures(out.omega, norms, out.mask, {n: k for n, k in kept.items() if n in norms
-                                                               and k.numel() == norms[n].numel()}) if kept else None
+            rest = (
+                rest_exposures(
+                    out.omega,
+                    norms,
+                    out.mask,
+                    {n: k for n, k in kept.items() if n in norms and k.numel() == norms[n].numel()},
+                )
+                if kept
+                else None
+            )
             self._last = self.allocate(sp.costs, self.risks(E, rest), sp.memory_budget, sp.risk_budget, plan=sp.plan)
             return self._last
 
@@ -422,7 +488,9 @@ class HiLoRe:
             res = self.runner.run(mb, "gc", **{k: v for k, v in kw.items() if k != "track_tokens"})
             res.actions = res.labels = {n: "R" for n in sp.plan}
             return res
-        return self.runner.run(mb, sp.plan, self.chooser_for(sp), track_tokens=self.mode == "hilore", regions=True, **kw)
+        return self.runner.run(
+            mb, sp.plan, self.chooser_for(sp), track_tokens=self.mode == "hilore", regions=True, **kw
+        )
 
     def run(self, mb, **kw):
         """One microbatch under HiLoRe (the plan for its shape class + online actions)."""

@@ -7,6 +7,7 @@ budget (HiLoRe's unit costs and calibration are shared across budgets), time the
 ``report``). With ``--json``, the file is rewritten after each finished piece of work, and on
 SIGTERM the run stops and writes why (``partial``), so a run cut short keeps what it finished.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,44 +28,88 @@ DEFAULT_METHODS = "no-gc,gc,gc+full,sac,sac-budget,compile-budget,all-l,hilore-h
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hilore_actor.bench", description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="cpu-small", choices=sorted(WORKLOADS), help="pinned workload")
-    p.add_argument("--arch", choices=("qwen2", "llama", "phi3"), help="override a random-weight workload's model family")
-    p.add_argument("--model-config", help="any HF causal-LM config.json (random weights) instead of the workload's shape")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list: no-gc, gc, gc-aa (a second gc: the A/A floor, added to every timed run with gc), sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, all-p, all-p:core, "
-                        "hilore-hr, hilore-static, hilore-coarse, hilore-p, hilore-hr-p, hilore; a '+full' suffix runs "
-                        "that method with full float32 logits (gc+full: the OpenRLHF default); a '+compile' suffix runs "
-                        "it on a copy of the model whose recovery units are compiled (gc+compile, hilore+compile)")
-    p.add_argument("--head", default="chunked", choices=("chunked", "full"),
-                   help="LM head of every method: chunked token log-probs (what the product runs) or full logits")
-    p.add_argument("--budget-from", default="gc", choices=("gc", "gc+full"),
-                   help="the run whose peak is B at ratio 1: gc with the same head as everyone (the paper's B_GC), "
-                        "or gc with full float32 logits (what an OpenRLHF user's gc needs today)")
-    p.add_argument("--budget-scope", default="device", choices=("device", "activations"),
-                   help="device: weights, gradients, AdamW state, activations and head (the paper's B_GC); "
-                        "activations: bytes allocated inside a microbatch")
+    p.add_argument(
+        "--arch", choices=("qwen2", "llama", "phi3"), help="override a random-weight workload's model family"
+    )
+    p.add_argument(
+        "--model-config", help="any HF causal-LM config.json (random weights) instead of the workload's shape"
+    )
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma list: no-gc, gc, gc-aa (a second gc: the A/A floor, added to every timed run with gc), sac, sac-budget, compile-budget, compile-fp8, all-h, all-r, all-l, all-p, all-p:core, "
+        "hilore-hr, hilore-static, hilore-coarse, hilore-p, hilore-hr-p, hilore; a '+full' suffix runs "
+        "that method with full float32 logits (gc+full: the OpenRLHF default); a '+compile' suffix runs "
+        "it on a copy of the model whose recovery units are compiled (gc+compile, hilore+compile)",
+    )
+    p.add_argument(
+        "--head",
+        default="chunked",
+        choices=("chunked", "full"),
+        help="LM head of every method: chunked token log-probs (what the product runs) or full logits",
+    )
+    p.add_argument(
+        "--budget-from",
+        default="gc",
+        choices=("gc", "gc+full"),
+        help="the run whose peak is B at ratio 1: gc with the same head as everyone (the paper's B_GC), "
+        "or gc with full float32 logits (what an OpenRLHF user's gc needs today)",
+    )
+    p.add_argument(
+        "--budget-scope",
+        default="device",
+        choices=("device", "activations"),
+        help="device: weights, gradients, AdamW state, activations and head (the paper's B_GC); "
+        "activations: bytes allocated inside a microbatch",
+    )
     p.add_argument("--budgets", default="1.10", help="comma list of budgets as ratios of the --budget-from peak")
     p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats per method (>= 7 on noisy CPUs)")
-    p.add_argument("--no-aa", action="store_true", help="do not add gc-aa (the A/A floor) to a run with gc and several repeats")
-    p.add_argument("--updates", type=int, default=3, help="distinct measured updates (each = the workload's microbatches)")
+    p.add_argument(
+        "--no-aa", action="store_true", help="do not add gc-aa (the A/A floor) to a run with gc and several repeats"
+    )
+    p.add_argument(
+        "--updates", type=int, default=3, help="distinct measured updates (each = the workload's microbatches)"
+    )
     p.add_argument("--calib", type=int, default=16, help="calibration microbatches for HiLoRe's risk (C)")
-    p.add_argument("--calibration", default=None, help="calibration JSON: reused when it exists, written after calibrating")
-    p.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)")
+    p.add_argument(
+        "--calibration", default=None, help="calibration JSON: reused when it exists, written after calibrating"
+    )
+    p.add_argument(
+        "--calib-tokens", type=int, default=None, help="tokens per calibration microbatch (default: the workload's)"
+    )
     p.add_argument("--no-loo", action="store_true", help="skip HiLoRe's leave-one-out validation (faster preparation)")
-    p.add_argument("--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget")
-    p.add_argument("--compile-activation-budget", type=float, default=1.0,
-                   help="+compile methods: torch's activation_memory_budget for each compiled unit's graph, in [0, 1] "
-                        "(1: the partitioner's fastest cut; lower: it recomputes cheap fused ops and H keeps less)")
-    p.add_argument("--compile-layer-regions", action="store_true",
-                   help="+compile methods: also one compiled region per decoder layer, run where a planned microbatch keeps "
-                        "the layer's units all H or all R, and by gc+compile (docs/compile.md)")
-    p.add_argument("--codec", default=DEFAULT_CODECS, help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
-                   "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
-                   "level per unit for HiLoRe's knapsack (all-l uses the first)")
+    p.add_argument(
+        "--bisect-steps", type=int, default=4, help="compile-budget: bisection steps of activation_memory_budget"
+    )
+    p.add_argument(
+        "--compile-activation-budget",
+        type=float,
+        default=1.0,
+        help="+compile methods: torch's activation_memory_budget for each compiled unit's graph, in [0, 1] "
+        "(1: the partitioner's fastest cut; lower: it recomputes cheap fused ops and H keeps less)",
+    )
+    p.add_argument(
+        "--compile-layer-regions",
+        action="store_true",
+        help="+compile methods: also one compiled region per decoder layer, run where a planned microbatch keeps "
+        "the layer's units all H or all R, and by gc+compile (docs/compile.md)",
+    )
+    p.add_argument(
+        "--codec",
+        default=DEFAULT_CODECS,
+        help="L codec(s), a comma list (hilore_actor.recovery.CODECS): int8, int8-g64, "
+        "int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; each one after the first is one more L "
+        "level per unit for HiLoRe's knapsack (all-l uses the first)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--cpu-meter", default="profiler", choices=("profiler", "storage"),
-                   help="how CPU peaks are measured: the torch profiler's allocation events, or live tensor storages "
-                        "(no event log; for models whose CPU path is a long loop of small ops, e.g. state-space "
-                        "scans; misses ops' internal buffers). Compare peaks from one meter only")
+    p.add_argument(
+        "--cpu-meter",
+        default="profiler",
+        choices=("profiler", "storage"),
+        help="how CPU peaks are measured: the torch profiler's allocation events, or live tensor storages "
+        "(no event log; for models whose CPU path is a long loop of small ops, e.g. state-space "
+        "scans; misses ops' internal buffers). Compare peaks from one meter only",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write records here")
     p.add_argument("--plot", default=None, help="write the frontier plot (PNG) here")
@@ -107,7 +152,9 @@ def _methods(args) -> List[str]:
         if n.endswith(COMPILE) and n[: -len(COMPILE)] not in COMPILABLE:
             raise ValueError(f"{n!r}: {COMPILE} applies to {', '.join(COMPILABLE)}")
         if not n.endswith(COMPILE) and split_name(n)[0] not in known:
-            raise ValueError(f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full")
+            raise ValueError(
+                f"unknown method {n!r}; known: {', '.join(sorted(known))}, each optionally with the suffix +full"
+            )
     if args.repeats < 1 or args.updates < 1:
         raise ValueError("--repeats and --updates must be at least 1")
     if not 0.0 <= args.compile_activation_budget <= 1.0:
@@ -153,9 +200,15 @@ def calibration_for(args, runner, inputs, names):
         check_levels(cal, args.codec, args.calibration)
         return cal
     t = time.perf_counter()
-    cal = calibrate_levels(runner, inputs.calib, levels,
-                           progress=lambda d, n: _log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None)
-    _log(f"[bench] calibrated {', '.join(levels)} on {len(inputs.calib)} microbatches in {time.perf_counter() - t:.0f}s")
+    cal = calibrate_levels(
+        runner,
+        inputs.calib,
+        levels,
+        progress=lambda d, n: _log(f"[bench] calibration {d}/{n}") if d % 10 == 0 else None,
+    )
+    _log(
+        f"[bench] calibrated {', '.join(levels)} on {len(inputs.calib)} microbatches in {time.perf_counter() - t:.0f}s"
+    )
     if args.calibration:
         save_levels(cal, args.calibration)
     return cal
@@ -170,7 +223,7 @@ def prepare_methods(names, budgets, ctx, on_ready=None):
 
     entries, unavailable = [], []
     for name in names:
-        for b in (budgets if is_budgeted(name) else [None]):
+        for b in budgets if is_budgeted(name) else [None]:
             t = time.perf_counter()
             try:
                 m = make_method(name, b, ctx)
@@ -186,8 +239,14 @@ def prepare_methods(names, budgets, ctx, on_ready=None):
             entries.append(m)
             _log(f"[bench] ready: {name}{'' if b is None else f' @ {b:.2f}'} ({m.prepare_seconds:.0f}s{_rss()})")
             if on_ready is not None:
-                on_ready({"method": name, "budget_ratio": b, "prepare_seconds": m.prepare_seconds,
-                          **(plan_evidence(m.hilore) if m.hilore is not None else {})})
+                on_ready(
+                    {
+                        "method": name,
+                        "budget_ratio": b,
+                        "prepare_seconds": m.prepare_seconds,
+                        **(plan_evidence(m.hilore) if m.hilore is not None else {}),
+                    }
+                )
     return entries, unavailable
 
 
@@ -196,7 +255,9 @@ def measure_records(entries, timings, inputs, budget, budgets, ref_runner, on_re
     from .records import add_gap_recovered, method_record
     from .timing import AA
 
-    ref_grads = [sum(ref_runner.run(mb, "no-gc", grads=True, seed=i).grad for i, mb in enumerate(u)) for u in inputs.updates]
+    ref_grads = [
+        sum(ref_runner.run(mb, "no-gc", grads=True, seed=i).grad for i, mb in enumerate(u)) for u in inputs.updates
+    ]
     records, measured = [], {}
     for m in sorted(entries, key=lambda m: m.name == AA):  # gc-aa runs gc's code: it takes gc's peaks and errors
         if m.isolated:
@@ -221,8 +282,14 @@ def git_state() -> Tuple[Optional[str], Optional[bool]]:
     here = Path(__file__).parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
-                                    capture_output=True, text=True, cwd=here.parent).stdout.strip())
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                capture_output=True,
+                text=True,
+                cwd=here.parent,
+            ).stdout.strip()
+        )
     except OSError:
         return None, None
     return commit or None, dirty
@@ -239,20 +306,35 @@ def header(args, argv, wl, device, budget, inputs, git: Tuple[Optional[str], Opt
         cfg = json.loads(Path(args.model_config).read_text())
         workload.update(arch=cfg.get("model_type"), model=cfg)
     return {
-        "workload": workload, "torch": torch.__version__, "git_commit": commit, "git_dirty": dirty,
+        "workload": workload,
+        "torch": torch.__version__,
+        "git_commit": commit,
+        "git_dirty": dirty,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-        "head": args.head, "budget_from": budget.base_run, "budget_scope": budget.scope,
-        "budget_base_bytes": budget.peak, "budget_offset_bytes": budget.offset, "budgets": [float(b) for b in args.budgets.split(",")],
-        "repeats": args.repeats, "updates": args.updates, "calib": args.calib, "calib_tokens": args.calib_tokens or wl.calib_tokens,
-        "loo": not args.no_loo, "codec": args.codec, "inputs": inputs.provenance,
+        "threads": torch.get_num_threads(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "head": args.head,
+        "budget_from": budget.base_run,
+        "budget_scope": budget.scope,
+        "budget_base_bytes": budget.peak,
+        "budget_offset_bytes": budget.offset,
+        "budgets": [float(b) for b in args.budgets.split(",")],
+        "repeats": args.repeats,
+        "updates": args.updates,
+        "calib": args.calib,
+        "calib_tokens": args.calib_tokens or wl.calib_tokens,
+        "loo": not args.no_loo,
+        "codec": args.codec,
+        "inputs": inputs.provenance,
         "cpu_meter": args.cpu_meter if device.type == "cpu" else None,
         "command": command(argv),
     }
 
 
 def command(argv) -> str:
-    return "python -m hilore_actor.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    return "python -m hilore_actor.bench " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
 
 
 def run(args, argv) -> int:
@@ -267,8 +349,10 @@ def run(args, argv) -> int:
             return run_measured(args, argv, progress)
         except Stopped as e:
             progress.stopped(f"{e} during {progress.doc['partial']['stage']}")
-            _log(f"[bench] stopped ({e}) during {progress.doc['partial']['stage']}"
-                 + (f"; {args.json} keeps what finished" if args.json else ""))
+            _log(
+                f"[bench] stopped ({e}) during {progress.doc['partial']['stage']}"
+                + (f"; {args.json} keeps what finished" if args.json else "")
+            )
             return 143
         except Exception as e:
             progress.stopped(f"{type(e).__name__}: {e}")
@@ -296,22 +380,35 @@ def run_measured(args, argv, progress) -> int:
     runners = head_runners(inputs.model, RecoveryEngine(inputs.model, codec=codec_levels(args.codec)[0]))
     progress.stage("measuring B", done="model and microbatches built")
     budget = measure_budget(runners, inputs, args)
-    _log(f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
-         f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})")
+    _log(
+        f"[bench] {wl.name}: {sum(p.numel() for p in inputs.model.parameters()) / 1e6:.1f}M params; B at 1.00 = "
+        f"{budget.peak / 2**20:.1f} MiB ({budget.base_run}, {budget.scope} scope, head {args.head})"
+    )
     head = header(args, argv, wl, device, budget, inputs, git)
     progress.stage("calibration" if needs_calibration(names) else "preparing methods", done="B measured", **head)
     cal = calibration_for(args, runners[args.head], inputs, names)
     progress.stage("preparing methods", done="calibration" if cal is not None else None)
-    ctx = MethodContext(runners, args.head, budget, cal, inputs.dev, log=_log, loo=not args.no_loo, bisect_steps=args.bisect_steps,
-                        compile_activation_budget=args.compile_activation_budget,
-                        compile_layer_regions=args.compile_layer_regions)
+    ctx = MethodContext(
+        runners,
+        args.head,
+        budget,
+        cal,
+        inputs.dev,
+        log=_log,
+        loo=not args.no_loo,
+        bisect_steps=args.bisect_steps,
+        compile_activation_budget=args.compile_activation_budget,
+        compile_layer_regions=args.compile_layer_regions,
+    )
     entries, unavailable = prepare_methods(names, budgets, ctx, on_ready=progress.prepared)
     from .timing import time_methods
 
     timings, phases = time_methods(entries, inputs.updates, args.repeats, _log, progress=progress.phase_times)
     progress.stage("measuring peaks and gradients", done="timing")
-    records = measure_records(entries, timings, inputs, budget, budgets, runners[args.head],
-                              on_record=progress.record) + unavailable
+    records = (
+        measure_records(entries, timings, inputs, budget, budgets, runners[args.head], on_record=progress.record)
+        + unavailable
+    )
     head["phases"] = [{"label": p.label, "times": p.times} for p in phases]
     print(report.table(records))
     if args.json:
@@ -320,5 +417,7 @@ def run_measured(args, argv, progress) -> int:
     if args.markdown:
         Path(args.markdown).write_text(report.markdown(records, head))
     if args.plot:
-        report.plot(args.plot, records, budgets, f"{wl.name}: throughput vs peak ({budget.scope} scope), relative to gc")
+        report.plot(
+            args.plot, records, budgets, f"{wl.name}: throughput vs peak ({budget.scope} scope), relative to gc"
+        )
     return 0

@@ -18,6 +18,7 @@ Per codec it reports, on the model's own activations:
 
 LoRA B starts away from zero (``Workload.lora_b_std``), so ``lora_A`` has gradients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,10 @@ class _Kinds:
             out[name] = {
                 "compression": tot_in / sum(a[3] for a in kinds.values()),
                 "seconds_per_mib": sum(a[4] for a in kinds.values()) / (tot_in / 2**20),
-                "kinds": {k: {"rel_err": (a[0] / a[1]) ** 0.5 if a[1] else 0.0, "compression": a[2] / a[3]}
-                          for k, a in kinds.items()},
+                "kinds": {
+                    k: {"rel_err": (a[0] / a[1]) ** 0.5 if a[1] else 0.0, "compression": a[2] / a[3]}
+                    for k, a in kinds.items()
+                },
             }
         return out
 
@@ -122,12 +125,19 @@ def _args(argv):
     from ..recovery import CODECS
 
     p = argparse.ArgumentParser(prog="python -m hilore_actor.bench.codecs", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 (real weights and text), cpu-ref or cpu-small "
-                   "(random weights of the benchmark's shapes), or a path to an HF model dir / config.json")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 (real weights and text), cpu-ref or cpu-small "
+        "(random weights of the benchmark's shapes), or a path to an HF model dir / config.json",
+    )
     p.add_argument("--codecs", default=",".join(sorted(CODECS)), help="comma list (default: every registered codec)")
     p.add_argument("--scopes", default=",".join(SCOPES), help="which units are L in the gradient runs: all, attn, mlp")
-    p.add_argument("--kind-codecs", default="int8,int8-g64,bf16",
-                   help="codecs whose gradient error is also measured per saved-tensor kind (first set; '' = none)")
+    p.add_argument(
+        "--kind-codecs",
+        default="int8,int8-g64,bf16",
+        help="codecs whose gradient error is also measured per saved-tensor kind (first set; '' = none)",
+    )
     p.add_argument("--tokens", type=int, default=1024, help="tokens per packed microbatch")
     p.add_argument("--sets", type=int, default=3, help="disjoint sets of 2 microbatches for the gradient error")
     p.add_argument("--seed", type=int, default=0)
@@ -138,11 +148,15 @@ def _args(argv):
     args.scope_names = [s for s in args.scopes.split(",") if s]
     args.kind_codec_names = [c for c in args.kind_codecs.split(",") if c]
     bad = [c for c in args.codec_names + args.kind_codec_names if c not in CODECS] + [
-        s for s in args.scope_names if s not in SCOPES]
+        s for s in args.scope_names if s not in SCOPES
+    ]
     args.codec_names += [c for c in args.kind_codec_names if c not in args.codec_names]
     if bad or not args.codec_names or args.tokens < 64 or args.sets < 1:
-        p.error(f"unknown codecs/scopes {bad}; choose from {sorted(CODECS)} and {SCOPES}" if bad
-                else "need at least one codec, --tokens >= 64 and --sets >= 1")
+        p.error(
+            f"unknown codecs/scopes {bad}; choose from {sorted(CODECS)} and {SCOPES}"
+            if bad
+            else "need at least one codec, --tokens >= 64 and --sets >= 1"
+        )
     return args
 
 
@@ -166,10 +180,13 @@ def main(argv=None) -> int:
     named = args.model in WORKLOADS or args.model == "smollm2"
     wl = WORKLOADS["cpu-real" if args.model == "smollm2" else args.model if named else "cpu-ref"]
     wl = dataclasses.replace(wl, tokens=args.tokens)
-    ns = argparse.Namespace(updates=args.sets, calib_tokens=None, seed=args.seed, arch=None,
-                            model_config=None if named else args.model)
+    ns = argparse.Namespace(
+        updates=args.sets, calib_tokens=None, seed=args.seed, arch=None, model_config=None if named else args.model
+    )
     if not named and not Path(args.model).exists():
-        print(f"error: --model {args.model!r}: not smollm2, {', '.join(WORKLOADS)}, nor an existing path", file=sys.stderr)
+        print(
+            f"error: --model {args.model!r}: not smollm2, {', '.join(WORKLOADS)}, nor an existing path", file=sys.stderr
+        )
         return 2
     inputs = build_inputs(wl, ns, torch.device("cpu"), 0, log=log)
     codecs = {c: get_codec(c) for c in args.codec_names}
@@ -178,16 +195,31 @@ def main(argv=None) -> int:
     if args.kind_codec_names:
         log(f"[codecs] gradient error per saved-tensor kind ({', '.join(args.kind_codec_names)}), first set")
     for c in args.kind_codec_names:
-        result[c]["kind_grad_rel_err"] = kind_grad_errors(inputs.model, partial(microbatch_loss, chunked_head=True),
-                                                          inputs.updates[0], codecs[c], [k for k, b in saved.items() if b])
+        result[c]["kind_grad_rel_err"] = kind_grad_errors(
+            inputs.model,
+            partial(microbatch_loss, chunked_head=True),
+            inputs.updates[0],
+            codecs[c],
+            [k for k, b in saved.items() if b],
+        )
     runner = head_runners(inputs.model, RecoveryEngine(inputs.model))["chunked"]
     errs = grad_errors(runner, inputs.updates, codecs, args.scope_names, log)
     for c in codecs:
         result[c]["grad_rel_err"] = {s: {"mean": sum(v) / len(v), "max": max(v), "all": v} for s, v in errs[c].items()}
-    head = {"model": args.model, "workload": wl.describe(), "tokens": args.tokens, "sets": args.sets,
-            "microbatches_per_set": wl.microbatches, "inputs": inputs.provenance, "saved_bytes_by_kind": saved,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "git_commit": git[0], "git_dirty": git[1],
-            "command": "python -m hilore_actor.bench.codecs " + shlex.join(argv if argv is not None else sys.argv[1:])}
+    head = {
+        "model": args.model,
+        "workload": wl.describe(),
+        "tokens": args.tokens,
+        "sets": args.sets,
+        "microbatches_per_set": wl.microbatches,
+        "inputs": inputs.provenance,
+        "saved_bytes_by_kind": saved,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "git_commit": git[0],
+        "git_dirty": git[1],
+        "command": "python -m hilore_actor.bench.codecs " + shlex.join(argv if argv is not None else sys.argv[1:]),
+    }
     Path(args.json).write_text(json.dumps({**head, "codecs": result}, indent=1))
     md = markdown(head, result, args.scope_names)
     if args.markdown:
@@ -198,30 +230,56 @@ def main(argv=None) -> int:
 
 def markdown(head: Dict, result: Dict, scopes) -> str:
     kinds = sorted({k for r in result.values() for k in r["kinds"]})
-    lines = [f"# L codecs on {head['model']}", "", f"`{head['command']}`", "",
-             f"Gradient error: relative error of one update's summed gradient ({head['microbatches_per_set']} x "
-             f"{head['tokens']} tokens) against no-gc, mean [max] over {head['sets']} disjoint sets; "
-             "`attn` / `mlp`: only those units L, the rest R.", "",
-             "| codec | bytes ratio | s / MiB | " + " | ".join(f"grad err, {s} L" for s in scopes) + " |",
-             "|---|---|---|" + "---|" * len(scopes)]
+    lines = [
+        f"# L codecs on {head['model']}",
+        "",
+        f"`{head['command']}`",
+        "",
+        f"Gradient error: relative error of one update's summed gradient ({head['microbatches_per_set']} x "
+        f"{head['tokens']} tokens) against no-gc, mean [max] over {head['sets']} disjoint sets; "
+        "`attn` / `mlp`: only those units L, the rest R.",
+        "",
+        "| codec | bytes ratio | s / MiB | " + " | ".join(f"grad err, {s} L" for s in scopes) + " |",
+        "|---|---|---|" + "---|" * len(scopes),
+    ]
     for c, r in result.items():
         g = r["grad_rel_err"]
-        lines.append(f"| {c} | {r['compression']:.2f} | {r['seconds_per_mib']:.4f} | "
-                     + " | ".join(f"{g[s]['mean']:.4f} [{g[s]['max']:.4f}]" for s in scopes) + " |")
+        lines.append(
+            f"| {c} | {r['compression']:.2f} | {r['seconds_per_mib']:.4f} | "
+            + " | ".join(f"{g[s]['mean']:.4f} [{g[s]['max']:.4f}]" for s in scopes)
+            + " |"
+        )
     saved = head["saved_bytes_by_kind"]
     total = sum(saved.values()) or 1
-    lines += ["", "Saved bytes by kind (one forward, parameters excluded): " + ", ".join(
-        f"{k} {v / total:.1%}" for k, v in sorted(saved.items(), key=lambda kv: -kv[1]) if v), ""]
+    lines += [
+        "",
+        "Saved bytes by kind (one forward, parameters excluded): "
+        + ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(saved.items(), key=lambda kv: -kv[1]) if v),
+        "",
+    ]
     studied = {c: r["kind_grad_rel_err"] for c, r in result.items() if "kind_grad_rel_err" in r}
     if studied:
         ks = list(next(iter(studied.values())))
-        lines += ["Gradient error when only one kind is compressed (every layer, first set):", "",
-                  "| codec | " + " | ".join(ks) + " |", "|---|" + "---|" * len(ks)]
+        lines += [
+            "Gradient error when only one kind is compressed (every layer, first set):",
+            "",
+            "| codec | " + " | ".join(ks) + " |",
+            "|---|" + "---|" * len(ks),
+        ]
         lines += [f"| {c} | " + " | ".join(f"{e[k]:.4f}" for k in ks) + " |" for c, e in studied.items()]
-    lines += ["", "Reconstruction error by tensor kind (all layers):", "",
-              "| codec | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    lines += [
+        "",
+        "Reconstruction error by tensor kind (all layers):",
+        "",
+        "| codec | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
     for c, r in result.items():
-        lines.append(f"| {c} | " + " | ".join(f"{r['kinds'][k]['rel_err']:.4f}" if k in r["kinds"] else "-" for k in kinds) + " |")
+        lines.append(
+            f"| {c} | "
+            + " | ".join(f"{r['kinds'][k]['rel_err']:.4f}" if k in r["kinds"] else "-" for k in kinds)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

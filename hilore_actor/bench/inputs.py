@@ -4,6 +4,7 @@ Random-weight workloads replay synthetic GRPO microbatches (``hilore_actor.workl
 real-model workload builds them from real text (``rollout.real_batches``). Either way LoRA B starts
 away from zero (``Workload.lora_b_std``), so ``lora_A`` has gradients and their error counts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,16 +61,28 @@ def build_inputs(wl: Workload, args, device, n_calib: int, log=print) -> BenchIn
         from ..rollout.real_batches import real_microbatches
 
         sizes = [wl.tokens] * (n_upd + 2) + [calib_tokens] * n_calib
-        mbs, real = real_microbatches(model, tokenizer, sizes, wl.group_size, args.seed, loss_opts,
-                                      n_described=n_upd + 2, log=log)
+        mbs, real = real_microbatches(
+            model, tokenizer, sizes, wl.group_size, args.seed, loss_opts, n_described=n_upd + 2, log=log
+        )
         prov.update(real)
-        calib = mbs[n_upd + 2:]
+        calib = mbs[n_upd + 2 :]
     else:
-        mbs = replayed_microbatches(model, n_upd + 2, wl.tokens, group_size=wl.group_size, prompt_frac=wl.prompt_frac,
-                                    seed=args.seed, loss_options=loss_opts)
-        calib = replayed_microbatches(model, n_calib, calib_tokens, seed=args.seed + 1, loss_options=loss_opts) if n_calib else []
+        mbs = replayed_microbatches(
+            model,
+            n_upd + 2,
+            wl.tokens,
+            group_size=wl.group_size,
+            prompt_frac=wl.prompt_frac,
+            seed=args.seed,
+            loss_options=loss_opts,
+        )
+        calib = (
+            replayed_microbatches(model, n_calib, calib_tokens, seed=args.seed + 1, loss_options=loss_opts)
+            if n_calib
+            else []
+        )
         prov["inputs"] = "replayed: random token ids, perturbed old/ref log-probs (hilore_actor.workloads)"
-    updates = [mbs[i * wl.microbatches:(i + 1) * wl.microbatches] for i in range(args.updates)]
+    updates = [mbs[i * wl.microbatches : (i + 1) * wl.microbatches] for i in range(args.updates)]
     # real rows: the update rows come first, then dev; the first row took the real optimizer step,
     # which is fine: its old log-probs still come from before that step
-    return BenchInputs(model, updates, mbs[n_upd:n_upd + 2], calib, prov)
+    return BenchInputs(model, updates, mbs[n_upd : n_upd + 2], calib, prov)

@@ -22,6 +22,7 @@ one repeat of one piece, so pooling keeps every ratio paired. Each piece plans H
 so the pooled speed includes the planning's variation: every piece's plan is kept
 (``plans_by_piece``) and ``plans_differ`` says whether they differ.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,19 @@ from typing import Dict, List, Tuple
 from . import report
 from .records import add_gap_recovered
 
-MUST_MATCH = ("workload", "head", "budget_from", "budget_scope", "budget_base_bytes", "budget_offset_bytes", "codec",
-              "updates", "inputs", "torch", "device")
+MUST_MATCH = (
+    "workload",
+    "head",
+    "budget_from",
+    "budget_scope",
+    "budget_base_bytes",
+    "budget_offset_bytes",
+    "codec",
+    "updates",
+    "inputs",
+    "torch",
+    "device",
+)
 POOL_KEYS = ("groups", "mean_reward")  # rollout_pool's size: see the module docstring
 
 
@@ -61,8 +73,11 @@ def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
             if key in chosen:
                 if r["method"] == "gc":
                     continue
-                print(f"[merge] {r['method']} @ {r.get('budget_ratio')} is in {chosen[key]['piece']} and {name}; "
-                      f"kept {name}", file=sys.stderr)
+                print(
+                    f"[merge] {r['method']} @ {r.get('budget_ratio')} is in {chosen[key]['piece']} and {name}; "
+                    f"kept {name}",
+                    file=sys.stderr,
+                )
             chosen[key] = dict(r, piece=name)
     records = list(chosen.values())
     for r in records:
@@ -70,8 +85,16 @@ def merge(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
     add_gap_recovered(records)
     header = {k: v for k, v in first.items() if k != "records"}
     header["budgets"] = sorted({b for _, d in pieces for b in d["budgets"]})
-    header["pieces"] = [{"name": n, "command": d["command"], "git_commit": d.get("git_commit"), "repeats": d["repeats"],
-                         "phases": d.get("phases")} for n, d in pieces]
+    header["pieces"] = [
+        {
+            "name": n,
+            "command": d["command"],
+            "git_commit": d.get("git_commit"),
+            "repeats": d["repeats"],
+            "phases": d.get("phases"),
+        }
+        for n, d in pieces
+    ]
     header.pop("phases", None)  # each piece keeps its own
     header["command"] = " ; ".join(d["command"] for _, d in pieces)
     return header, records
@@ -108,8 +131,16 @@ def pool(pieces: List[Tuple[str, Dict]]) -> Tuple[Dict, List[Dict]]:
     for r in records:
         r.pop("gap_recovered", None)
     add_gap_recovered(records)
-    header["pieces"] = [{"name": n, "command": d["command"], "git_commit": d.get("git_commit"), "repeats": d["repeats"],
-                         "phases": d.get("phases")} for n, d in pieces]
+    header["pieces"] = [
+        {
+            "name": n,
+            "command": d["command"],
+            "git_commit": d.get("git_commit"),
+            "repeats": d["repeats"],
+            "phases": d.get("phases"),
+        }
+        for n, d in pieces
+    ]
     header["repeats"] = sum(d["repeats"] for _, d in pieces)
     header["pooled"] = True
     return header, records
@@ -121,7 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None)
     p.add_argument("--markdown", default=None)
-    p.add_argument("--pool", action="store_true", help="the pieces are repeats of one run: pool each method's paired times")
+    p.add_argument(
+        "--pool", action="store_true", help="the pieces are repeats of one run: pool each method's paired times"
+    )
     args = p.parse_args(argv)
     try:
         pieces = [(Path(x).name, json.loads(Path(x).read_text())) for x in args.pieces]
@@ -133,8 +166,12 @@ def main(argv=None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(report.markdown(records, header))
     if args.plot:
-        report.plot(args.plot, records, header["budgets"],
-                    f"{header['workload']['name']}: throughput vs peak ({header['budget_scope']} scope), relative to gc")
+        report.plot(
+            args.plot,
+            records,
+            header["budgets"],
+            f"{header['workload']['name']}: throughput vs peak ({header['budget_scope']} scope), relative to gc",
+        )
     print(report.table(records))
     return 0
 

@@ -10,6 +10,7 @@ forwards are compiled (``recovery.compiled``): inductor's fused kernels under th
 engine. Every ``+compile`` method shares that one copy; HiLoRe plans on it, so it profiles
 compiled units. gc+compile is layer checkpointing around the compiled units.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,8 +23,7 @@ import torch
 from ..allocation import Calibration, HiLoRe
 from ..recovery import apply_baseline
 from ..recovery.policies import ENGINE_POLICIES
-from .peers import (PeerUnavailable, compiled_runner, decoder_layers, enable_sac, tune_compile_budget,
-                    tune_sac_layers)
+from .peers import PeerUnavailable, compiled_runner, decoder_layers, enable_sac, tune_compile_budget, tune_sac_layers
 from .scope import UpdatePeaks, make_optimizer, update_peaks
 from .timing import AA
 
@@ -31,9 +31,14 @@ from .timing import AA
 # (P, and token L keeping 10% or 25% of an MLP unit's rows exact); ``hilore-coarse``
 # is H/L/R per whole unit; ``-p``: P offered, no token L.
 TOKEN_ROWS = (0.1, 0.25)
-VARIANTS = {"hilore-hr": ("hilore-hr", False, ()), "hilore-static": ("hilore-static", False, ()),
-            "hilore-coarse": ("hilore", False, ()), "hilore": ("hilore", True, TOKEN_ROWS),
-            "hilore-hr-p": ("hilore-hr", True, ()), "hilore-p": ("hilore", True, ())}
+VARIANTS = {
+    "hilore-hr": ("hilore-hr", False, ()),
+    "hilore-static": ("hilore-static", False, ()),
+    "hilore-coarse": ("hilore", False, ()),
+    "hilore": ("hilore", True, TOKEN_ROWS),
+    "hilore-hr-p": ("hilore-hr", True, ()),
+    "hilore-p": ("hilore", True, ()),
+}
 OURS = tuple(VARIANTS)
 PEERS = ("sac", "sac-budget", "compile-budget", "compile-fp8")
 BUDGETED = OURS + ("sac-budget", "compile-budget")
@@ -50,7 +55,10 @@ def head_runners(model, engine) -> Dict[str, object]:
     from ..allocation import Runner
     from ..grpo.microbatch import microbatch_loss
 
-    return {"full": Runner(model, engine), "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, chunked_head=True))}
+    return {
+        "full": Runner(model, engine),
+        "chunked": Runner(model, engine, loss_fn=partial(microbatch_loss, chunked_head=True)),
+    }
 
 
 def split_name(name: str):
@@ -102,8 +110,9 @@ class MethodContext:
 class Method:
     """``run(mb, **kw)`` executes one microbatch through the method's runner."""
 
-    def __init__(self, name: str, budget_ratio: Optional[float], head: str, runner, run: Callable,
-                 setup=None, teardown=None):
+    def __init__(
+        self, name: str, budget_ratio: Optional[float], head: str, runner, run: Callable, setup=None, teardown=None
+    ):
         self.name, self.budget_ratio, self.head = name, budget_ratio, head
         self.runner = runner  # its model and trainable parameters (a compiled peer's private copy)
         self._run, self._setup, self._teardown = run, setup, teardown
@@ -111,7 +120,9 @@ class Method:
         self.hilore: Optional[HiLoRe] = None
         self.extra: Dict = {}
         self.isolated = False  # compiled peers: timed in their own phase (see peers.compiled_runner)
-        self.compiled = False  # torch.compile runs inside (a compiled peer or a +compile method): warm up on every update
+        self.compiled = (
+            False  # torch.compile runs inside (a compiled peer or a +compile method): warm up on every update
+        )
         self.rebuild: Optional[Callable[[], None]] = None  # recompiles an isolated peer before its phase
         self._optimizer = self._optimizer_model = None
 
@@ -160,28 +171,53 @@ def make_method(name: str, budget_ratio: Optional[float], ctx: MethodContext) ->
         policy = "gc" if base == AA else base  # gc-aa: a second gc, the A/A floor (``timing``)
         return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, policy, **kw))
     if base == "sac":
-        return Method(name, None, head, runner, lambda mb, **kw: runner.run(mb, "as-is", **kw),
-                      setup=lambda: enable_sac(model), teardown=lambda: apply_baseline(model, "no-gc"))
+        return Method(
+            name,
+            None,
+            head,
+            runner,
+            lambda mb, **kw: runner.run(mb, "as-is", **kw),
+            setup=lambda: enable_sac(model),
+            teardown=lambda: apply_baseline(model, "no-gc"),
+        )
     if base == "sac-budget":
         return _sac_budget(name, budget_ratio, head, runner, ctx)
     if base in OURS:
         cache = ctx.costs_cache.setdefault(id(runner), {})  # unit costs differ with the head
         mode, partial, rows = VARIANTS[base]
-        h = HiLoRe(runner, ctx.budget.room(budget_ratio), ctx.calibration, mode=mode, costs_cache=cache, loo=ctx.loo,
-                   partial=partial, token_rows=rows, log=ctx.log)
+        h = HiLoRe(
+            runner,
+            ctx.budget.room(budget_ratio),
+            ctx.calibration,
+            mode=mode,
+            costs_cache=cache,
+            loo=ctx.loo,
+            partial=partial,
+            token_rows=rows,
+            log=ctx.log,
+        )
         m = Method(name, budget_ratio, head, runner, lambda mb, **kw: h.run(mb, **kw))
         m.hilore = h
         return m
     if base == "compile-fp8":
         return _compiled(name, None, head, runner, ctx, 1.0, fp8=True)
     if base == "compile-budget":
-        value, tried = tune_compile_budget(runner, head, ctx.budget.room(budget_ratio), ctx.dev, ctx.bisect_steps, ctx.log,
-                                           cache=ctx.compile_peaks.setdefault(head, {}))
+        value, tried = tune_compile_budget(
+            runner,
+            head,
+            ctx.budget.room(budget_ratio),
+            ctx.dev,
+            ctx.bisect_steps,
+            ctx.log,
+            cache=ctx.compile_peaks.setdefault(head, {}),
+        )
         m = _compiled(name, budget_ratio, head, runner, ctx, value)
         m.extra = {"activation_memory_budget": value, "tried": {f"{k:.4f}": v for k, v in sorted(tried.items())}}
         return m
-    raise ValueError(f"unknown method {name!r}; known: no-gc, gc, {AA}, {', '.join(ENGINE_POLICIES)}, {', '.join(PEERS)}, "
-                     f"{', '.join(OURS)}, each optionally with the suffix {FULL}")
+    raise ValueError(
+        f"unknown method {name!r}; known: no-gc, gc, {AA}, {', '.join(ENGINE_POLICIES)}, {', '.join(PEERS)}, "
+        f"{', '.join(OURS)}, each optionally with the suffix {FULL}"
+    )
 
 
 def _sac_budget(name, budget_ratio, head, runner, ctx) -> Method:
@@ -196,8 +232,15 @@ def _sac_budget(name, budget_ratio, head, runner, ctx) -> Method:
             apply_baseline(model, "no-gc")
 
     layers, tried = tune_sac_layers(measure, n_layers, ctx.budget.room(budget_ratio), ctx.log)
-    m = Method(name, budget_ratio, head, runner, lambda mb, **kw: runner.run(mb, "as-is", **kw),
-               setup=lambda: enable_sac(model, layers), teardown=lambda: apply_baseline(model, "no-gc"))
+    m = Method(
+        name,
+        budget_ratio,
+        head,
+        runner,
+        lambda mb, **kw: runner.run(mb, "as-is", **kw),
+        setup=lambda: enable_sac(model, layers),
+        teardown=lambda: apply_baseline(model, "no-gc"),
+    )
     m.extra = {"sac_layers": layers, "tried": tried}
     return m
 
@@ -218,15 +261,19 @@ def _on_compiled_units(name: str, budget_ratio: Optional[float], ctx: MethodCont
     if ctx.compiled_units is None:
         model = runner.engine.unhooked_copy()  # the copy gets its own engine, and its layers their regions
         engine = RecoveryEngine(model, codec=runner.engine.codec.name)
-        n = compile_units(engine, activation_budget=ctx.compile_activation_budget, layer_regions=ctx.compile_layer_regions)
+        n = compile_units(
+            engine, activation_budget=ctx.compile_activation_budget, layer_regions=ctx.compile_layer_regions
+        )
         twin = Runner(model, engine, loss_fn=runner.loss_fn)
         try:
             for policy in ("all-r", "no-gc"):  # the grad-mode graphs both paths use (R replays under grad)
                 twin.run(ctx.dev[0], policy)
         except Exception as e:  # noqa: BLE001 - report whatever stops compilation
             raise PeerUnavailable(f"compiling the recovery units failed: {e}") from None
-        ctx.log(f"[bench] compiled {n} unit modules{' and layers' if ctx.compile_layer_regions else ''} on a copy of the model "
-                f"(activation_memory_budget {ctx.compile_activation_budget} per unit graph)")
+        ctx.log(
+            f"[bench] compiled {n} unit modules{' and layers' if ctx.compile_layer_regions else ''} on a copy of the model "
+            f"(activation_memory_budget {ctx.compile_activation_budget} per unit graph)"
+        )
         ctx.compiled_units = dataclasses.replace(ctx, runners={ctx.head: twin}, costs_cache={}, compile_peaks={})
     m = make_method(base, budget_ratio, ctx.compiled_units)
     m.name, m.compiled = name, True

@@ -9,6 +9,7 @@ temporary file that then replaces the result, so a kill never leaves half a JSON
 SIGTERM (``stop_on_sigterm``) the run stops where it is, writes why and exits with status
 143.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ class Stopped(BaseException):
 @contextmanager
 def stop_on_sigterm():
     """SIGTERM raises ``Stopped`` inside the block; the previous handler comes back after."""
+
     def handler(signum, frame):
         raise Stopped(f"signal {signal.Signals(signum).name}")
 
@@ -57,8 +59,14 @@ class Progress:
 
     def __init__(self, path: Optional[str], command: str, workload: str):
         self.path = path
-        self.doc: Dict = {"partial": {"stage": "starting", "done": [], "stopped": None}, "command": command,
-                          "workload": {"name": workload}, "prepared": [], "phases": [], "records": []}
+        self.doc: Dict = {
+            "partial": {"stage": "starting", "done": [], "stopped": None},
+            "command": command,
+            "workload": {"name": workload},
+            "prepared": [],
+            "phases": [],
+            "records": [],
+        }
         self.write()
 
     def write(self) -> None:

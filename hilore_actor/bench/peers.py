@@ -15,6 +15,7 @@ Compiled peers honour the runner's loss function, so the head: with the chunked 
 decoder is compiled and the chunked head runs eagerly on its output, as it does for HiLoRe.
 Anything that cannot run here raises ``PeerUnavailable`` with the reason.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -32,8 +33,12 @@ def _sac_policy():
 
     aten = torch.ops.aten
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ):
         if hasattr(aten, name):
             save.add(getattr(aten, name).default)
 
@@ -54,7 +59,9 @@ def enable_sac(model, layers: Optional[Sequence[int]] = None) -> None:
     from ..recovery import apply_baseline
 
     apply_baseline(model, "gc")
-    sac = partial(checkpoint, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _sac_policy()))
+    sac = partial(
+        checkpoint, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _sac_policy())
+    )
     chosen = set(range(len(decoder_layers(model)))) if layers is None else set(layers)
     for i, layer in enumerate(decoder_layers(model)):
         if i in chosen:
@@ -81,6 +88,7 @@ def tune_sac_layers(measure: Callable[[List[int]], int], n_layers: int, room: in
     count = int((room - p0) // per_layer)
     if count < 1:
         return [], tried
+
     def fits(k: int) -> bool:
         layers = every_kth(n_layers, k)
         tried[f"k={k} ({len(layers)} layers)"] = peak = measure(layers)
@@ -130,7 +138,9 @@ def compiled_runner(runner, budget: float = 1.0, fp8: bool = False, head: str = 
     fusion = dict(iconf.post_grad_fusion_options)
     if fp8:
         fusion["activation_quantization_aten_pass"] = {
-            "allowed_dtypes": "torch.float32;torch.bfloat16", "size_in_mb": 1, "quant_type": "torch.float8_e5m2",
+            "allowed_dtypes": "torch.float32;torch.bfloat16",
+            "size_in_mb": 1,
+            "quant_type": "torch.float8_e5m2",
         }
     torch._dynamo.reset()  # compiled graphs do not key on these settings: start clean
     # the peer compiles the model alone: no hooks of HiLoRe's engine traced into its graph
@@ -159,9 +169,16 @@ def compiled_peak(runner, budget: float, head: str, dev) -> Tuple[object, int]:
     return r, max(r.run(mb, "as-is", measure_peak=True).peak_bytes for mb in dev)
 
 
-def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log,
-                        cache: Optional[Dict[float, int]] = None,
-                        grid: Sequence[float] = (1.0, 0.75, 0.5, 0.25, 0.0)) -> Tuple[float, Dict[float, int]]:
+def tune_compile_budget(
+    runner,
+    head: str,
+    room: int,
+    dev,
+    steps: int,
+    log,
+    cache: Optional[Dict[float, int]] = None,
+    grid: Sequence[float] = (1.0, 0.75, 0.5, 0.25, 0.0),
+) -> Tuple[float, Dict[float, int]]:
     """The largest ``activation_memory_budget`` in [0, 1] whose in-microbatch peak on every
     development microbatch fits ``room``; every value tried. The peak is not monotone in the
     value (on CPU inductor, 0 peaked above 1 on cpu-small and cpu-ref: the backward graph
@@ -184,8 +201,10 @@ def tune_compile_budget(runner, head: str, room: int, dev, steps: int, log,
             break
         hi = b
     else:
-        raise PeerUnavailable(f"no activation_memory_budget in {list(grid)} fits the room of {room} B "
-                              f"(peaks {[tried[b] for b in grid]} B)")
+        raise PeerUnavailable(
+            f"no activation_memory_budget in {list(grid)} fits the room of {room} B "
+            f"(peaks {[tried[b] for b in grid]} B)"
+        )
     lo = b
     if hi is None:
         return lo, tried

@@ -15,6 +15,7 @@ A comparison of HiLoRe with a peer is printed as a ratio only when one phase tim
 (``report.paired``); peers measured in other pieces or phases stand beside it with their own
 speed over their own gc, marked "not paired".
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,11 @@ from . import results_studies
 from .results_runs import CURRENT_PLANNER, EXACT_PEERS, HEADLINE, HOOKED_COMPILE_BUDGET, HOOKED_NOTE, RUNS
 from .stats import bootstrap_ci, log_spread, repeats_to_resolve, resolvable_difference
 
-MIB = 2 ** 20
-BEGIN, END = "<!-- results:headline (generated: python -m hilore_actor.bench.report --results ...) -->", \
-    "<!-- /results:headline -->"
+MIB = 2**20
+BEGIN, END = (
+    "<!-- results:headline (generated: python -m hilore_actor.bench.report --results ...) -->",
+    "<!-- /results:headline -->",
+)
 
 
 def load(results: Path, name: str) -> Optional[Dict]:
@@ -69,12 +72,16 @@ def floor_of(data: Dict, r: Dict) -> Dict:
 
 
 def floor_cell(f: Dict) -> str:
-    return interval(f["median"], f["ci"]) + (" (adjacent)" if f["kind"] == "adjacent" and f["median"] is not None else "")
+    return interval(f["median"], f["ci"]) + (
+        " (adjacent)" if f["kind"] == "adjacent" and f["median"] is not None else ""
+    )
 
 
 def over_peer(data: Dict, peer: Dict, b: float) -> str:
     """HiLoRe over ``peer`` at ``b`` when one phase timed both, else "not paired"."""
-    s = paired(data, f"hilore@{b:.2f}", peer["method"] if peer.get("budget_ratio") is None else f"{peer['method']}@{b:.2f}")
+    s = paired(
+        data, f"hilore@{b:.2f}", peer["method"] if peer.get("budget_ratio") is None else f"{peer['method']}@{b:.2f}"
+    )
     return f"hilore / it {interval(s['speed_over_gc'], s.get('speed_ci95'))}, paired" if s else "not paired"
 
 
@@ -101,8 +108,14 @@ def fits(r: Dict, b: float) -> bool:
 
 def fastest_peer(records: List[Dict], b: float) -> Optional[Dict]:
     """The fastest exact peer whose measured peak fits B (gc, budgeted at ``b``, or unbudgeted)."""
-    ok = [r for r in records if r["method"] in EXACT_PEERS and r.get("speed_over_gc") is not None
-          and r.get("budget_ratio") in (None, b) and fits(r, b)]
+    ok = [
+        r
+        for r in records
+        if r["method"] in EXACT_PEERS
+        and r.get("speed_over_gc") is not None
+        and r.get("budget_ratio") in (None, b)
+        and fits(r, b)
+    ]
     return max(ok, key=lambda r: r["speed_over_gc"], default=None)
 
 
@@ -117,7 +130,7 @@ def option_key(label: str) -> str:
     """A plan label's option in a unit's record: ``compressed:bf16@0.1`` -> ``L:bf16@0.1``."""
     for plan, key in OPTION.items():
         if label.startswith(plan):
-            return key + label[len(plan):]
+            return key + label[len(plan) :]
     return label
 
 
@@ -127,7 +140,7 @@ def plan_cell(r: Dict, codec: str = "") -> str:
         return "-"
     c = plan_counts(r["plan"])
     core = sum(v == "partial:core" for v in r["plan"].values())
-    kinds = Counter(v[len("compressed"):].lstrip(":") or "" for v in r["plan"].values() if v.startswith("compressed"))
+    kinds = Counter(v[len("compressed") :].lstrip(":") or "" for v in r["plan"].values() if v.startswith("compressed"))
     split = ", ".join(f"{n} {(k if not k.startswith('@') else codec + k) or codec}" for k, n in sorted(kinds.items()))
     p = f"{c['partial']} P" + (f" ({core} core)" if core else "")
     return f"{c['exact']} H, {c['compressed']} L{f' ({split})' if split and codec else ''}, {p}, {c['checkpoint']} R"
@@ -144,27 +157,35 @@ def profiled_saving(r: Dict) -> Optional[float]:
 def over_tolerance(r: Dict, tol: float = 0.015) -> str:
     errs = r.get("grad_rel_err_all") or []
     bad = [e for e in errs if e is not None and e > tol]
-    return f"error over {tol} on {len(bad)} of {len(errs)} updates ({', '.join(f'{e:.4f}' for e in errs)})" if bad else ""
+    return (
+        f"error over {tol} on {len(bad)} of {len(errs)} updates ({', '.join(f'{e:.4f}' for e in errs)})" if bad else ""
+    )
 
 
 # ---- one result --------------------------------------------------------------------------
 def _pieces(data: Dict, name: str) -> List[str]:
-    pieces = data.get("pieces") or [{"name": f"{name}.json", "command": data["command"],
-                                     "git_commit": data["git_commit"]}]
+    pieces = data.get("pieces") or [
+        {"name": f"{name}.json", "command": data["command"], "git_commit": data["git_commit"]}
+    ]
     out = ["| piece | methods | commit | gc median s |", "|---|---|---|---|"]
     for p in pieces:
         piece = p["name"] if data.get("pieces") else None
         methods = sorted({r["method"] for r in data["records"] if r.get("piece") == piece})
         times = gc_times(data, piece)
-        out.append(f"| `{p['name']}` | {', '.join(methods)} | {p['git_commit'][:7]} | "
-                   f"{fmt(statistics.median(times) if times else None, '.1f')} |")
+        out.append(
+            f"| `{p['name']}` | {', '.join(methods)} | {p['git_commit'][:7]} | "
+            f"{fmt(statistics.median(times) if times else None, '.1f')} |"
+        )
     out += ["", "Commands:", ""] + [f"- `{p['command']}`" for p in pieces]
     return out
 
 
 def _table(data: Dict) -> List[str]:
-    out = ["| method | B | speed x gc [95% CI] | A/A floor [95% CI] | above floor | recompute removed | "
-           "peak / B1 | grad err mean / max | plan | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| method | B | speed x gc [95% CI] | A/A floor [95% CI] | above floor | recompute removed | "
+        "peak / B1 | grad err mean / max | plan | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(data["records"], key=lambda r: (r.get("budget_ratio") is None, r.get("budget_ratio") or 0)):
         b = fmt(r.get("budget_ratio"), ".2f")
         if r.get("unavailable"):
@@ -177,7 +198,8 @@ def _table(data: Dict) -> List[str]:
             f"{floor_cell(floor)} | {'-' if ab is None else ('yes' if ab else 'no')} | "
             f"{fmt(r.get('gap_recovered'), '.0%')} | {r['peak_over_gc']:.3f} | "
             f"{fmt(r.get('grad_rel_err_mean'), '.4f')} / {fmt(r.get('grad_rel_err_max'), '.4f')} | "
-            f"{plan_cell(r, first_codec(data))} | {', '.join(x for x in (_note(r), over_tolerance(r)) if x)} |")
+            f"{plan_cell(r, first_codec(data))} | {', '.join(x for x in (_note(r), over_tolerance(r)) if x)} |"
+        )
     return out
 
 
@@ -190,25 +212,33 @@ def _observations(data: Dict) -> List[str]:
     for b in data["budgets"]:
         peer, h = fastest_peer(recs, b), find(recs, "hilore", b)
         if peer:
-            out.append(f"- At {b:.2f}: the fastest exact peer that fits is `{peer['method']}`, "
-                       f"{interval(peer['speed_over_gc'], peer.get('speed_ci95'))} x gc"
-                       + (f" ({over_peer(data, peer, b)})" if peer["method"] != "gc" and h else "") + ".")
+            out.append(
+                f"- At {b:.2f}: the fastest exact peer that fits is `{peer['method']}`, "
+                f"{interval(peer['speed_over_gc'], peer.get('speed_ci95'))} x gc"
+                + (f" ({over_peer(data, peer, b)})" if peer["method"] != "gc" and h else "")
+                + "."
+            )
         if h and h.get("speed_over_gc") is not None:
             floor = floor_of(data, h)
             verdict = {True: "above", False: "not above", None: "not comparable with"}[above(h, floor)]
             val = (h.get("validation") or {}).get("peak_over_budget")
-            out.append(f"- At {b:.2f}: `hilore` {interval(h['speed_over_gc'], h.get('speed_ci95'))} x gc is {verdict} "
-                       f"its phase's A/A floor {floor_cell(floor)}; plan {plan_cell(h, first_codec(data))}"
-                       + (f", {profiled_saving(h):.2f} s saved per microbatch by profile" if profiled_saving(h) else "")
-                       + (f", validated at {val:.3f} of B" if val else "") + ".")
+            out.append(
+                f"- At {b:.2f}: `hilore` {interval(h['speed_over_gc'], h.get('speed_ci95'))} x gc is {verdict} "
+                f"its phase's A/A floor {floor_cell(floor)}; plan {plan_cell(h, first_codec(data))}"
+                + (f", {profiled_saving(h):.2f} s saved per microbatch by profile" if profiled_saving(h) else "")
+                + (f", validated at {val:.3f} of B" if val else "")
+                + "."
+            )
             out += _power(data, h, b)
     hl = [r for r in recs if "plan" in r]
     if hl:
         within = all(r.get("fits_budget") is True for r in hl)
         worst = max(hl, key=lambda r: r.get("grad_rel_err_mean") or 0)
-        out.append(f"- HiLoRe records within B on every measured microbatch: {'all' if within else 'not all'}; largest "
-                   f"mean gradient error {fmt(worst.get('grad_rel_err_mean'), '.4f')} (`{worst['method']}` at "
-                   f"{fmt(worst.get('budget_ratio'), '.2f')}).")
+        out.append(
+            f"- HiLoRe records within B on every measured microbatch: {'all' if within else 'not all'}; largest "
+            f"mean gradient error {fmt(worst.get('grad_rel_err_mean'), '.4f')} (`{worst['method']}` at "
+            f"{fmt(worst.get('budget_ratio'), '.2f')})."
+        )
     return out
 
 
@@ -220,14 +250,20 @@ def _power(data: Dict, h: Dict, b: float, d: float = 0.03) -> List[str]:
         return []
     n = len(h["over_aa_ratios"])
     pieces = f" from {len(data['pieces'])} pieces" if data.get("pooled") else ""
-    return [f"- At {b:.2f}: `hilore` x gc by median of paired ratios {fmt(h.get('speed_over_gc'))}, geometric mean "
-            f"{interval(h.get('speed_geomean'), h.get('speed_geomean_ci95'))}, total-time ratio "
-            f"{fmt(h.get('speed_total_ratio'))}; over gc-aa {interval(h.get('over_aa_over_gc'), h.get('over_aa_ci95'))}. "
-            f"Power: {n} paired repeats{pieces}, log spread over gc-aa {sd:.4f}: they resolve a "
-            f"{resolvable_difference(sd, n):.1%} difference (5% two-sided, 80% power); {d:.0%} needs "
-            f"{repeats_to_resolve(sd, d)}."
-            + (f" Plans by piece: {'; '.join(plan_cell({'plan': p}) for p in h['plans_by_piece'])}"
-               f" ({_plans_differ(h['plans_by_piece'])})." if h.get("plans_by_piece") else "")]
+    return [
+        f"- At {b:.2f}: `hilore` x gc by median of paired ratios {fmt(h.get('speed_over_gc'))}, geometric mean "
+        f"{interval(h.get('speed_geomean'), h.get('speed_geomean_ci95'))}, total-time ratio "
+        f"{fmt(h.get('speed_total_ratio'))}; over gc-aa {interval(h.get('over_aa_over_gc'), h.get('over_aa_ci95'))}. "
+        f"Power: {n} paired repeats{pieces}, log spread over gc-aa {sd:.4f}: they resolve a "
+        f"{resolvable_difference(sd, n):.1%} difference (5% two-sided, 80% power); {d:.0%} needs "
+        f"{repeats_to_resolve(sd, d)}."
+        + (
+            f" Plans by piece: {'; '.join(plan_cell({'plan': p}) for p in h['plans_by_piece'])}"
+            f" ({_plans_differ(h['plans_by_piece'])})."
+            if h.get("plans_by_piece")
+            else ""
+        )
+    ]
 
 
 def _plans_differ(plans: List[Dict]) -> str:
@@ -248,24 +284,43 @@ def _loo(data: Dict) -> bool:
 def _workload(data: Dict) -> str:
     w = data["workload"]
     resident = data.get("budget_offset_bytes") or 0
-    return (f"Workload `{w['name']}` ({w.get('note') or w.get('arch')}): {w['microbatches']} microbatches of "
-            f"{w['tokens']} tokens per update, LoRA r{w['lora_rank']}, {w['dtype']}, {data['device']}, torch "
-            f"{data['torch']}, {data['threads']} threads; {data['repeats']} interleaved repeats of {data['updates']} "
-            f"updates; calibration {data.get('calib')} x {data.get('calib_tokens')} tokens, codecs `{data.get('codec')}`, "
-            f"leave-one-out {'on' if _loo(data) else 'off'}; "
-            + (f"resident bytes in B (weights, gradients, AdamW state) {resident / MIB:.1f} MiB."
-               if data["budget_scope"] == "device" else "B counts no resident bytes (activation scope)."))
+    return (
+        f"Workload `{w['name']}` ({w.get('note') or w.get('arch')}): {w['microbatches']} microbatches of "
+        f"{w['tokens']} tokens per update, LoRA r{w['lora_rank']}, {w['dtype']}, {data['device']}, torch "
+        f"{data['torch']}, {data['threads']} threads; {data['repeats']} interleaved repeats of {data['updates']} "
+        f"updates; calibration {data.get('calib')} x {data.get('calib_tokens')} tokens, codecs `{data.get('codec')}`, "
+        f"leave-one-out {'on' if _loo(data) else 'off'}; "
+        + (
+            f"resident bytes in B (weights, gradients, AdamW state) {resident / MIB:.1f} MiB."
+            if data["budget_scope"] == "device"
+            else "B counts no resident bytes (activation scope)."
+        )
+    )
 
 
 def run_section(run, data: Dict) -> str:
     merged = bool(data.get("pieces"))
     last = "pool" if data.get("pooled") else "merge"
-    cmd = (" ".join(f"{run.name}:{i + 1}" for i in range(len(data["pieces"]))) + f" {run.name}:{last}") if merged \
+    cmd = (
+        (" ".join(f"{run.name}:{i + 1}" for i in range(len(data["pieces"]))) + f" {run.name}:{last}")
+        if merged
         else run.name
-    out = [f"## {run.title} (`{run.name}`)", "", run.about, "",
-           f"Run: `bash benchmarks/v2.sh {cmd}`; raw times, peaks and per-unit plans: "
-           f"`benchmarks/results/{run.name}.json` (and `.md`, `.png`).", "",
-           run.stale or CURRENT_PLANNER, "", _workload(data), "", definitions(data), ""]
+    )
+    out = [
+        f"## {run.title} (`{run.name}`)",
+        "",
+        run.about,
+        "",
+        f"Run: `bash benchmarks/v2.sh {cmd}`; raw times, peaks and per-unit plans: "
+        f"`benchmarks/results/{run.name}.json` (and `.md`, `.png`).",
+        "",
+        run.stale or CURRENT_PLANNER,
+        "",
+        _workload(data),
+        "",
+        definitions(data),
+        "",
+    ]
     out += _table(data) + [""] + _observations(data) + [""]
     notes = run.notes + ([HOOKED_NOTE] if run.name in HOOKED_COMPILE_BUDGET else [])
     out += [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -278,8 +333,11 @@ def run_section(run, data: Dict) -> str:
 
 # ---- the headline ------------------------------------------------------------------------
 def headline(results: Path) -> str:
-    out = ["| result | B | hilore x gc [95% CI] | A/A floor [95% CI] | above floor | recompute removed | "
-           "peak / B1 | grad err mean | fastest exact peer that fits |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| result | B | hilore x gc [95% CI] | A/A floor [95% CI] | above floor | recompute removed | "
+        "peak / B1 | grad err mean | fastest exact peer that fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, method, b in HEADLINE:
         data = load(results, name)
         r = data and find(data["records"], method, b)
@@ -293,43 +351,62 @@ def headline(results: Path) -> str:
             f"| `{name}` | {b:.2f} x {data['budget_from']} ({data['budget_scope']}) | "
             f"{interval(r['speed_over_gc'], r.get('speed_ci95'))} | {floor_cell(floor)} | "
             f"{'-' if ab is None else ('yes' if ab else 'no')} | {fmt(r.get('gap_recovered'), '.0%')} | "
-            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | {peer_cell(data, r, peer, b, name in HOOKED_COMPILE_BUDGET)} |")
+            f"{r['peak_over_gc']:.3f} | {fmt(r.get('grad_rel_err_mean'), '.4f')} | {peer_cell(data, r, peer, b, name in HOOKED_COMPILE_BUDGET)} |"
+        )
     return "\n".join(out) + "\n"
 
 
-HEADLINE_KEY = ("The paper reports +10.16% throughput over gradient checkpointing and 43% of its recompute time "
-                "removed at 1.10 B_GC (Qwen2.5-3B, GPUs). "
-                "Speed: median of paired ratios gc time / hilore time over interleaved repeats (2 CPU cores, "
-                "chunked head for every method). B: the ratio times the peak of the named method in the named "
-                "scope (device: weights, gradients, AdamW state, activations, head and the optimizer step). A/A "
-                "floor: gc against a second gc interleaved in the same phase (gc-aa), or, for results without it, "
-                "gc against itself in adjacent repeats of the same piece (marked adjacent); \"above floor\" only "
-                "when the whole interval is above it. The fastest exact peer stands with its own speed over its own "
-                "gc; HiLoRe over it is printed only when one phase timed both (else \"not paired\"); \"stale\": a "
-                "compile-budget row whose graph traced an engine's idle hooks (the run's notes). Recompute removed: the share of gc's recompute time (gc - no-gc) "
-                "saved. Gradient error: relative to no-gc, mean over 3 updates.")
+HEADLINE_KEY = (
+    "The paper reports +10.16% throughput over gradient checkpointing and 43% of its recompute time "
+    "removed at 1.10 B_GC (Qwen2.5-3B, GPUs). "
+    "Speed: median of paired ratios gc time / hilore time over interleaved repeats (2 CPU cores, "
+    "chunked head for every method). B: the ratio times the peak of the named method in the named "
+    "scope (device: weights, gradients, AdamW state, activations, head and the optimizer step). A/A "
+    "floor: gc against a second gc interleaved in the same phase (gc-aa), or, for results without it, "
+    'gc against itself in adjacent repeats of the same piece (marked adjacent); "above floor" only '
+    "when the whole interval is above it. The fastest exact peer stands with its own speed over its own "
+    'gc; HiLoRe over it is printed only when one phase timed both (else "not paired"); "stale": a '
+    "compile-budget row whose graph traced an engine's idle hooks (the run's notes). Recompute removed: the share of gc's recompute time (gc - no-gc) "
+    "saved. Gradient error: relative to no-gc, mean over 3 updates."
+)
 
 
 # ---- the page ----------------------------------------------------------------------------
 def render(results: Path) -> str:
     results = Path(results)
-    out = ["# Results", "",
-           "Generated from the JSON in `benchmarks/results/` by `python -m hilore_actor.bench.report --results "
-           "benchmarks/results --out benchmarks/RESULTS.md --readme README.md`; do not edit by hand (a default-suite "
-           "test regenerates it and fails when this file differs). How the benchmark measures: "
-           "[`docs/benchmark.md`](../docs/benchmark.md). Nothing here ran on a GPU.", "",
-           "## Headline", "", headline(results), HEADLINE_KEY, ""]
+    out = [
+        "# Results",
+        "",
+        "Generated from the JSON in `benchmarks/results/` by `python -m hilore_actor.bench.report --results "
+        "benchmarks/results --out benchmarks/RESULTS.md --readme README.md`; do not edit by hand (a default-suite "
+        "test regenerates it and fails when this file differs). How the benchmark measures: "
+        "[`docs/benchmark.md`](../docs/benchmark.md). Nothing here ran on a GPU.",
+        "",
+        "## Headline",
+        "",
+        headline(results),
+        HEADLINE_KEY,
+        "",
+    ]
     for run in RUNS:
         data = load(results, run.name)
         if data is not None:
             out.append(run_section(run, data))
-    for part in (results_studies.codecs, results_studies.architectures, results_studies.fidelity,
-                 results_studies.diagnostics, results_studies.knapsack, results_studies.demo):
+    for part in (
+        results_studies.codecs,
+        results_studies.architectures,
+        results_studies.fidelity,
+        results_studies.diagnostics,
+        results_studies.knapsack,
+        results_studies.demo,
+    ):
         text = part(results)
         if text:
             out.append(text)
-    out.append("## Older results\n\n`benchmarks/results/v1-stale/` holds the first benchmark's results, kept for the "
-               "record and not for claims (`STALE.md` there says why).\n")
+    out.append(
+        "## Older results\n\n`benchmarks/results/v1-stale/` holds the first benchmark's results, kept for the "
+        "record and not for claims (`STALE.md` there says why).\n"
+    )
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -342,7 +419,7 @@ def with_headline(readme: str, results: Path) -> str:
     i, j = readme.find(BEGIN), readme.find(END)
     if i < 0 or j < i:
         raise ValueError(f"the README has no headline block ({BEGIN!r} ... {END!r})")
-    return readme[:i] + readme_block(results) + readme[j + len(END):]
+    return readme[:i] + readme_block(results) + readme[j + len(END) :]
 
 
 def write(results: Path, out: Path, readme: Optional[Path] = None, check: bool = False) -> List[str]:

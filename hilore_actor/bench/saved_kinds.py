@@ -30,6 +30,7 @@ engine's hot path (the engine's rule, ``recovery/rules.py``, needs only module h
 "Compressing" here is ``decode(encode(x))`` at pack time, which gives backward the same
 values L's decode would.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional
@@ -39,12 +40,32 @@ from torch.overrides import TorchFunctionMode
 
 from ..recovery.rules import exact_reason
 
-PROJ_KINDS = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input",
-              "o_proj": "attention output", "gate_proj": "mlp input", "up_proj": "mlp input",
-              "down_proj": "activation"}
-KINDS = ("query", "key", "value", "mask", "softmax stats", "attention core output", "attention input",
-         "attention output", "mlp input", "activation", "lora", "norm", "attention internal", "mlp internal",
-         "other")
+PROJ_KINDS = {
+    "q_proj": "attention input",
+    "k_proj": "attention input",
+    "v_proj": "attention input",
+    "o_proj": "attention output",
+    "gate_proj": "mlp input",
+    "up_proj": "mlp input",
+    "down_proj": "activation",
+}
+KINDS = (
+    "query",
+    "key",
+    "value",
+    "mask",
+    "softmax stats",
+    "attention core output",
+    "attention input",
+    "attention output",
+    "mlp input",
+    "activation",
+    "lora",
+    "norm",
+    "attention internal",
+    "mlp internal",
+    "other",
+)
 
 
 def _key(t: torch.Tensor) -> int:
@@ -63,7 +84,7 @@ class _Attention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        named = list(args[:4]) + [kwargs[k] for k in ("query", "key", "value", "attn_mask")[len(args):] if k in kwargs]
+        named = list(args[:4]) + [kwargs[k] for k in ("query", "key", "value", "attn_mask")[len(args) :] if k in kwargs]
         self.roles = {}
         for kind, t in reversed(list(zip(("query", "key", "value", "mask"), named))):  # query wins on shared storage
             if isinstance(t, torch.Tensor):
@@ -95,12 +116,16 @@ class SavedKinds:
         # a projection's input is saved by its own Linear (full fine-tuning) or, with frozen
         # base weights, by LoRA's lora_A (peft: <proj>.base_layer, <proj>.lora_A.<adapter>)
         for tail in (("base_layer",), ("lora_A", parts[-1])):
-            if len(parts) > len(tail) and tuple(parts[-len(tail):]) == tail:
+            if len(parts) > len(tail) and tuple(parts[-len(tail) :]) == tail:
                 return PROJ_KINDS.get(parts[-len(tail) - 1], "other")
         if parts[-1] in PROJ_KINDS:
             return PROJ_KINDS[parts[-1]]
-        for part, kind in (("norm", "norm"), ("layernorm", "norm"), ("self_attn", "attention internal"),
-                           ("mlp", "mlp internal")):
+        for part, kind in (
+            ("norm", "norm"),
+            ("layernorm", "norm"),
+            ("self_attn", "attention internal"),
+            ("mlp", "mlp internal"),
+        ):
             if parts[-1].endswith(part):
                 return kind
         return "other"
@@ -114,9 +139,11 @@ class SavedKinds:
 
     def __enter__(self) -> "SavedKinds":
         self._handles = []
+
         def push(name):
             def hook(_m, _a):
                 self._module.append(name)
+
             return hook
 
         def pop(*_):
@@ -157,6 +184,7 @@ def kind_grad_errors(model, loss_fn, mbs, codec, kinds=KINDS) -> Dict[str, float
                 return t
             p = codec.encode(t)
             return codec.decode(p) if p.finite() else t  # as the engine: unscalable tensors stay exact
+
         return transform
 
     ref = grad(None)

@@ -17,6 +17,7 @@ A budget in either scope becomes the same thing for every method: a cap on the i
 peak, ``B - offset`` with ``offset = resident_bytes`` (device) or 0 (activations), so HiLoRe
 and the budget-tuned peers are fitted to exactly the same room.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ def update_peaks(run, params, optimizer, model, mbs) -> UpdatePeaks:
 
     params = list(params)
     saved = [p.detach().clone() for p in params]
-    state = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in st.items()}
-             for k, st in optimizer.state.items()}
+    state = {
+        k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in st.items()}
+        for k, st in optimizer.state.items()
+    }
     for p in params:
         p.grad = None
     base = resident_bytes(model, optimizer)

@@ -6,6 +6,7 @@ A ratio is reported as the median of those paired ratios with a percentile boots
 interval over repeats. Shared 2-core machines sometimes switch between two speeds during a
 run (the same method at 17.4 s, then 13.9 s); a median hides that, so it is flagged.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ def bimodal(xs: Sequence[float], rel_gap: float = 0.05) -> bool:
     s = sorted(xs)
     gaps = [(s[i + 1] - s[i], i) for i in range(len(s) - 1)]
     gap, i = max(gaps)
-    lo, hi = s[: i + 1], s[i + 1:]
+    lo, hi = s[: i + 1], s[i + 1 :]
     if len(lo) < 2 or len(hi) < 2:
         return False
     return gap > rel_gap * statistics.median(s) and gap > max(lo[-1] - lo[0], hi[-1] - hi[0])
@@ -52,15 +53,26 @@ def speed_summary(reference: Optional[Sequence[float]], times: Sequence[float], 
     """Median paired speed ratio over the reference, its interval and the raw ratios; beside
     them the geometric mean of the paired ratios (with its interval) and the ratio of total
     times, since the estimator alone can move a headline by a few percent."""
-    names = {"median": f"{prefix}_over_gc", "ci": f"{prefix}_ci95", "ratios": f"{prefix}_ratios",
-             "geomean": f"{prefix}_geomean", "geomean_ci": f"{prefix}_geomean_ci95", "total": f"{prefix}_total_ratio"}
+    names = {
+        "median": f"{prefix}_over_gc",
+        "ci": f"{prefix}_ci95",
+        "ratios": f"{prefix}_ratios",
+        "geomean": f"{prefix}_geomean",
+        "geomean_ci": f"{prefix}_geomean_ci95",
+        "total": f"{prefix}_total_ratio",
+    }
     if not reference or not times:
         return {names["median"]: None, names["ci"]: None, names["ratios"]: []}
     n = min(len(reference), len(times))
     ratios = paired_ratios(reference[:n], times[:n])
-    return {names["median"]: statistics.median(ratios), names["ci"]: bootstrap_ci(ratios), names["ratios"]: ratios,
-            names["geomean"]: geomean(ratios), names["geomean_ci"]: bootstrap_ci(ratios, stat=geomean),
-            names["total"]: sum(reference[:n]) / sum(times[:n])}
+    return {
+        names["median"]: statistics.median(ratios),
+        names["ci"]: bootstrap_ci(ratios),
+        names["ratios"]: ratios,
+        names["geomean"]: geomean(ratios),
+        names["geomean_ci"]: bootstrap_ci(ratios, stat=geomean),
+        names["total"]: sum(reference[:n]) / sum(times[:n]),
+    }
 
 
 def repeats_to_resolve(log_ratio_sd: float, difference: float, z_alpha: float = 1.96, z_power: float = 0.84) -> int:

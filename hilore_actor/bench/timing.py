@@ -15,6 +15,7 @@ Every phase carries its own noise floor and its own comparisons:
 - every phase's raw times are returned (``Phase``) and written to the JSON, so any pair of
   methods timed together can be compared from them.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -51,7 +52,7 @@ class Phase:
 def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, Timings], progress=None) -> None:
     """``progress(label, {key: times so far}, repeat, repeats)`` after each repeat (``partial``)."""
     for m in group:  # warm-up, never kept
-        for u in (updates if getattr(m, "compiled", False) else updates[:1]):
+        for u in updates if getattr(m, "compiled", False) else updates[:1]:
             m.update(u)
     for rep in range(repeats):
         order = group if rep % 2 == 0 else list(reversed(group))
@@ -72,8 +73,9 @@ def timing_phase(group, updates, repeats: int, label: str, log, out: Dict[int, T
 def _companion(h, peer) -> bool:
     """Whether ``h`` is timed inside ``peer``'s phase: hilore at its budget, +compile rows at
     its budget or unbudgeted."""
-    return ((h.name == PAIRED_WITH_PEERS and h.budget_ratio == peer.budget_ratio)
-            or (h.name.endswith("+compile") and h.budget_ratio in (None, peer.budget_ratio)))
+    return (h.name == PAIRED_WITH_PEERS and h.budget_ratio == peer.budget_ratio) or (
+        h.name.endswith("+compile") and h.budget_ratio in (None, peer.budget_ratio)
+    )
 
 
 def time_methods(entries, updates, repeats: int, log, progress=None) -> Tuple[Dict[int, Timings], List[Phase]]:

@@ -1,4 +1,5 @@
 """Verifiable rewards: answer extraction and math-verify comparison."""
+
 from __future__ import annotations
 
 import re

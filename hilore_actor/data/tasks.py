@@ -4,6 +4,7 @@ A ``Task`` is a list of ``Example`` s plus a scorer ``score(response, example) -
 Spec strings select one: ``rg:basic_arithmetic`` (any reasoning-gym dataset name, seeded and
 offline) or a path to a ``.jsonl`` file with one ``{"prompt": ..., "answer": ...}`` per line.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,13 @@ class Task:
     def score(self, response: str, example: Example) -> float:
         return float(self.scorer(response, example))
 
-    def score_all(self, responses: Sequence[str], examples: Sequence[Example], prompts: Optional[Sequence[str]] = None,
-                  queries: Optional[Sequence[str]] = None) -> List[float]:
+    def score_all(
+        self,
+        responses: Sequence[str],
+        examples: Sequence[Example],
+        prompts: Optional[Sequence[str]] = None,
+        queries: Optional[Sequence[str]] = None,
+    ) -> List[float]:
         """One reward per response. ``prompts`` (the rendered prompt texts) and ``queries``
         (prompt + response, as the policy saw them) are for a user's batched reward function
         (``data/reward_function.py``); built-in scorers read the response and the example."""
@@ -61,9 +67,18 @@ def reasoning_gym_task(name: str, size: int = 256, seed: int = 0, instruction: s
         raise DatasetError(f"reasoning-gym dataset {name!r} with options {kwargs}: {e}") from None
     examples, entries = [], []
     for entry in dataset:
-        examples.append(Example(prompt=entry["question"] + instruction, answer=str(entry["answer"]),
-                                metadata={"index": len(entries), "source": f"rg:{name}[{len(entries)}]", "dataset": f"rg:{name}",
-                                          "row": entry}))
+        examples.append(
+            Example(
+                prompt=entry["question"] + instruction,
+                answer=str(entry["answer"]),
+                metadata={
+                    "index": len(entries),
+                    "source": f"rg:{name}[{len(entries)}]",
+                    "dataset": f"rg:{name}",
+                    "row": entry,
+                },
+            )
+        )
         entries.append(entry)
 
     def score(response: str, ex: Example) -> float:
@@ -85,8 +100,12 @@ def _prompt(value, where: str, instruction: str):
         if not value.strip():
             raise DatasetError(f"{where}: the prompt is empty")
         return value + instruction
-    if isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    if (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
     ):
         users = [i for i, m in enumerate(value) if m["role"] == "user"]
         if not users or not any(m["content"].strip() for m in value):
@@ -94,8 +113,9 @@ def _prompt(value, where: str, instruction: str):
         messages = [dict(m) for m in value]
         messages[users[-1]]["content"] += instruction
         return messages
-    raise DatasetError(f"{where}: the prompt must be a string or a list of {{\"role\", \"content\"}} messages, "
-                       f"got {type(value).__name__}")
+    raise DatasetError(
+        f'{where}: the prompt must be a string or a list of {{"role", "content"}} messages, got {type(value).__name__}'
+    )
 
 
 def jsonl_task(path, prompt_key: str = "prompt", answer_key: str = "answer", instruction: str = "") -> Task:
@@ -123,14 +143,20 @@ def jsonl_task(path, prompt_key: str = "prompt", answer_key: str = "answer", ins
                 raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
             missing = [k for k in (prompt_key, answer_key) if k not in row]
             if missing:
-                raise DatasetError(f"{where}: missing field(s) {missing}; found {sorted(row)} (choose the fields "
-                                   "with --data.input_key and --data.label_key)")
+                raise DatasetError(
+                    f"{where}: missing field(s) {missing}; found {sorted(row)} (choose the fields "
+                    "with --data.input_key and --data.label_key)"
+                )
             if row[answer_key] is None:
                 raise DatasetError(f"{where}: the answer field {answer_key!r} is null")
             prompt = _prompt(row[prompt_key], where, instruction)
-            examples.append(Example(prompt=prompt, answer=str(row[answer_key]),
-                                    metadata={"line": lineno, "source": where, "dataset": str(p), "row": row,
-                                              "label": row[answer_key]}))
+            examples.append(
+                Example(
+                    prompt=prompt,
+                    answer=str(row[answer_key]),
+                    metadata={"line": lineno, "source": where, "dataset": str(p), "row": row, "label": row[answer_key]},
+                )
+            )
     if not examples:
         raise DatasetError(f"{p}: empty dataset (no JSON lines)")
     return Task(name=str(p), examples=examples, scorer=lambda response, ex: math_verify_reward(response, ex.answer))
@@ -153,8 +179,13 @@ def vowels_task(size: int = 256, seed: int = 0) -> Task:
 
 
 def load_task(
-    spec: str, size: int = 256, seed: int = 0, options: Optional[Dict[str, Any]] = None, instruction: Optional[str] = None,
-    prompt_key: str = "prompt", answer_key: str = "answer",
+    spec: str,
+    size: int = 256,
+    seed: int = 0,
+    options: Optional[Dict[str, Any]] = None,
+    instruction: Optional[str] = None,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
 ) -> Task:
     """``rg:<name>`` for reasoning-gym, else a JSONL path (its fields ``prompt_key`` and
     ``answer_key``). ``instruction`` is appended to every prompt (default: ask for an
@@ -166,4 +197,6 @@ def load_task(
         return vowels_task(size=size, seed=seed)
     if spec.endswith(".jsonl") or Path(spec).exists():
         return jsonl_task(spec, prompt_key, answer_key, instruction=instruction or "")
-    raise DatasetError(f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic), toy:vowels or a .jsonl path")
+    raise DatasetError(
+        f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic), toy:vowels or a .jsonl path"
+    )

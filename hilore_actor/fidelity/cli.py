@@ -1,5 +1,6 @@
 """The study's command line: runs in order, each resumed where it stopped, then evaluation
 and the report. Re-running the same command continues an unfinished study."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,20 +16,32 @@ from .runs import INSTRUCTION, JOB, METHODS, TASK, TASK_OPTIONS, Run, StudyError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hilore_actor.fidelity", description=(
-        "Paired GRPO runs on a real model (gc and hilore per seed, hilore-hr once), held-out accuracy of every final "
-        "policy, the KL between paired policies, and the report. Resumable: re-run the same command to continue."))
+    p = argparse.ArgumentParser(
+        prog="python -m hilore_actor.fidelity",
+        description=(
+            "Paired GRPO runs on a real model (gc and hilore per seed, hilore-hr once), held-out accuracy of every final "
+            "policy, the KL between paired policies, and the report. Resumable: re-run the same command to continue."
+        ),
+    )
     p.add_argument("--out", default="benchmarks/results/fidelity", help="results: metrics, evaluations, report")
     p.add_argument("--runs", default="runs/fidelity", help="the runs' working folders (checkpoints, weights, logs)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     p.add_argument("--methods", default="gc,hilore", help=f"methods run for every seed ({', '.join(METHODS)})")
-    p.add_argument("--exact-check", default="hilore-hr", help="method run for the first seed only, which must "
-                   "reproduce gc's metrics exactly ('' to skip)")
+    p.add_argument(
+        "--exact-check",
+        default="hilore-hr",
+        help="method run for the first seed only, which must reproduce gc's metrics exactly ('' to skip)",
+    )
     p.add_argument("--heldout", type=int, default=300, help="held-out problems per evaluation (greedy)")
     p.add_argument("--model", default="smollm2", help="policy model (--pretrain of the job); tiny:qwen2 for tests")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one of the job's shared flags (YAML value), e.g. --set hilore.budget=1.25")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of the job's shared flags (YAML value), e.g. --set hilore.budget=1.25",
+    )
     p.add_argument("--report-only", action="store_true", help="rebuild the report from what is finished; train nothing")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many runs were trained or continued")
     return p
@@ -51,8 +64,10 @@ def _runs(args, root: Path) -> List[Run]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods + ([args.exact_check] if args.exact_check else []) if m not in METHODS]
     if bad or not seeds or "gc" not in methods:
-        raise StudyError(f"--methods must include gc and name methods among {', '.join(METHODS)}; got {args.methods!r}"
-                         + (f" and --exact-check {args.exact_check!r}" if args.exact_check else ""))
+        raise StudyError(
+            f"--methods must include gc and name methods among {', '.join(METHODS)}; got {args.methods!r}"
+            + (f" and --exact-check {args.exact_check!r}" if args.exact_check else "")
+        )
     runs = []
     for i, s in enumerate(seeds):  # hilore first: its plan (how much L) shows early
         runs += [Run(m, s, root) for m in sorted(methods, key=lambda m: m != "hilore")]
@@ -67,7 +82,11 @@ def _overrides(pairs: List[str]):
     out = {}
     for kv in pairs:
         key, sep, value = kv.partition("=")
-        if not sep or key not in JOB and not key.startswith(("hilore.", "actor.", "rollout.", "train.", "algo.", "data.")):
+        if (
+            not sep
+            or key not in JOB
+            and not key.startswith(("hilore.", "actor.", "rollout.", "train.", "algo.", "data."))
+        ):
             raise StudyError(f"--set {kv!r}: expected KEY=VALUE with a job flag as KEY (e.g. hilore.budget=1.25)")
         out[key] = yaml.safe_load(value)
     return out
@@ -121,7 +140,9 @@ def _train_and_evaluate(args, runs: List[Run], config: Path, overrides, out: Pat
                 print(f"[fidelity] --max-runs {args.max_runs} reached; re-run the command to continue", flush=True)
                 return
             t = time.perf_counter()
-            print(f"[fidelity] run {k + 1}/{len(runs)}: {run.name} ({state}; {args.steps} steps) -> {run.dir}", flush=True)
+            print(
+                f"[fidelity] run {k + 1}/{len(runs)}: {run.name} ({state}; {args.steps} steps) -> {run.dir}", flush=True
+            )
             train(run, run.command(config, args.steps, out / "calibration.json", args.model, []))
             trained += 1
             print(f"[fidelity] {run.name} trained in {time.perf_counter() - t:.0f}s", flush=True)
@@ -143,8 +164,12 @@ def _seeds(args) -> List[int]:
 def _eval_key(args, cfg: Dict) -> Dict:
     """What a held-out evaluation depends on: the run's steps and which problems are held out
     (the study's training seeds and pool size exclude theirs; ``--heldout`` of them)."""
-    return {"steps": args.steps, "heldout": args.heldout, "train_seeds": sorted(_seeds(args)),
-            "train_pool": int(cfg.get("data.max_samples", 1024))}
+    return {
+        "steps": args.steps,
+        "heldout": args.heldout,
+        "train_seeds": sorted(_seeds(args)),
+        "train_pool": int(cfg.get("data.max_samples", 1024)),
+    }
 
 
 def _evaluate(args, run: Optional[Run], overrides, out: Path) -> None:
@@ -161,9 +186,14 @@ def _evaluate(args, run: Optional[Run], overrides, out: Path) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    examples, pool = heldout_examples(args.heldout, key["train_seeds"], key["train_pool"], cfg.get("data.prompt_dataset", TASK),
-                                      json.loads(cfg.get("data.task_options", json.dumps(TASK_OPTIONS))),
-                                      cfg.get("data.instruction", INSTRUCTION))
+    examples, pool = heldout_examples(
+        args.heldout,
+        key["train_seeds"],
+        key["train_pool"],
+        cfg.get("data.prompt_dataset", TASK),
+        json.loads(cfg.get("data.task_options", json.dumps(TASK_OPTIONS))),
+        cfg.get("data.instruction", INSTRUCTION),
+    )
     print(f"[fidelity] evaluating {name} on {len(examples)} held-out problems (greedy)", flush=True)
     seed = run.seed if run else _seeds(args)[0]
     model, tok = load_final_policy(args.model, seed, run.final if run else None)
@@ -189,8 +219,9 @@ def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:
 
     key = _eval_key(args, dict(JOB, **overrides))
     for gc, r, path in _kl_pairs(runs, out):
-        if _fresh(path, key) or not all(_fresh(out / "eval" / f"{x.name}.json", key) and x.final.is_dir()
-                                        for x in (gc, r) if x is not None):
+        if _fresh(path, key) or not all(
+            _fresh(out / "eval" / f"{x.name}.json", key) and x.final.is_dir() for x in (gc, r) if x is not None
+        ):
             continue
         ev = json.loads((out / "eval" / f"{gc.name}.json").read_text())
         p, tok = load_final_policy(args.model, gc.seed, gc.final)
@@ -198,7 +229,10 @@ def _pair_kls(args, runs: List[Run], overrides, out: Path) -> None:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         kl = response_kl(p, q, ev["sequences"], ev["prompt_lens"], pad)
         q_name = r.name if r else "base"
-        print(f"[fidelity] KL(gc || {q_name}) seed {gc.seed}: {kl['kl_mean_per_token']:.3e} per response token", flush=True)
+        print(
+            f"[fidelity] KL(gc || {q_name}) seed {gc.seed}: {kl['kl_mean_per_token']:.3e} per response token",
+            flush=True,
+        )
         save(path, dict(kl, p=gc.name, q=q_name, **key))
 
 

@@ -10,6 +10,7 @@ KL(p || q) between two final policies is measured where p samples: on p's greedy
 the held-out prompts, the full-vocabulary KL of the next-token distributions, averaged over
 response tokens. Two runs that trained identically give exactly 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,19 @@ import torch
 HELDOUT_SEED = 1_000_003  # no run trains with it
 
 
-def heldout_examples(n: int, train_seeds: Sequence[int], train_size: int, task_spec: str, options: Dict,
-                     instruction: str) -> Tuple[List, object]:
+def heldout_examples(
+    n: int, train_seeds: Sequence[int], train_size: int, task_spec: str, options: Dict, instruction: str
+) -> Tuple[List, object]:
     """``n`` problems of the task that no run's training task holds, and the task they come
     from (its ``score`` verifies their answers)."""
     from ..data import load_task
 
     seen = set()
     for s in train_seeds:
-        seen.update(e.prompt for e in load_task(task_spec, size=train_size, seed=s, options=options,
-                                                instruction=instruction).examples)
+        seen.update(
+            e.prompt
+            for e in load_task(task_spec, size=train_size, seed=s, options=options, instruction=instruction).examples
+        )
     pool = load_task(task_spec, size=4 * n + len(seen), seed=HELDOUT_SEED, options=options, instruction=instruction)
     fresh, picked = set(), []
     for e in pool.examples:
@@ -67,7 +71,7 @@ def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int 
 
     scores, texts, seqs, prompt_lens = [], [], [], []
     for i in range(0, len(examples), batch):
-        chunk = examples[i:i + batch]
+        chunk = examples[i : i + batch]
         r = generate_groups(model, tok, [e.prompt for e in chunk], 1, max_new_tokens, batched=True, greedy=True)
         for j, (t, e) in enumerate(zip(r.texts, chunk)):
             scores.append(pool.score(t, e))
@@ -75,31 +79,38 @@ def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int 
             n = r.prompt_lens[j] + r.response_lens[j]
             seqs.append(r.sequences[j, :n].tolist())
             prompt_lens.append(r.prompt_lens[j])
-        log(f"[fidelity]   {len(scores)}/{len(examples)} held-out problems, accuracy so far "
-            f"{exact_share(scores):.3f}")
-    return {"accuracy": exact_share(scores), "mean_score": sum(scores) / len(scores),
-            "n": len(scores), "scores": scores, "texts": texts,
-            "sequences": seqs, "prompt_lens": prompt_lens}
+        log(f"[fidelity]   {len(scores)}/{len(examples)} held-out problems, accuracy so far {exact_share(scores):.3f}")
+    return {
+        "accuracy": exact_share(scores),
+        "mean_score": sum(scores) / len(scores),
+        "n": len(scores),
+        "scores": scores,
+        "texts": texts,
+        "sequences": seqs,
+        "prompt_lens": prompt_lens,
+    }
 
 
 @torch.no_grad()
-def response_kl(p_model, q_model, sequences: List[List[int]], prompt_lens: List[int], pad: int, batch: int = 16) -> Dict:
+def response_kl(
+    p_model, q_model, sequences: List[List[int]], prompt_lens: List[int], pad: int, batch: int = 16
+) -> Dict:
     """Mean and per-sequence KL(p || q) over the response tokens of ``sequences`` (p's own)."""
     per_seq: List[float] = []
     total, count = 0.0, 0
     for i in range(0, len(sequences), batch):
-        rows, plens = sequences[i:i + batch], prompt_lens[i:i + batch]
+        rows, plens = sequences[i : i + batch], prompt_lens[i : i + batch]
         width = max(len(s) for s in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for k, s in enumerate(rows):
-            ids[k, :len(s)] = torch.tensor(s)
-            mask[k, :len(s)] = 1
+            ids[k, : len(s)] = torch.tensor(s)
+            mask[k, : len(s)] = 1
         lp = torch.log_softmax(p_model(input_ids=ids, attention_mask=mask).logits.float(), -1)
         lq = torch.log_softmax(q_model(input_ids=ids, attention_mask=mask).logits.float(), -1)
         kl = (lp.exp() * (lp - lq)).sum(-1)  # [B, L]: KL of the distribution predicting token t + 1
         for k, s in enumerate(rows):
-            part = kl[k, plens[k] - 1:len(s) - 1]  # the positions that predict the response tokens
+            part = kl[k, plens[k] - 1 : len(s) - 1]  # the positions that predict the response tokens
             per_seq.append(float(part.mean()) if part.numel() else 0.0)
             total += float(part.double().sum())
             count += part.numel()

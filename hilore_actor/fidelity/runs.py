@@ -16,6 +16,7 @@ Methods (all with the same model, task, head and flags; ``JOB``):
 Every method uses the model's own head (``--hilore.chunked_head false``), as gc does, so the
 only difference between gc and hilore is what HiLoRe does with activations.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,23 @@ TASK_OPTIONS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2
 INSTRUCTION = " Answer with the number only."
 # the job's flags shared by every run (the cpu-demo shape: 4 prompts x 4 samples, 2 microbatches of 8)
 JOB: Dict[str, object] = {
-    "actor.model_name_or_path": "smollm2", "data.prompt_dataset": TASK, "data.task_options": json.dumps(TASK_OPTIONS),
-    "data.instruction": INSTRUCTION, "rollout.batch_size": 4, "rollout.n_samples_per_prompt": 4,
-    "rollout.max_new_tokens": 32, "train.batch_size": 16, "train.micro_batch_size": 8, "actor.adam.lr": 2e-4,
-    "algo.kl.use_loss": True, "hilore.chunked_head": False, "hilore.profile_repeats": 1, "hilore.loo": False,
-    "ckpt.save_steps": 5, "ckpt.max_num": 1, "compare_gc": False,
+    "actor.model_name_or_path": "smollm2",
+    "data.prompt_dataset": TASK,
+    "data.task_options": json.dumps(TASK_OPTIONS),
+    "data.instruction": INSTRUCTION,
+    "rollout.batch_size": 4,
+    "rollout.n_samples_per_prompt": 4,
+    "rollout.max_new_tokens": 32,
+    "train.batch_size": 16,
+    "train.micro_batch_size": 8,
+    "actor.adam.lr": 2e-4,
+    "algo.kl.use_loss": True,
+    "hilore.chunked_head": False,
+    "hilore.profile_repeats": 1,
+    "hilore.loo": False,
+    "ckpt.save_steps": 5,
+    "ckpt.max_num": 1,
+    "compare_gc": False,
 }
 METHODS: Dict[str, List[str]] = {
     "gc": ["--actor_backend", "gc"],
@@ -81,9 +94,23 @@ class Run:
         return "partial" if (self.dir / "checkpoints" / "latest").is_file() else "fresh"
 
     def command(self, config: Path, steps: int, calibration: Path, model: str, extra: List[str]) -> List[str]:
-        cmd = [sys.executable, "-m", "hilore_actor.train_grpo", "--config", str(config), "--pretrain", model,
-               "--train.seed", str(self.seed), "--max_steps", str(steps), "--save_path", str(self.dir),
-               *METHODS[self.method], *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hilore_actor.train_grpo",
+            "--config",
+            str(config),
+            "--pretrain",
+            model,
+            "--train.seed",
+            str(self.seed),
+            "--max_steps",
+            str(steps),
+            "--save_path",
+            str(self.dir),
+            *METHODS[self.method],
+            *extra,
+        ]
         if self.method == "hilore":  # one calibration of L's risk for the study, made by its first hilore run
             cmd += ["--hilore.calibration", str(calibration)]
         if self.state(steps) == "partial":
@@ -113,8 +140,9 @@ def train(run: Run, cmd: List[str], log=print) -> None:
         out.flush()
         # its own process group: a terminal's Ctrl-C reaches the job once, through ``forward`` (a second
         # signal would make it stop at once, without its checkpoint)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
         forwarded = []
 
         def forward(sig, _frame):

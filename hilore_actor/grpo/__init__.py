@@ -1,5 +1,6 @@
 """GRPO math: group-relative advantages, the policy loss (Eq. 1) and its exact token
 coefficients omega (Eq. 4). Pure torch."""
+
 from .advantages import ESTIMATORS, group_advantages
 from .coefficients import token_coefficients
 from .inputs import KL_ESTIMATORS, LOSS_AGG_MODES

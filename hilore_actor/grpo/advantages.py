@@ -4,6 +4,7 @@ Rewards arrive flat, group-contiguous: ``[p0_s0, p0_s1, ..., p0_s{G-1}, p1_s0, .
 order OpenRLHF 0.11.2 uses (``rewards.reshape(-1, n_samples_per_prompt)``). Every token of a
 response shares its response's advantage.
 """
+
 from __future__ import annotations
 
 import torch

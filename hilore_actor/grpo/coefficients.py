@@ -12,6 +12,7 @@ autograd on ``policy_loss`` exactly:
 So at exactly ``r = 1 + eps`` with ``A > 0`` the two surrogates tie, each gets half, the clamp
 passes its half, and the token keeps its full coefficient ``-(w_t) r A``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,8 +98,19 @@ def token_coefficients(
     ``[B, T]`` tensor (masked tokens are exactly 0). See ``policy_loss`` for the arguments."""
     with torch.no_grad():
         inp = prepare(
-            log_probs.detach(), old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low,
-            clip_eps_high, dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences,
+            log_probs.detach(),
+            old_log_probs,
+            advantages,
+            action_mask,
+            ref_log_probs,
+            clip_eps_low,
+            clip_eps_high,
+            dual_clip,
+            kl_coef,
+            kl_estimator,
+            loss_agg_mode,
+            num_tokens,
+            num_sequences,
         )
     return coefficients_from(inp)
 

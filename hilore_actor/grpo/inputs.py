@@ -4,6 +4,7 @@ Both functions take the same arguments; checking them in one place keeps their s
 identical and turns user mistakes into clear errors instead of broadcasting surprises deep
 inside torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ def prepare(
         ref = same_shape("ref_log_probs", ref_log_probs).to(dtype)
     clip_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     if not (0.0 <= clip_eps_low < 1.0) or clip_high < 0.0:
-        raise ValueError(f"clip range must satisfy 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_high}")
+        raise ValueError(
+            f"clip range must satisfy 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_high}"
+        )
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
     for name, v in (("num_tokens", num_tokens), ("num_sequences", num_sequences)):
@@ -111,14 +114,39 @@ def prepare(
     )
 
 
-def prepare_loss_inputs(log_probs, old_log_probs, advantages, action_mask=None, ref_log_probs=None, *,
-                        clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None, dual_clip: Optional[float] = None,
-                        kl_coef: float = 0.0, kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
-                        num_tokens: Optional[float] = None, num_sequences: Optional[float] = None) -> LossInputs:
+def prepare_loss_inputs(
+    log_probs,
+    old_log_probs,
+    advantages,
+    action_mask=None,
+    ref_log_probs=None,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[float] = None,
+    num_sequences: Optional[float] = None,
+) -> LossInputs:
     """``prepare`` with ``policy_loss``'s signature and defaults: validate once, then call
     ``loss.loss_from`` and ``coefficients.coefficients_from`` on the result."""
-    return prepare(log_probs, old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low, clip_eps_high,
-                   dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences)
+    return prepare(
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask,
+        ref_log_probs,
+        clip_eps_low,
+        clip_eps_high,
+        dual_clip,
+        kl_coef,
+        kl_estimator,
+        loss_agg_mode,
+        num_tokens,
+        num_sequences,
+    )
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

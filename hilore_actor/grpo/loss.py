@@ -5,6 +5,7 @@ the chosen loss aggregation, exactly as OpenRLHF's ``actor_loss + kl_loss * kl_c
 Deviation: where OpenRLHF divides by a zero token count (a fully masked batch) and returns
 NaN, we return 0 (denominators are clamped to at least 1).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -83,8 +84,19 @@ def policy_loss(
         OpenRLHF's ``ppo_clip_ratio``), ``kl_mean`` and ``ppo_kl`` (mean of ``old - new``).
     """
     inp = prepare(
-        log_probs, old_log_probs, advantages, action_mask, ref_log_probs, clip_eps_low, clip_eps_high,
-        dual_clip, kl_coef, kl_estimator, loss_agg_mode, num_tokens, num_sequences,
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask,
+        ref_log_probs,
+        clip_eps_low,
+        clip_eps_high,
+        dual_clip,
+        kl_coef,
+        kl_estimator,
+        loss_agg_mode,
+        num_tokens,
+        num_sequences,
     )
     return loss_from(inp)
 

@@ -5,6 +5,7 @@ at every sequence start (HF models then attend within sequences only). Per-token
 ``[B, T-1]``: position ``t`` holds the log-prob of token ``t+1``; ``action_mask`` is 1 only on
 response tokens (so never on a position that would predict the next sequence's first token).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,14 +38,24 @@ class Microbatch:
         if not 2 <= tokens <= self.input_ids.shape[1]:
             raise ValueError(f"prefix of {tokens} tokens: choose 2 .. {self.input_ids.shape[1]}")
         cut = lambda t, n: t[:, :n]  # noqa: E731
-        return Microbatch(cut(self.input_ids, tokens), cut(self.position_ids, tokens),
-                          *(cut(getattr(self, f), tokens - 1) for f in ("old_log_probs", "ref_log_probs", "advantages", "action_mask")),
-                          loss_options=self.loss_options)
+        return Microbatch(
+            cut(self.input_ids, tokens),
+            cut(self.position_ids, tokens),
+            *(
+                cut(getattr(self, f), tokens - 1)
+                for f in ("old_log_probs", "ref_log_probs", "advantages", "action_mask")
+            ),
+            loss_options=self.loss_options,
+        )
 
     def to(self, device) -> "Microbatch":
-        return Microbatch(*(getattr(self, f).to(device) for f in
-                            ("input_ids", "position_ids", "old_log_probs", "ref_log_probs", "advantages", "action_mask")),
-                          loss_options=self.loss_options)
+        return Microbatch(
+            *(
+                getattr(self, f).to(device)
+                for f in ("input_ids", "position_ids", "old_log_probs", "ref_log_probs", "advantages", "action_mask")
+            ),
+            loss_options=self.loss_options,
+        )
 
 
 @dataclass
@@ -75,7 +86,9 @@ def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False, entropy: 
         logp = output_log_probs(out, mb.input_ids)
         if entropy and getattr(out, "logits", None) is not None:  # a fused head without logits: no entropy
             ent = token_entropy(out.logits[:, :-1].detach())
-    inp = prepare_loss_inputs(logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options)
+    inp = prepare_loss_inputs(
+        logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options
+    )
     loss, stats = loss_from(inp)  # Eq. 1
     if ent is not None:
         stats["entropy"] = masked_mean(ent, mb.action_mask.to(ent.dtype))

@@ -16,6 +16,7 @@ the state saved with the last checkpoint (``checkpoints``: the job's checkpoint 
 and a rank it does not know re-registers with the budget its report carries. The records of
 steps since that checkpoint are lost with the old copy (``restarts`` counts the restarts).
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,12 @@ class BudgetCoordinator:
 
     def state(self) -> Dict:
         """JSON-ready: budgets and step records (saved with each checkpoint)."""
-        return {"margin": self.margin, "budgets": {str(r): b for r, b in self.budgets.items()}, "restarts": self.restarts,
-                "steps": {str(s): {str(r): rec for r, rec in recs.items()} for s, recs in self.steps.items()}}
+        return {
+            "margin": self.margin,
+            "budgets": {str(r): b for r, b in self.budgets.items()},
+            "restarts": self.restarts,
+            "steps": {str(s): {str(r): rec for r, rec in recs.items()} for s, recs in self.steps.items()},
+        }
 
     def restart_count(self) -> int:
         return self.restarts
@@ -95,8 +100,17 @@ class BudgetCoordinator:
     def budget(self, rank: int) -> int:
         return self.budgets[int(rank)]
 
-    def report(self, rank: int, step: int, microbatch: int, peak_bytes: int, actions: Optional[Dict[str, int]] = None,
-               tokens: int = 0, predicted_bytes: int = 0, budget_bytes: int = 0) -> dict:
+    def report(
+        self,
+        rank: int,
+        step: int,
+        microbatch: int,
+        peak_bytes: int,
+        actions: Optional[Dict[str, int]] = None,
+        tokens: int = 0,
+        predicted_bytes: int = 0,
+        budget_bytes: int = 0,
+    ) -> dict:
         """Record one microbatch's measured peak (with its tokens and the peak its plan
         predicted, when known); return the directive for the rank's next one. ``budget_bytes``:
         the rank's B, registered if this copy does not know the rank (a restart)."""
@@ -118,32 +132,51 @@ class BudgetCoordinator:
             rec["actions"][k] = rec["actions"].get(k, 0) + int(v)
         if peak_bytes > B:
             over = int((peak_bytes - B) * (1 + self.margin))
-            rec["tightened"].append({"microbatch": int(microbatch), "peak_over_budget": peak_bytes / B, "by_bytes": over})
+            rec["tightened"].append(
+                {"microbatch": int(microbatch), "peak_over_budget": peak_bytes / B, "by_bytes": over}
+            )
             return {"action": "tighten", "by_bytes": over, "peak_over_budget": peak_bytes / B}
         return {"action": "ok", "peak_over_budget": peak_bytes / B}
 
     def _record(self, step: int, rank: int) -> dict:
-        return self.steps.setdefault(int(step), {}).setdefault(int(rank), {
-            "max_peak": 0, "microbatches": 0, "tightened": [], "actions": {}, "peaks": [], "tokens": [], "predicted": [],
-            "out_of_memory": []})
+        return self.steps.setdefault(int(step), {}).setdefault(
+            int(rank),
+            {
+                "max_peak": 0,
+                "microbatches": 0,
+                "tightened": [],
+                "actions": {},
+                "peaks": [],
+                "tokens": [],
+                "predicted": [],
+                "out_of_memory": [],
+            },
+        )
 
     def out_of_memory(self, rank: int, step: int, microbatch: int, tokens: int, by_bytes: int) -> None:
         """A rank ran out of memory in a microbatch and reruns it all-R, its plan ``by_bytes``
         smaller (``learner/step.out_of_memory``)."""
-        self._record(step, rank)["out_of_memory"].append({"microbatch": int(microbatch), "tokens": int(tokens), "by_bytes": int(by_bytes)})
+        self._record(step, rank)["out_of_memory"].append(
+            {"microbatch": int(microbatch), "tokens": int(tokens), "by_bytes": int(by_bytes)}
+        )
 
     def step_record(self, step: int) -> Dict[str, dict]:
         """Per rank: ``peak_over_budget`` (max peak / B), microbatches, tightenings, action
         counts, and per microbatch its peak, tokens and predicted peak over B."""
         out = {}
         for rank, rec in sorted(self.steps.get(int(step), {}).items()):
-            out[str(rank)] = {"peak_over_budget": rec["max_peak"] / self.budgets[rank], "max_peak_bytes": rec["max_peak"],
-                              "budget_bytes": self.budgets[rank], "microbatches": rec["microbatches"],
-                              "tightened": list(rec["tightened"]), "actions": dict(rec["actions"]),
-                              "peaks_over_budget": [p / self.budgets[rank] for p in rec["peaks"]],
-                              "tokens": list(rec["tokens"]),
-                              "predicted_over_budget": [p / self.budgets[rank] for p in rec["predicted"]],
-                              "out_of_memory": list(rec.get("out_of_memory", []))}
+            out[str(rank)] = {
+                "peak_over_budget": rec["max_peak"] / self.budgets[rank],
+                "max_peak_bytes": rec["max_peak"],
+                "budget_bytes": self.budgets[rank],
+                "microbatches": rec["microbatches"],
+                "tightened": list(rec["tightened"]),
+                "actions": dict(rec["actions"]),
+                "peaks_over_budget": [p / self.budgets[rank] for p in rec["peaks"]],
+                "tokens": list(rec["tokens"]),
+                "predicted_over_budget": [p / self.budgets[rank] for p in rec["predicted"]],
+                "out_of_memory": list(rec.get("out_of_memory", [])),
+            }
         return out
 
     def over_budget_ranks(self, step: int) -> List[int]:

@@ -3,6 +3,7 @@
 The kinds, where they strike and what the job does about each are listed in
 ``train/faults.py``; this is only the switch, shared by the learner room and the job.
 """
+
 from __future__ import annotations
 
 import os

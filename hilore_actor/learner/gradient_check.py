@@ -16,6 +16,7 @@ The update that follows is untouched: the random state and the online chooser's 
 restored, no peak goes to the coordinator, and the gradients are cleared. A plan whose
 actions are exact (H/R) gives an error of exactly 0: a check in itself.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -25,8 +26,6 @@ import torch
 from ..allocation.runner import token_scores
 from ..recovery.policies import layer_checkpointing
 from .step import run_microbatch
-
-
 
 
 def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, device) -> Dict[str, float]:
@@ -76,7 +75,7 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
     diff, dot, na, nb = _sums(ours, exact)
     if diff == 0.0:  # also when both are zero (no advantage in any group): no error
         return {"grad_rel_error": 0.0, "grad_cosine": 1.0}
-    return {"grad_rel_error": diff ** 0.5 / max(nb ** 0.5, 1e-30), "grad_cosine": dot / max((na * nb) ** 0.5, 1e-300)}
+    return {"grad_rel_error": diff**0.5 / max(nb**0.5, 1e-30), "grad_cosine": dot / max((na * nb) ** 0.5, 1e-300)}
 
 
 def _sums(ours: List[torch.Tensor], exact: List[torch.Tensor], chunk: int = 1 << 22) -> Tuple[float, ...]:
@@ -87,6 +86,6 @@ def _sums(ours: List[torch.Tensor], exact: List[torch.Tensor], chunk: int = 1 <<
     for a, b in zip(ours, exact):
         a, b = a.detach().reshape(-1), b.detach().reshape(-1)
         for i in range(0, a.numel(), chunk):
-            x, y = a[i:i + chunk].double(), b[i:i + chunk].double()
+            x, y = a[i : i + chunk].double(), b[i : i + chunk].double()
             acc += torch.stack([(x - y).pow(2).sum(), (x * y).sum(), x.pow(2).sum(), y.pow(2).sum()])
     return tuple(acc.tolist())

@@ -28,6 +28,7 @@ rank recomputes and another keeps would deadlock both.
 Ulysses sequence-parallel group (``verl/attach.py``), which must take the same action for every
 unit on every microbatch.
 """
+
 from __future__ import annotations
 
 from typing import Dict

@@ -25,6 +25,7 @@ Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> E
 ``RankPlan.observe`` sizes later plans by each microbatch's measured peak against its
 prediction, and ``RankPlan.tighten`` answers the budget coordinator's ``tighten`` directive.
 """
+
 from __future__ import annotations
 
 import time
@@ -85,9 +86,11 @@ class RankPlan:
             self.sp.memory_budget = max(0.0, self.sp.memory_budget + delta)
             self.hl.replan(self.sp)
             self._sized.clear()
-        self.log(f"[hilore] resident bytes measured {resident / 2**20:.1f} MiB (estimated "
-                 f"{self.info['resident_estimate_bytes'] / 2**20:.1f}); B = {self.budget / 2**20:.1f} MiB, "
-                 f"a microbatch may allocate {(self.budget - resident) / 2**20:.1f} MiB")
+        self.log(
+            f"[hilore] resident bytes measured {resident / 2**20:.1f} MiB (estimated "
+            f"{self.info['resident_estimate_bytes'] / 2**20:.1f}); B = {self.budget / 2**20:.1f} MiB, "
+            f"a microbatch may allocate {(self.budget - resident) / 2**20:.1f} MiB"
+        )
         return self.budget != old_budget
 
     @property
@@ -133,7 +136,9 @@ class RankPlan:
         if bucket not in self._sized:
             target = None
             if ratio is not None:  # the in-microbatch peak that puts the scope's peak at fill x B
-                target = (self.hl.budget - (1.0 - self.fill) * self.budget - self.info.get("tightened_bytes", 0)) / ratio
+                target = (
+                    self.hl.budget - (1.0 - self.fill) * self.budget - self.info.get("tightened_bytes", 0)
+                ) / ratio
             self._sized[bucket] = self.hl.sized(self.sp, bucket, peak_target=target)
         return self._sized[bucket]
 
@@ -193,8 +198,11 @@ class RankPlan:
         """JSON-ready, for checkpoints: a resumed rank keeps its budget and plan."""
         out = {"budget": self.budget, "info": self.info}
         if self.hl is not None:
-            out.update(plan=self.sp.to_dict(), calibration=asdict(self.hl.calibration) if self.hl.calibration else None,
-                       calibrations={a: asdict(c) for a, c in self.hl.calibrations.items()})
+            out.update(
+                plan=self.sp.to_dict(),
+                calibration=asdict(self.hl.calibration) if self.hl.calibration else None,
+                calibrations={a: asdict(c) for a, c in self.hl.calibrations.items()},
+            )
         return out
 
 
@@ -214,8 +222,11 @@ def make_engine(model, hcfg):
     if getattr(hcfg, "compile", False):
         from ..recovery.compiled import compile_units
 
-        compile_units(engine, activation_budget=getattr(hcfg, "compile_activation_budget", 1.0),
-                      layer_regions=getattr(hcfg, "compile_layer_regions", False))
+        compile_units(
+            engine,
+            activation_budget=getattr(hcfg, "compile_activation_budget", 1.0),
+            layer_regions=getattr(hcfg, "compile_layer_regions", False),
+        )
     return engine
 
 
@@ -225,18 +236,38 @@ def _scheduler(runner, budget: int, calibration, hcfg, log, costs_cache=None):
     from .settings import token_rows
 
     mode = hcfg.mode if calibration is not None else "hilore-hr"
-    return HiLoRe(runner, budget, calibration, mode=mode, delta=hcfg.delta, tolerance=hcfg.tolerance,
-                  refresh_every=hcfg.refresh_every, profile_repeats=hcfg.profile_repeats, loo=hcfg.loo,
-                  costs_cache=costs_cache, partial=hcfg.partial, token_rows=token_rows(hcfg), log=log)
+    return HiLoRe(
+        runner,
+        budget,
+        calibration,
+        mode=mode,
+        delta=hcfg.delta,
+        tolerance=hcfg.tolerance,
+        refresh_every=hcfg.refresh_every,
+        profile_repeats=hcfg.profile_repeats,
+        loo=hcfg.loo,
+        costs_cache=costs_cache,
+        partial=hcfg.partial,
+        token_rows=token_rows(hcfg),
+        log=log,
+    )
 
 
-def planning_microbatches(model, n: int, *, tokens: int, seqs_per_microbatch: int, group_size: int, seed: int,
-                          loss_options: Dict, device):
+def planning_microbatches(
+    model, n: int, *, tokens: int, seqs_per_microbatch: int, group_size: int, seed: int, loss_options: Dict, device
+):
     """The synthetic GRPO microbatches planning runs on: as large as the job can make."""
     from ..workloads import replayed_microbatches
 
-    dev = replayed_microbatches(model, n, tokens, group_size=group_size, mean_len=max(8, tokens // seqs_per_microbatch),
-                                seed=seed, loss_options=loss_options)
+    dev = replayed_microbatches(
+        model,
+        n,
+        tokens,
+        group_size=group_size,
+        mean_len=max(8, tokens // seqs_per_microbatch),
+        seed=seed,
+        loss_options=loss_options,
+    )
     return [mb.to(device) for mb in dev]
 
 
@@ -258,10 +289,26 @@ def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print
     return plan
 
 
-def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_microbatch: int, group_size: int,
-                         loss_options: Dict, loss_fn, std_loss_fn, device, seed: int, resident: Optional[int] = None,
-                         write_calibration: bool = True, calibrate_later: bool = False, runner_cls=None,
-                         backward=None, log=print) -> RankPlan:
+def plan_before_wrapping(
+    model,
+    hcfg,
+    *,
+    backend: str,
+    tokens: int,
+    seqs_per_microbatch: int,
+    group_size: int,
+    loss_options: Dict,
+    loss_fn,
+    std_loss_fn,
+    device,
+    seed: int,
+    resident: Optional[int] = None,
+    write_calibration: bool = True,
+    calibrate_later: bool = False,
+    runner_cls=None,
+    backward=None,
+    log=print,
+) -> RankPlan:
     """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
     ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``
     for its DeepSpeed setup), which the device scope counts; None: one rank with a plain AdamW. ``calibrate_later``: a mode with L and no saved calibration
@@ -278,8 +325,16 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     t0 = time.perf_counter()
     saved, wants_l = _calibration_wanted(hcfg, backend)
     n_cal = _planning_count(hcfg, backend, calibrate_later) - 1
-    dev = planning_microbatches(model, 1 + n_cal, tokens=tokens, seqs_per_microbatch=seqs_per_microbatch,
-                                group_size=group_size, seed=seed, loss_options=loss_options, device=device)
+    dev = planning_microbatches(
+        model,
+        1 + n_cal,
+        tokens=tokens,
+        seqs_per_microbatch=seqs_per_microbatch,
+        group_size=group_size,
+        seed=seed,
+        loss_options=loss_options,
+        device=device,
+    )
     runner = runner_cls(model, make_engine(model, hcfg), loss_fn=loss_fn, backward=backward)
     if resident is None:
         from .scope import estimate_resident
@@ -291,14 +346,28 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
         with runner.phase("gc"):
             gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
         budget = _budget(hcfg, gc_peak, int(resident), offset, device, log)
-        info = {"plan_tokens": tokens, "gc_peak_bytes": gc_peak, "budget_bytes": budget, "budget_spec": str(hcfg.budget),
-                "budget_scope": hcfg.budget_scope, "resident_bytes": offset, "fill": float(hcfg.fill)}
+        info = {
+            "plan_tokens": tokens,
+            "gc_peak_bytes": gc_peak,
+            "budget_bytes": budget,
+            "budget_spec": str(hcfg.budget),
+            "budget_scope": hcfg.budget_scope,
+            "resident_bytes": offset,
+            "fill": float(hcfg.fill),
+        }
         hl = sp = None
         if backend == "hilore":
             with runner.phase("calibration"):
-                cal = (_calibration(runner, dev[1:], hcfg, write_calibration, log, budget - offset,
-                                    shared=runner_cls is Runner) if (saved or n_cal) else None)
-            info["calibration"] = (None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic")
+                cal = (
+                    _calibration(
+                        runner, dev[1:], hcfg, write_calibration, log, budget - offset, shared=runner_cls is Runner
+                    )
+                    if (saved or n_cal)
+                    else None
+                )
+            info["calibration"] = (
+                None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic"
+            )
             hl = _scheduler(runner, budget - offset, cal, hcfg, log)
             sp = hl.prepare(dev[:1], accumulate=1)
             info.update(plan=plan_counts(sp.plan), plan_report=sp.report)
@@ -306,8 +375,12 @@ def plan_before_wrapping(model, hcfg, *, backend: str, tokens: int, seqs_per_mic
     for p in model.parameters():  # no planning gradient may reach the first real update (ZeRO adds .grad in)
         p.grad = None
     top = max(range(len(peaks)), key=peaks.__getitem__)
-    info.update(plan_seconds=time.perf_counter() - t0, plan_peak_bytes=offset + peaks[top],
-                plan_peak_over_budget=(offset + peaks[top]) / budget, plan_peak_phase=runner.watch_phases[top])
+    info.update(
+        plan_seconds=time.perf_counter() - t0,
+        plan_peak_bytes=offset + peaks[top],
+        plan_peak_over_budget=(offset + peaks[top]) / budget,
+        plan_peak_phase=runner.watch_phases[top],
+    )
     return RankPlan(budget, info, hl, sp, log)
 
 
@@ -338,8 +411,11 @@ def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> 
         plan = plan_before_wrapping(model, hcfg, backend=backend, loss_fn=loss_fn, runner_cls=Leader, log=log, **kw)
         finish(plan.state())
         return plan
-    planning_microbatches(model, count[0], **{k: kw[k] for k in ("tokens", "seqs_per_microbatch", "group_size", "seed",
-                                                                   "loss_options", "device")})
+    planning_microbatches(
+        model,
+        count[0],
+        **{k: kw[k] for k in ("tokens", "seqs_per_microbatch", "group_size", "seed", "loss_options", "device")},
+    )
     runner = Runner(model, make_engine(model, hcfg), loss_fn=loss_fn, backward=kw.get("backward"))
     state = follow(runner)
     runner.engine.detach()
@@ -363,9 +439,11 @@ def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
         log(f"[hilore] --hilore.budget auto on CPU (no capacity to read): {CPU_AUTO_RATIO} x gc's device peak")
     budget = device_bytes - (resident - offset)  # the activation scope: what the device leaves a microbatch
     if budget < gc_peak + offset:
-        raise BudgetError(f"--hilore.budget auto: the device has {device_bytes / 2**20:.0f} MiB for this rank, less than "
-                          f"gradient checkpointing needs ({(gc_peak + resident) / 2**20:.0f} MiB with the weights and "
-                          f"optimizer state); free memory (a colocated vLLM's share?) or use fewer tokens per microbatch")
+        raise BudgetError(
+            f"--hilore.budget auto: the device has {device_bytes / 2**20:.0f} MiB for this rank, less than "
+            f"gradient checkpointing needs ({(gc_peak + resident) / 2**20:.0f} MiB with the weights and "
+            f"optimizer state); free memory (a colocated vLLM's share?) or use fewer tokens per microbatch"
+        )
     return budget
 
 
@@ -383,15 +461,22 @@ def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = N
         check_levels(cal, hcfg.codec, f"--hilore.calibration {hcfg.calibration}")
         return cal
     log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
-    cal = (shared_calibration(runner, batches, levels, cap) if shared and _world() > 1
-           else calibrate_levels(runner, batches, levels, cap=cap))
+    cal = (
+        shared_calibration(runner, batches, levels, cap)
+        if shared and _world() > 1
+        else calibrate_levels(runner, batches, levels, cap=cap)
+    )
     if hcfg.calibration and write:
         save_levels(cal, hcfg.calibration)
     return cal
 
 
 def _world() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+    return (
+        torch.distributed.get_world_size()
+        if torch.distributed.is_available() and torch.distributed.is_initialized()
+        else 1
+    )
 
 
 def shared_calibration(runner, batches, levels, cap: Optional[int] = None) -> Dict:

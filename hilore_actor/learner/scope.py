@@ -17,6 +17,7 @@ plus what its allocator already holds, less ``AUTO_MARGIN`` of the device (alloc
 NCCL and CUDA-graph buffers); a colocated vLLM's share is not free, so it is left alone. On
 CPU there is no capacity to read: ``CPU_AUTO_RATIO`` x gc's peak, said so in the log.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -83,15 +84,25 @@ def resident_now(device, module, optimizer=None, persistent_to_come: bool = Fals
     extra = _persistent_to_come(params) if persistent_to_come else 0
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device)) + extra
-    return _storage_bytes(params + list(module.buffers()) + [p.grad for p in params if p.grad is not None]
-                          + _optimizer_tensors(optimizer)) + extra
+    return (
+        _storage_bytes(
+            params
+            + list(module.buffers())
+            + [p.grad for p in params if p.grad is not None]
+            + _optimizer_tensors(optimizer)
+        )
+        + extra
+    )
 
 
 def _persistent_to_come(params) -> int:
     """ZeRO-3's persistent weights (``ds_persist``: small ones, kept whole on every rank once
     gathered) that are not gathered now, at full size."""
-    return sum(p.ds_numel * p.element_size() for p in params
-               if getattr(p, "ds_persist", False) and getattr(getattr(p, "ds_status", None), "name", "") != "AVAILABLE")
+    return sum(
+        p.ds_numel * p.element_size()
+        for p in params
+        if getattr(p, "ds_persist", False) and getattr(getattr(p, "ds_status", None), "name", "") != "AVAILABLE"
+    )
 
 
 def auto_budget(device) -> Optional[int]:

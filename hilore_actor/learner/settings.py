@@ -5,6 +5,7 @@ parses them beside OpenRLHF's flags (``openrlhf/train_ppo_ray.py``) and its poli
 them back from the environment. The flag names, their types, defaults and checks live here
 only, so the two integrations cannot drift apart.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,52 +30,117 @@ boolean.__name__ = "true|false"
 
 # (flag, type, default, help), as in the job's flag table
 HILORE_FLAGS = [
-    ("hilore.budget", str, "1.10", "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
-     "(CUDA: the memory free at start-up plus what the learner holds, less 8 percent of the device; CPU: 1.25 x gc)"),
-    ("hilore.budget_scope", str, "device", "what B counts: device (the rank's whole peak: weights, gradients, "
-     "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
-     "what a microbatch allocates above what it starts with: stricter)"),
-    ("hilore.fill", float, 0.95, "share of B a microbatch's plan aims at once the rank has measured its peaks: each "
-     "plan is sized so that its predicted peak times the largest measured-to-predicted ratio of the last 4 "
-     "microbatches is fill x B (planned unit bytes miss real rollouts by a few percent; 0: keep the planning-time "
-     "correction; over B the coordinator tightens)"),
+    (
+        "hilore.budget",
+        str,
+        "1.10",
+        "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
+        "(CUDA: the memory free at start-up plus what the learner holds, less 8 percent of the device; CPU: 1.25 x gc)",
+    ),
+    (
+        "hilore.budget_scope",
+        str,
+        "device",
+        "what B counts: device (the rank's whole peak: weights, gradients, "
+        "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
+        "what a microbatch allocates above what it starts with: stricter)",
+    ),
+    (
+        "hilore.fill",
+        float,
+        0.95,
+        "share of B a microbatch's plan aims at once the rank has measured its peaks: each "
+        "plan is sized so that its predicted peak times the largest measured-to-predicted ratio of the last 4 "
+        "microbatches is fill x B (planned unit bytes miss real rollouts by a few percent; 0: keep the planning-time "
+        "correction; over B the coordinator tightens)",
+    ),
     ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
     ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
     ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
     ("hilore.refresh_every", int, 1, "recompute online actions every N microbatches"),
-    ("hilore.calibration_batches", int, 16, "microbatches for L's risk calibration (C; modes with L): the first step's real "
-     "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)"),
+    (
+        "hilore.calibration_batches",
+        int,
+        16,
+        "microbatches for L's risk calibration (C; modes with L): the first step's real "
+        "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)",
+    ),
     ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
-    ("hilore.codec", str, DEFAULT_CODECS, "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
-     "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
-     "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk"),
-    ("hilore.partial", boolean, False, "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
-     "and attention kernels (P), or of its attention kernel alone (P:core), and replay the rest from them in "
-     "backward (exact gradients; torch's selective checkpointing, chosen per unit by the knapsack); off until "
-     "benchmarked"),
-    ("hilore.token_rows", str, "", "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
-     "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others compressed, each share "
-     "one more option per L level for the knapsack (empty: off until benchmarked; modes with L)"),
-    ("hilore.compile", boolean, False, "compile each recovery unit's forward in place (regional torch.compile: "
-     "inductor's fused kernels for norms, attention and MLP) and plan on the compiled units; H, R and P stay exact, "
-     "L compresses MLP units only (docs/compile.md); the first microbatches pay the compile time"),
-    ("hilore.compile_activation_budget", float, 1.0, "with --hilore.compile: torch's activation_memory_budget for each "
-     "compiled unit's graph, in [0, 1] (1: inductor's fastest cut; lower: its partitioner recomputes cheap fused ops "
-     "in the unit's backward, so H keeps fewer bytes per unit, exactly)"),
-    ("hilore.compile_layer_regions", boolean, False, "with --hilore.compile: also compile each decoder layer as one "
-     "region, which a planned microbatch runs where the layer's units are all planned exact (kept H) or all R, for "
-     "fusion across its units; other layers run their units' regions (docs/compile.md)"),
-    ("hilore.chunked_head", boolean, True, "compute the action log-probs (and entropy) from the last hidden state a "
-     "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)"),
-    ("hilore.plan_tokens", int, None, "tokens of the planning microbatch (default: micro batch x (longest prompt + "
-     "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"),
+    (
+        "hilore.codec",
+        str,
+        DEFAULT_CODECS,
+        "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
+        "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
+        "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk",
+    ),
+    (
+        "hilore.partial",
+        boolean,
+        False,
+        "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
+        "and attention kernels (P), or of its attention kernel alone (P:core), and replay the rest from them in "
+        "backward (exact gradients; torch's selective checkpointing, chosen per unit by the knapsack); off until "
+        "benchmarked",
+    ),
+    (
+        "hilore.token_rows",
+        str,
+        "",
+        "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
+        "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others compressed, each share "
+        "one more option per L level for the knapsack (empty: off until benchmarked; modes with L)",
+    ),
+    (
+        "hilore.compile",
+        boolean,
+        False,
+        "compile each recovery unit's forward in place (regional torch.compile: "
+        "inductor's fused kernels for norms, attention and MLP) and plan on the compiled units; H, R and P stay exact, "
+        "L compresses MLP units only (docs/compile.md); the first microbatches pay the compile time",
+    ),
+    (
+        "hilore.compile_activation_budget",
+        float,
+        1.0,
+        "with --hilore.compile: torch's activation_memory_budget for each "
+        "compiled unit's graph, in [0, 1] (1: inductor's fastest cut; lower: its partitioner recomputes cheap fused ops "
+        "in the unit's backward, so H keeps fewer bytes per unit, exactly)",
+    ),
+    (
+        "hilore.compile_layer_regions",
+        boolean,
+        False,
+        "with --hilore.compile: also compile each decoder layer as one "
+        "region, which a planned microbatch runs where the layer's units are all planned exact (kept H) or all R, for "
+        "fusion across its units; other layers run their units' regions (docs/compile.md)",
+    ),
+    (
+        "hilore.chunked_head",
+        boolean,
+        True,
+        "compute the action log-probs (and entropy) from the last hidden state a "
+        "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)",
+    ),
+    (
+        "hilore.plan_tokens",
+        int,
+        None,
+        "tokens of the planning microbatch (default: micro batch x (longest prompt + "
+        "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less",
+    ),
     ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
-    ("hilore.loo", boolean, True, "leave-one-out check of the plan: the four stored units with the least profiled "
-     "utility per byte are timed in pairs with and without them and recomputed when they were slower in every pair "
-     "(false skips it: faster start-up)"),
+    (
+        "hilore.loo",
+        boolean,
+        True,
+        "leave-one-out check of the plan: the four stored units with the least profiled "
+        "utility per byte are timed in pairs with and without them and recomputed when they were slower in every pair "
+        "(false skips it: faster start-up)",
+    ),
 ]
-DEFAULTS = {spec[0][len("hilore."):]: spec[2] for spec in HILORE_FLAGS}
-TYPES = {spec[0][len("hilore."):]: spec[1] for spec in HILORE_FLAGS}
+DEFAULTS = {spec[0][len("hilore.") :]: spec[2] for spec in HILORE_FLAGS}
+TYPES = {spec[0][len("hilore.") :]: spec[1] for spec in HILORE_FLAGS}
 
 
 def hilore_settings(**values) -> SimpleNamespace:
@@ -98,7 +164,9 @@ def hilore_errors(hcfg) -> List[str]:
     names = [c.strip() for c in str(hcfg.codec).split(",")]
     bad = [c for c in names if c not in CODECS]
     if bad or len(set(names)) != len(names):
-        errors.append(f"--hilore.codec {hcfg.codec!r}: a comma list of distinct codecs from {', '.join(sorted(CODECS))}")
+        errors.append(
+            f"--hilore.codec {hcfg.codec!r}: a comma list of distinct codecs from {', '.join(sorted(CODECS))}"
+        )
     try:
         token_rows(hcfg)
     except ValueError as e:
@@ -116,11 +184,18 @@ def hilore_errors(hcfg) -> List[str]:
             errors.append(f"--hilore.budget: {e}")
         else:
             if kind == "ratio" and value < 1.0:  # resolve_budget's minimum is at least gc's peak
-                errors.append(f"--hilore.budget {hcfg.budget}: a ratio below 1 is below what gradient checkpointing "
-                              "needs (B is at least gc's peak, and at least the all-R peak; both are measured at start-up)")
-    for name, low, what in (("delta", 0.0, ">= 0"), ("tolerance", 0.0, ">= 0"), ("refresh_every", 1, ">= 1"),
-                            ("calibration_batches", 1, ">= 1"), ("profile_repeats", 1, ">= 1"),
-                            ("plan_tokens", 1, ">= 1")):
+                errors.append(
+                    f"--hilore.budget {hcfg.budget}: a ratio below 1 is below what gradient checkpointing "
+                    "needs (B is at least gc's peak, and at least the all-R peak; both are measured at start-up)"
+                )
+    for name, low, what in (
+        ("delta", 0.0, ">= 0"),
+        ("tolerance", 0.0, ">= 0"),
+        ("refresh_every", 1, ">= 1"),
+        ("calibration_batches", 1, ">= 1"),
+        ("profile_repeats", 1, ">= 1"),
+        ("plan_tokens", 1, ">= 1"),
+    ):
         v = getattr(hcfg, name)
         if v is not None and not (float(v) >= low and math.isfinite(float(v))):
             errors.append(f"--hilore.{name} {v}: must be {what}")

@@ -12,6 +12,7 @@ block; the OpenRLHF drop-in (``openrlhf/training_step.py``) calls OpenRLHF's who
 ``training_step`` there and sets the actions from its intercepted ``strategy.backward``. Without
 a recovery engine (backends ``gc`` and ``none``) the block only measures the peak.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,9 @@ class MicrobatchRecord:
 
 
 @contextlib.contextmanager
-def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: bool = False,
-                   token_scores=None) -> Iterator[MicrobatchRecord]:
+def run_microbatch(
+    plan, engine, device, tokens: int, resident: int = 0, all_r: bool = False, token_scores=None
+) -> Iterator[MicrobatchRecord]:
     """Run the block as one microbatch of ``tokens`` tokens under ``plan`` (a ``RankPlan``;
     its plan sized to those tokens) on ``engine`` (a ``RecoveryEngine`` or None); the record
     is complete when the block exits. ``resident``: what the rank holds as the microbatch
@@ -92,8 +94,13 @@ def run_microbatch(plan, engine, device, tokens: int, resident: int = 0, all_r: 
                     yield rec
                 rec.actions = {n: "R" for n in rec.sp.plan}
             else:
-                with engine.step(rec.sp.plan, track_tokens=plan.track_tokens, track_error=False,
-                                 token_scores=token_scores, regions=True) as st:
+                with engine.step(
+                    rec.sp.plan,
+                    track_tokens=plan.track_tokens,
+                    track_error=False,
+                    token_scores=token_scores,
+                    regions=True,
+                ) as st:
                     rec.step = st
                     yield rec
                     rec.actions = st.actions()

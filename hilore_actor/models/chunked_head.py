@@ -17,6 +17,7 @@ Cohere's ``logit_scale``, Granite's ``logits_scaling``, BERT-style prediction he
 ``head_is_linear`` checks it once per model on a few tokens, and the callers fall back to the
 model's own logits where it fails.
 """
+
 from __future__ import annotations
 
 import sys
@@ -51,9 +52,11 @@ def head_is_linear(model) -> bool:
     except Exception:  # noqa: BLE001  no decoder/head split to use: the model's own logits
         return False
     if not ok:
-        print(f"[hilore] {type(model).__name__}'s logits are not its head applied to the decoder's last hidden "
-              "state (logit scaling, soft-capping or a prediction head): using its own logits, not the chunked head",
-              file=sys.stderr)
+        print(
+            f"[hilore] {type(model).__name__}'s logits are not its head applied to the decoder's last hidden "
+            "state (logit scaling, soft-capping or a prediction head): using its own logits, not the chunked head",
+            file=sys.stderr,
+        )
     _LINEAR_HEAD[key] = ok
     return ok
 
@@ -79,8 +82,9 @@ def chunk_row_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
     return vocab * (12 + 2 * torch.empty(0, dtype=dtype).element_size()) + 8 * hidden
 
 
-def head_chunk_rows(device_type: str, vocab: int, hidden: int, dtype: torch.dtype,
-                    room_bytes: Optional[int] = None) -> int:
+def head_chunk_rows(
+    device_type: str, vocab: int, hidden: int, dtype: torch.dtype, room_bytes: Optional[int] = None
+) -> int:
     """Head rows per chunk, the one rule for the job, the benchmark and the OpenRLHF drop-in.
     CPU (and any non-CUDA device): ``default_chunk``, as the committed CPU results ran.
     CUDA: ``CUDA_MIN_ROWS``, or more where ``CUDA_LOGITS_BYTES`` of float32 logits hold more
@@ -109,14 +113,14 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=hidden.device)
         for i in range(0, n, chunk):
-            z = F.linear(hidden[i:i + chunk], weight, bias).float()
+            z = F.linear(hidden[i : i + chunk], weight, bias).float()
             if scale != 1.0:
                 z.mul_(scale)
-            lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
-            out[i:i + chunk] = z.gather(-1, labels[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
+            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
+            out[i : i + chunk] = z.gather(-1, labels[i : i + chunk, None]).squeeze(-1) - lse[i : i + chunk]
             if entropy:  # -sum p log p: every term <= 0, no cancellation (lse - E_p[z] loses ~|z| eps)
-                logp = z.sub_(lse[i:i + chunk, None])  # in place, as p: two chunk-sized floats, not four
-                ent[i:i + chunk] = -logp.exp().mul_(logp).sum(-1)
+                logp = z.sub_(lse[i : i + chunk, None])  # in place, as p: two chunk-sized floats, not four
+                ent[i : i + chunk] = -logp.exp().mul_(logp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.chunk, ctx.scale, ctx.entropy = chunk, scale, entropy
         # an output the loss does not use gets no gradient (None, not zeros): entropy computed for
@@ -135,34 +139,46 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         if grad is None:  # only the entropy reaches the loss
             grad = torch.zeros_like(lse)
         for i in range(0, hidden.shape[0], c):
-            h = hidden[i:i + c]
-            g = grad[i:i + c].float()
+            h = hidden[i : i + c]
+            g = grad[i : i + c].float()
             z = F.linear(h, weight, bias).float()
             if scale != 1.0:
                 z.mul_(scale)
             if ctx.entropy and grad_ent is not None:
-                mean_z = (lse[i:i + c] - ent[i:i + c])[:, None]  # E_p[z]
-                p = (z - lse[i:i + c, None]).exp_()
-                dz = z.sub_(mean_z).mul_(p).mul_(-grad_ent[i:i + c].float()[:, None])  # -g_H p (z - E_p[z])
+                mean_z = (lse[i : i + c] - ent[i : i + c])[:, None]  # E_p[z]
+                p = (z - lse[i : i + c, None]).exp_()
+                dz = z.sub_(mean_z).mul_(p).mul_(-grad_ent[i : i + c].float()[:, None])  # -g_H p (z - E_p[z])
                 dz.sub_(p.mul_(g[:, None]))
             else:
-                dz = z.sub_(lse[i:i + c, None]).exp_().mul_(-g[:, None])  # -g p
-            dz.scatter_add_(-1, labels[i:i + c, None], g[:, None])  # + g onehot
+                dz = z.sub_(lse[i : i + c, None]).exp_().mul_(-g[:, None])  # -g p
+            dz.scatter_add_(-1, labels[i : i + c, None], g[:, None])  # + g onehot
             if scale != 1.0:
                 dz.mul_(scale)
             gl = dz.to(hidden.dtype)
             if need_h:
-                gh[i:i + c] = gl @ weight
+                gh[i : i + c] = gl @ weight
             if need_w:
                 gw.addmm_(gl.t().float(), h.float())
             if need_b:
                 gb += gl.float().sum(0)
-        return (gh, (gw.to(weight.dtype) if need_w else None), (gb.to(bias.dtype) if need_b else None),
-                None, None, None, None)
+        return (
+            gh,
+            (gw.to(weight.dtype) if need_w else None),
+            (gb.to(bias.dtype) if need_b else None),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_token_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                         chunk: Optional[int] = None, entropy: bool = False):
+def chunked_token_log_probs(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+    entropy: bool = False,
+):
     """``[B, T-1]`` log-probs of ``input_ids[:, 1:]``, like ``sequence_log_probs`` but through
     the decoder and a chunked head (``model`` is an HF causal LM, peft-wrapped or not); through
     the model's own logits where ``head_is_linear`` fails. ``entropy``: also each position's

@@ -4,6 +4,7 @@ Tests and benchmarks need Qwen2 (GQA), Llama (GQA) and Phi3 (MHA, fused qkv / ga
 at sizes a 2-core CPU trains in seconds; users point ``load_model`` at a real checkpoint
 directory, a ``config.json`` (random weights of that shape) or a GGUF file.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,8 +102,10 @@ def supported_attention(config, requested: str) -> str:
     cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
     if cls is None or getattr(cls, "_supports_sdpa", True):
         return requested
-    print(f"[hilore] {cls.__name__} has no SDPA attention in transformers {transformers.__version__}; using eager",
-          file=sys.stderr)
+    print(
+        f"[hilore] {cls.__name__} has no SDPA attention in transformers {transformers.__version__}; using eager",
+        file=sys.stderr,
+    )
     return "eager"
 
 
@@ -137,7 +140,9 @@ def load_model(
     elif p.is_file() or not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
         cfg_file = p if p.is_file() else p / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{str(p)!r} has no config.json; expected an HF model directory, a config.json or a .gguf file")
+            raise FileNotFoundError(
+                f"{str(p)!r} has no config.json; expected an HF model directory, a config.json or a .gguf file"
+            )
         try:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
@@ -155,8 +160,11 @@ def apply_lora(model, lora: LoraSpec):
     """Wrap ``model`` in a peft LoRA model; only the adapters train."""
     import peft
 
-    targets = all_linear_targets(model) if lora.targets == "all-linear" else (
-        lora.targets if isinstance(lora.targets, str) else list(lora.targets))
+    targets = (
+        all_linear_targets(model)
+        if lora.targets == "all-linear"
+        else (lora.targets if isinstance(lora.targets, str) else list(lora.targets))
+    )
     cfg = peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
     )
@@ -180,9 +188,13 @@ def all_linear_targets(model) -> list:
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in _MAMBA_TYPES
     plain = (torch.nn.Linear.forward, Conv1D.forward)
-    out = [name for name, m in model.named_modules()
-           if m is not head and (type(m).forward in plain or (isinstance(m, torch.nn.Linear) and _returns_tensor(m)))
-           and not (mamba and name.rsplit(".", 1)[-1] in _MAMBA_REFUSED)]
+    out = [
+        name
+        for name, m in model.named_modules()
+        if m is not head
+        and (type(m).forward in plain or (isinstance(m, torch.nn.Linear) and _returns_tensor(m)))
+        and not (mamba and name.rsplit(".", 1)[-1] in _MAMBA_REFUSED)
+    ]
     if not out:
         raise ValueError(f"{type(model).__name__} has no linear layer for LoRA to adapt (lora targets: all-linear)")
     return out

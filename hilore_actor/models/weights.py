@@ -12,6 +12,7 @@ dropped before the next, so the device holds one module's float32 delta at most,
 delta of the model (~11 GB for Qwen2.5-3B with all-linear LoRA). Under ZeRO-3 ``gather`` makes
 that module's parameters whole for its turn only (``zero3_gather``), not the whole model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,9 @@ def _modules(root, owner_cls=None) -> Iterator[Tuple[str, torch.nn.Module, List[
         yield current, mods[current], group
 
 
-def export_weights(model, kind: str, gather: Optional[Gather] = None,
-                   keep: bool = True) -> Optional[Dict[str, torch.Tensor]]:
+def export_weights(
+    model, kind: str, gather: Optional[Gather] = None, keep: bool = True
+) -> Optional[Dict[str, torch.Tensor]]:
     """CPU copies of ``model``'s weights in the form ``kind`` names, one module at a time.
     ``gather(params)``: a context that makes those parameters whole (``zero3_gather``); every
     rank then calls this alike (the gathers are collectives) and ``keep=False`` ranks only take

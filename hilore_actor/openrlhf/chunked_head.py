@@ -18,6 +18,7 @@ Falls back to OpenRLHF's own forward where the chunked head does not apply: no a
 logits that are not the head applied to the last hidden state (``head_is_linear``).
 Packed samples use OpenRLHF's own unpad/pad helpers (they need flash-attn, as packing does).
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -35,9 +36,15 @@ def _inner(model):
 
 def _falls_back(actor, action_mask, ring_attn_group, allgather_logits, mm_inputs) -> bool:
     cfg = getattr(_inner(actor.model), "config", None)
-    return (action_mask is None or ring_attn_group is not None or allgather_logits or bool(mm_inputs)
-            or getattr(actor, "is_vlm", False) or bool(getattr(cfg, "output_router_logits", False))
-            or not head_is_linear(_inner(actor.model)))
+    return (
+        action_mask is None
+        or ring_attn_group is not None
+        or allgather_logits
+        or bool(mm_inputs)
+        or getattr(actor, "is_vlm", False)
+        or bool(getattr(cfg, "output_router_logits", False))
+        or not head_is_linear(_inner(actor.model))
+    )
 
 
 def _head_pass(actor, ids, attention_mask, position_ids, labels, entropy: bool, chunk: Optional[int]):
@@ -46,13 +53,15 @@ def _head_pass(actor, ids, attention_mask, position_ids, labels, entropy: bool, 
     temperature = float(getattr(actor, "temperature", 1.0) or 1.0)
 
     def forward(input_ids, attention_mask=None, position_ids=None):
-        hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                     use_cache=False).last_hidden_state
+        hidden = inner.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         head = inner.get_output_embeddings()
         H = hidden.shape[-1]
         rows = chunk or head_chunk_rows(hidden.device.type, head.weight.shape[0], H, head.weight.dtype)
-        out = ChunkedTokenLogProbs.apply(hidden.reshape(-1, H), head.weight, head.bias, labels.reshape(-1),
-                                         rows, 1.0 / temperature, entropy)
+        out = ChunkedTokenLogProbs.apply(
+            hidden.reshape(-1, H), head.weight, head.bias, labels.reshape(-1), rows, 1.0 / temperature, entropy
+        )
         lp, ent = out if entropy else (out, None)
         shape = input_ids.shape
         return {"log_probs": lp.view(shape), "entropy": ent.view(shape) if ent is not None else None}
@@ -69,11 +78,31 @@ def install(actor, chunk: Optional[int] = None) -> None:
     per piece (default: ``head_chunk_rows``, the job's rule)."""
     original = actor.forward
 
-    def forward(sequences, action_mask=None, attention_mask=None, return_output=False, allgather_logits=False,
-                return_logprobs=False, ring_attn_group=None, packed_seq_lens=None, return_entropy=False, **mm_inputs):
+    def forward(
+        sequences,
+        action_mask=None,
+        attention_mask=None,
+        return_output=False,
+        allgather_logits=False,
+        return_logprobs=False,
+        ring_attn_group=None,
+        packed_seq_lens=None,
+        return_entropy=False,
+        **mm_inputs,
+    ):
         if _falls_back(actor, action_mask, ring_attn_group, allgather_logits, mm_inputs):
-            return original(sequences, action_mask, attention_mask, return_output, allgather_logits, return_logprobs,
-                            ring_attn_group, packed_seq_lens, return_entropy, **mm_inputs)
+            return original(
+                sequences,
+                action_mask,
+                attention_mask,
+                return_output,
+                allgather_logits,
+                return_logprobs,
+                ring_attn_group,
+                packed_seq_lens,
+                return_entropy,
+                **mm_inputs,
+            )
         batch, seqlen = sequences.shape
         if actor.packing_samples:
             from openrlhf.models.ring_attn_utils import gather_and_pad_tensor, unpad_and_slice_tensor
@@ -88,7 +117,7 @@ def install(actor, chunk: Optional[int] = None) -> None:
             out = _head_pass(actor, sequences, attention_mask, position_ids, labels, return_entropy, chunk)
             unpack = lambda t: t  # noqa: E731
         log_probs = unpack(out["log_probs"])[:, :-1]
-        action_log_probs = log_probs[:, -action_mask.shape[1]:] * action_mask.float()
+        action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask.float()
         if not return_output:
             return action_log_probs
         output = SimpleNamespace(logits=None, aux_loss=None)

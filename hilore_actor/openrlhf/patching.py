@@ -5,6 +5,7 @@ setting instance attributes for the duration of one call; the verification scrip
 same around the drop-in. ``del obj.attr`` on exit would remove an outer layer's attribute
 too; ``shadowed`` puts back whatever instance attribute was there before.
 """
+
 from __future__ import annotations
 
 import contextlib

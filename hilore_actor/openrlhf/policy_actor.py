@@ -46,6 +46,7 @@ against B (``learner/step.py``).
 
 Runs only where OpenRLHF's trainer runs: on CUDA (``DeepspeedStrategy`` calls ``torch.cuda``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -90,9 +91,11 @@ def allocator_settings(args) -> str:
         return ""
     why = "--train.colocate_all sends the actor's weights to vLLM by CUDA IPC"
     if expandable_segments_chosen():
-        return (f"[hilore] warning: your allocator settings turn expandable segments on, and {why}: exporting that "
-                "memory needs pidfd_getfd, which containers and Yama ptrace_scope 1 refuse; if the weight sync fails, "
-                "unset expandable_segments")
+        return (
+            f"[hilore] warning: your allocator settings turn expandable segments on, and {why}: exporting that "
+            "memory needs pidfd_getfd, which containers and Yama ptrace_scope 1 refuse; if the weight sync fails, "
+            "unset expandable_segments"
+        )
     if any(k in os.environ for k in ALLOC_CONF_VARS):
         return ""  # the user's settings, without expandable segments
     return f"[hilore] allocator: expandable segments left off ({why}, which cannot export such memory)"
@@ -161,16 +164,28 @@ def plan_wrapped(actor, strategy, hcfg, device):
     zero3 = args.ds.zero_stage == 3
     tokens, seqs = microbatch_shape(args)
     plan = plan_in_lockstep(
-        module, hcfg, backend="hilore", tokens=tokens, seqs_per_microbatch=seqs, group_size=args.rollout.n_samples_per_prompt,
-        loss_options=dict(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
-                          kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
-                          kl_estimator=args.algo.kl.estimator),
+        module,
+        hcfg,
+        backend="hilore",
+        tokens=tokens,
+        seqs_per_microbatch=seqs,
+        group_size=args.rollout.n_samples_per_prompt,
+        loss_options=dict(
+            clip_eps_low=args.actor.eps_clip_low_high[0],
+            clip_eps_high=args.actor.eps_clip_low_high[1],
+            kl_coef=args.algo.kl.init_coef if args.algo.kl.use_loss else 0.0,
+            kl_estimator=args.algo.kl.estimator,
+        ),
         # B from gc as OpenRLHF runs it (full logits); the plan for the head the actor will run
-        loss_fn=partial(microbatch_loss, chunked_head=hcfg.chunked_head and not zero3), std_loss_fn=microbatch_loss,
-        device=device, seed=args.train.seed,
+        loss_fn=partial(microbatch_loss, chunked_head=hcfg.chunked_head and not zero3),
+        std_loss_fn=microbatch_loss,
+        device=device,
+        seed=args.train.seed,
         resident=resident_now(device, module, engine.optimizer, persistent_to_come=True),
-        write_calibration=torch.distributed.get_rank() == 0, log=strategy.print,
-        backward=lambda loss: torch.autograd.grad(loss, params, allow_unused=True))
+        write_calibration=torch.distributed.get_rank() == 0,
+        log=strategy.print,
+        backward=lambda loss: torch.autograd.grad(loss, params, allow_unused=True),
+    )
     if zero3:  # weights gathered for modules without a gradient input stay gathered until an epilogue
         engine.optimizer.parameter_offload.release_backward_leftovers()
         engine.empty_partition_cache()
@@ -206,7 +221,10 @@ def watch_memory(trainer, plan, device, model, register=None) -> None:
                 register(plan.budget)
         r = meter.report if meter is not None else None
         if r is not None and isinstance(result, dict) and isinstance(result.get("metrics"), dict):
-            for k, v in (("hilore_max_allocated_gb", r.max_allocated_bytes), ("hilore_max_reserved_gb", r.max_reserved_bytes)):
+            for k, v in (
+                ("hilore_max_allocated_gb", r.max_allocated_bytes),
+                ("hilore_max_reserved_gb", r.max_reserved_bytes),
+            ):
                 result["metrics"][k] = v / 2**30
                 if isinstance(result.get("weights"), dict):
                     result["weights"][k] = None
@@ -261,8 +279,9 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         call(coordinator.register, rank, plan.budget)
         self.hilore = HiLoReTrainingStep(plan, engine, coordinator, rank, device=device)
         self.hilore.install(self.trainer)
-        watch_memory(self.trainer, plan, device, self.actor.model,
-                     register=lambda b: call(coordinator.register, rank, b))
+        watch_memory(
+            self.trainer, plan, device, self.actor.model, register=lambda b: call(coordinator.register, rank, b)
+        )
         if hcfg.chunked_head and strategy.args.ds.zero_stage < 3:
             from .chunked_head import install
 

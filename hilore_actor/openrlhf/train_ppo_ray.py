@@ -16,6 +16,7 @@ Also usable as ``ray job submit -- python -m hilore_actor.openrlhf.train_ppo_ray
 Without OpenRLHF, or without a GPU, it stops with a message, not a traceback. ``--help`` lists
 OpenRLHF's flags and ours on any machine, vllm or not (``print_help``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -46,7 +47,7 @@ def split_flags(argv: List[str]) -> Tuple[str, Dict[str, str], List[str]]:
                     raise PluginError(f"{name} needs a value")
                 value, i = argv[i + 1], i + 1
             if name.startswith("--hilore."):
-                hilore[name[len("--hilore."):]] = value
+                hilore[name[len("--hilore.") :]] = value
             elif value not in BACKENDS:
                 raise PluginError(f"{name} {value!r}: choose one of {', '.join(BACKENDS)}")
             else:
@@ -70,16 +71,22 @@ def hilore_config(raw: Dict[str, str]) -> Dict:
 def import_cli():
     """OpenRLHF's CLI module, or a message saying what is missing."""
     if importlib.util.find_spec("openrlhf") is None:
-        raise PluginError(f"OpenRLHF is not installed: pip install 'hilore-actor[openrlhf]' (openrlhf=={OPENRLHF_VERSION})")
+        raise PluginError(
+            f"OpenRLHF is not installed: pip install 'hilore-actor[openrlhf]' (openrlhf=={OPENRLHF_VERSION})"
+        )
     from importlib.metadata import version
 
     if version("openrlhf") != OPENRLHF_VERSION:
-        print(f"[hilore] warning: built against OpenRLHF {OPENRLHF_VERSION}, found {version('openrlhf')}", file=sys.stderr)
+        print(
+            f"[hilore] warning: built against OpenRLHF {OPENRLHF_VERSION}, found {version('openrlhf')}", file=sys.stderr
+        )
     try:
         import openrlhf.cli.train_ppo_ray as cli
     except ImportError as e:
-        raise PluginError(f"OpenRLHF's Ray trainer could not be imported ({e}). It imports vllm and flash-attn at module "
-                          f"level, which install only on a CUDA machine: pip install 'hilore-actor[gpu,openrlhf]' there") from None
+        raise PluginError(
+            f"OpenRLHF's Ray trainer could not be imported ({e}). It imports vllm and flash-attn at module "
+            f"level, which install only on a CUDA machine: pip install 'hilore-actor[gpu,openrlhf]' there"
+        ) from None
     return cli
 
 
@@ -89,7 +96,7 @@ def main_block(path: str) -> ast.Module:
     for node in tree.body:
         if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
             return ast.Module(body=node.body, type_ignores=[])
-    raise PluginError(f"{path}: no `if __name__ == \"__main__\"` block (not OpenRLHF {OPENRLHF_VERSION}'s CLI?)")
+    raise PluginError(f'{path}: no `if __name__ == "__main__"` block (not OpenRLHF {OPENRLHF_VERSION}\'s CLI?)')
 
 
 def run_cli_main(module, argv: List[str], train: Callable, path: Optional[str] = None):
@@ -118,8 +125,13 @@ def add_our_flags(parser) -> None:
     from ..learner.settings import add_flags
 
     group = parser.add_argument_group(HELP_TITLE)
-    group.add_argument("--actor_backend", "--actor.backend", choices=BACKENDS, default="deepspeed",
-                       help="the policy actor: OpenRLHF's own (deepspeed, the default) or HiLoRe's (hilore)")
+    group.add_argument(
+        "--actor_backend",
+        "--actor.backend",
+        choices=BACKENDS,
+        default="deepspeed",
+        help="the policy actor: OpenRLHF's own (deepspeed, the default) or HiLoRe's (hilore)",
+    )
     add_flags(group)
 
 
@@ -153,13 +165,20 @@ def print_help() -> int:
     try:
         spec = importlib.util.find_spec("openrlhf")
         if spec is None:
-            raise PluginError(f"OpenRLHF is not installed (pip install 'hilore-actor[openrlhf]', "
-                              f"openrlhf=={OPENRLHF_VERSION}): its own flags are not listed")
+            raise PluginError(
+                f"OpenRLHF is not installed (pip install 'hilore-actor[openrlhf]', "
+                f"openrlhf=={OPENRLHF_VERSION}): its own flags are not listed"
+            )
         path = os.path.join(list(spec.submodule_search_locations)[0], "cli", "train_ppo_ray.py")
         shim = types.ModuleType("argparse")
         shim.__dict__.update(vars(argparse), ArgumentParser=help_parser_class())
-        namespace = {"__name__": "__main__", "__file__": path, "argparse": shim, "os": os,
-                     "datetime": datetime.datetime}  # the module's imports the block uses
+        namespace = {
+            "__name__": "__main__",
+            "__file__": path,
+            "argparse": shim,
+            "os": os,
+            "datetime": datetime.datetime,
+        }  # the module's imports the block uses
         saved, sys.argv = sys.argv, [path, "--help"]
         try:
             exec(compile(main_block(path), path, "exec"), namespace)
@@ -170,8 +189,10 @@ def print_help() -> int:
     except PluginError as e:
         note = str(e)
     except Exception as e:  # a block that needs the module's other imports
-        note = (f"OpenRLHF's own flags are not listed ({type(e).__name__}: {e}): its help needs its GPU install "
-                f"(python -m openrlhf.cli.train_ppo_ray --help there)")
+        note = (
+            f"OpenRLHF's own flags are not listed ({type(e).__name__}: {e}): its help needs its GPU install "
+            f"(python -m openrlhf.cli.train_ppo_ray --help there)"
+        )
     parser = help_parser_class()(description="OpenRLHF's train_ppo_ray with HiLoRe's policy actor.")
     add_our_flags(parser)
     parser.print_help()
@@ -184,14 +205,20 @@ def unsupported(args, settings: Optional[Dict] = None) -> List[str]:
     ds = getattr(args, "ds", None)
     out = []
     if (settings or {}).get("compile") and getattr(ds, "zero_stage", None) == 3:
-        out.append("--hilore.compile with --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in hooks that "
-                   "torch.compile would trace into the compiled units (use ZeRO-2 or leave --hilore.compile off)")
+        out.append(
+            "--hilore.compile with --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in hooks that "
+            "torch.compile would trace into the compiled units (use ZeRO-2 or leave --hilore.compile off)"
+        )
     if (getattr(ds, "ring_attn_size", 1) or 1) > 1:
-        out.append("--ds.ring_attn_size > 1: ring attention puts collectives inside the recovery units, and ranks "
-                   "recomputing different units would deadlock")
+        out.append(
+            "--ds.ring_attn_size > 1: ring attention puts collectives inside the recovery units, and ranks "
+            "recomputing different units would deadlock"
+        )
     if (getattr(ds, "tensor_parallel_size", 1) or 1) > 1:
-        out.append("--ds.tensor_parallel_size > 1: DeepSpeed AutoTP puts collectives inside the recovery units, and "
-                   "ranks recomputing different units would deadlock")
+        out.append(
+            "--ds.tensor_parallel_size > 1: DeepSpeed AutoTP puts collectives inside the recovery units, and "
+            "ranks recomputing different units would deadlock"
+        )
     return out
 
 
@@ -214,17 +241,21 @@ def use_hilore(args, settings: Optional[Dict] = None):
     os.environ[CONFIG_ENV] = json.dumps(settings)
     started = not ray.is_initialized()
     if started:  # OpenRLHF's own init, plus our settings for every worker
-        env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
-               "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
-               "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-               CONFIG_ENV: os.environ[CONFIG_ENV]}
+        env = {
+            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
+            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+            "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
+            CONFIG_ENV: os.environ[CONFIG_ENV],
+        }
         ray.init(runtime_env={"env_vars": env})
     if not ray.cluster_resources().get("GPU", 0):
         if started:
             ray.shutdown()
-        raise PluginError("OpenRLHF's Ray trainer needs CUDA GPUs in the Ray cluster (its actors run on GPU workers) and "
-                          "this cluster has none; on a CPU machine use `python -m hilore_actor.train_grpo`, which runs the "
-                          "same HiLoRe learner")
+        raise PluginError(
+            "OpenRLHF's Ray trainer needs CUDA GPUs in the Ray cluster (its actors run on GPU workers) and "
+            "this cluster has none; on a CPU machine use `python -m hilore_actor.train_grpo`, which runs the "
+            "same HiLoRe learner"
+        )
     return HiLoRePolicyModelActor
 
 

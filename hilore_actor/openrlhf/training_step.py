@@ -18,6 +18,7 @@ Steps 1 and 4 are the learner room's microbatch sequence (``learner/step.py``).
 
 Imports torch and this package only: the tests drive it with OpenRLHF's real trainer code.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ def _aligned(action_values: torch.Tensor, seq_len: int) -> torch.Tensor:
     """OpenRLHF's ``[B, A]`` action tensors hold the last A positions of the ``[B, T-1]``
     next-token layout this package uses; place them there (zeros elsewhere)."""
     out = action_values.new_zeros(action_values.shape[0], seq_len - 1)
-    out[:, seq_len - 1 - action_values.shape[1]:] = action_values
+    out[:, seq_len - 1 - action_values.shape[1] :] = action_values
     return out
 
 
@@ -53,7 +54,8 @@ class HiLoReTrainingStep:
         original = trainer.training_step
         # ZeRO-3 (partitioned weights): the ranks' backward passes are collectives
         self.zero3 = torch.distributed.is_initialized() and any(
-            hasattr(p, "ds_id") for p in trainer.actor.model.parameters())
+            hasattr(p, "ds_id") for p in trainer.actor.model.parameters()
+        )
 
         def training_step(experience, kl_ctl, step, loss_batch_info=None):
             return self(trainer, original, experience, kl_ctl, step, loss_batch_info)
@@ -127,14 +129,19 @@ class HiLoReTrainingStep:
             with shadowed(strategy, backward=backward, optimizer_step=optimizer_step):
                 resident = resident_now(self.device, trainer.actor.model) if self.plan.scope == "device" else 0
                 tokens = experience.sequences.numel()
-                with run_microbatch(self.plan, self.engine, self.device, tokens, resident,
-                                    all_r=self._all_r_somewhere(tokens)) as rec:
+                with run_microbatch(
+                    self.plan, self.engine, self.device, tokens, resident, all_r=self._all_r_somewhere(tokens)
+                ) as rec:
                     state["rec"] = rec
                     result = original(experience, kl_ctl, step, loss_batch_info)
         finally:
             hook.remove()
         counts = rec.counts
-        self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget, "actions": rec.actions}
+        self.last = {
+            "peak_bytes": rec.scope_peak,
+            "peak_over_budget": rec.scope_peak / self.plan.budget,
+            "actions": rec.actions,
+        }
         report(self.plan, self.coordinator, self.rank, step, step, rec)
         if isinstance(result, dict) and isinstance(result.get("metrics"), dict):
             result["metrics"]["hilore_peak_over_budget"] = self.last["peak_over_budget"]

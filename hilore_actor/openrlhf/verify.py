@@ -15,6 +15,7 @@ package's ``HiLoRePolicyModelActor`` (their plain classes, in this process, with
 ``DeepspeedStrategy`` on one rank) build the trainers. Exit status 1 on any failure.
 The CPU tests drive ``check`` with ``single_process_trainer`` (a stand-in strategy).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,10 +56,13 @@ def single_process_trainer(actor, kl_coef: float = 0.01, optimizer=None):
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
     t = ActorPPOTrainer.__new__(ActorPPOTrainer)  # no vLLM, replay buffer or Ray setup
-    t.args = SimpleNamespace(actor=SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0),
-                             algo=SimpleNamespace(kl=SimpleNamespace(use_loss=True, init_coef=kl_coef, estimator="k3",
-                                                                     unbiased_gradient=False)),
-                             train=SimpleNamespace(dynamic_batch_enable=False))
+    t.args = SimpleNamespace(
+        actor=SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0),
+        algo=SimpleNamespace(
+            kl=SimpleNamespace(use_loss=True, init_coef=kl_coef, estimator="k3", unbiased_gradient=False)
+        ),
+        train=SimpleNamespace(dynamic_batch_enable=False),
+    )
     t.strategy, t.actor, t.actor_loss_fn = SingleProcessStrategy(t.args, optimizer), actor, PolicyLoss(0.2, 0.2)
     t.aux_loss, t.ema_model, t.replay_buffer, t.actor_optim = False, None, None, optimizer
     t.actor_scheduler = SimpleNamespace(get_last_lr=lambda: [optimizer.param_groups[0]["lr"] if optimizer else 0.0])
@@ -75,21 +79,33 @@ def experience(seed: int, B: int, P: int, A: int, vocab: int, device="cpu"):
     att = torch.ones(B, P + A, dtype=torch.long)
     act = torch.ones(B, A, dtype=torch.bool)
     for b in range(B):
-        lpad, rlen = int(torch.randint(0, P // 2, (1,), generator=g)), int(torch.randint(A // 2, A + 1, (1,), generator=g))
+        lpad, rlen = (
+            int(torch.randint(0, P // 2, (1,), generator=g)),
+            int(torch.randint(A // 2, A + 1, (1,), generator=g)),
+        )
         att[b, :lpad] = 0
-        att[b, P + rlen:] = 0
+        att[b, P + rlen :] = 0
         act[b, rlen:] = False
     old = -2.0 + 0.3 * torch.randn(B, A, generator=g)
     ref = old + 0.05 * torch.randn(B, A, generator=g)
     adv = torch.randn(B, 1, generator=g).expand(B, A).clone()
-    return Experience(sequences=seq.to(device), attention_mask=att.to(device), action_mask=act.to(device),
-                      action_log_probs=(old * act).to(device), base_action_log_probs=(ref * act).to(device),
-                      advantages=(adv * act).to(device), info={})
+    return Experience(
+        sequences=seq.to(device),
+        attention_mask=att.to(device),
+        action_mask=act.to(device),
+        action_log_probs=(old * act).to(device),
+        base_action_log_probs=(ref * act).to(device),
+        advantages=(adv * act).to(device),
+        info={},
+    )
 
 
 def loss_batch_info(exp):
-    return dict(dp_size=1, batch_num_tokens=exp.action_mask.sum().float(),
-                global_batch_size=torch.tensor(float(exp.action_mask.shape[0]), device=exp.action_mask.device))
+    return dict(
+        dp_size=1,
+        batch_num_tokens=exp.action_mask.sum().float(),
+        global_batch_size=torch.tensor(float(exp.action_mask.shape[0]), device=exp.action_mask.device),
+    )
 
 
 def flat_gradient(actor) -> torch.Tensor:
@@ -97,8 +113,9 @@ def flat_gradient(actor) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_grad
 
     params = [p for p in actor.parameters() if p.requires_grad]
-    return torch.cat([(safe_get_full_grad(p) if p.grad is None else p.grad).detach().float().flatten().cpu()
-                      for p in params])
+    return torch.cat(
+        [(safe_get_full_grad(p) if p.grad is None else p.grad).detach().float().flatten().cpu() for p in params]
+    )
 
 
 def _one_step(trainer, exp, step: int, keep_grad: bool):
@@ -137,8 +154,15 @@ def check(build: Callable[[str], tuple], experiences: Sequence, modes: Sequence[
             continue
         grads.setdefault(method, g)
         err = float((g - grads["gc"]).norm() / grads["gc"].norm()) if method != "gc" else 0.0
-        rows.append(dict(method=method, grad_rel_err=err, update_seconds=times, peak_over_budget=peaks,
-                         plan=getattr(getattr(wrapper, "plan", None), "info", {}).get("plan")))
+        rows.append(
+            dict(
+                method=method,
+                grad_rel_err=err,
+                update_seconds=times,
+                peak_over_budget=peaks,
+                plan=getattr(getattr(wrapper, "plan", None), "info", {}).get("plan"),
+            )
+        )
         del trainer, wrapper
     floor = next(r["grad_rel_err"] for r in rows if r["method"] == "gc (repeat)")
     for r in rows:
@@ -147,26 +171,59 @@ def check(build: Callable[[str], tuple], experiences: Sequence, modes: Sequence[
         tol = max(1e-3, 4 * floor) + (0.0 if r["method"] == "hilore-hr" else 0.015)
         r["tolerance"] = tol
         if r["grad_rel_err"] > tol:
-            failures.append(f"{r['method']}: gradient relative error {r['grad_rel_err']:.2e} > {tol:.2e} "
-                            f"(gc's own noise floor {floor:.2e})")
+            failures.append(
+                f"{r['method']}: gradient relative error {r['grad_rel_err']:.2e} > {tol:.2e} "
+                f"(gc's own noise floor {floor:.2e})"
+            )
         if any(p > 1.0 for p in r["peak_over_budget"]):
             failures.append(f"{r['method']}: peak {max(r['peak_over_budget']):.3f} B, over B")
     for r in rows:
         t = r["update_seconds"]
-        log(f"{r['method']:<12} grad rel err {r['grad_rel_err']:.2e}  update s {sum(t) / max(len(t), 1):.3f}"
-            + (f"  peak/B {max(r['peak_over_budget']):.3f}" if r.get("peak_over_budget") else ""))
+        log(
+            f"{r['method']:<12} grad rel err {r['grad_rel_err']:.2e}  update s {sum(t) / max(len(t), 1):.3f}"
+            + (f"  peak/B {max(r['peak_over_budget']):.3f}" if r.get("peak_over_budget") else "")
+        )
     return {"rows": rows, "failures": failures, "noise_floor": floor}
 
 
 def _recipe(args) -> List[str]:
-    return ["--actor.model_name_or_path", args.pretrain, "--data.prompt_dataset", "unused", "--ds.zero_stage", "2",
-            "--ds.packing_samples", "--ds.attn_implementation", "flash_attention_2", "--ds.lora.rank", "16",
-            "--ds.lora.alpha", "32", "--vllm.num_engines", "1", "--rollout.n_samples_per_prompt", "8",
-            "--rollout.batch_size", str(args.batch), "--train.batch_size", str(args.batch),
-            "--train.micro_batch_size", str(args.batch), "--rollout.micro_batch_size", str(args.batch),
-            "--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-            "--actor.num_gpus_per_node", "1", "--actor.gradient_checkpointing_enable",
-            "--data.max_len", str(args.prompt_len + args.response_len)]
+    return [
+        "--actor.model_name_or_path",
+        args.pretrain,
+        "--data.prompt_dataset",
+        "unused",
+        "--ds.zero_stage",
+        "2",
+        "--ds.packing_samples",
+        "--ds.attn_implementation",
+        "flash_attention_2",
+        "--ds.lora.rank",
+        "16",
+        "--ds.lora.alpha",
+        "32",
+        "--vllm.num_engines",
+        "1",
+        "--rollout.n_samples_per_prompt",
+        "8",
+        "--rollout.batch_size",
+        str(args.batch),
+        "--train.batch_size",
+        str(args.batch),
+        "--train.micro_batch_size",
+        str(args.batch),
+        "--rollout.micro_batch_size",
+        str(args.batch),
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--algo.kl.use_loss",
+        "--algo.kl.estimator",
+        "k3",
+        "--actor.num_gpus_per_node",
+        "1",
+        "--actor.gradient_checkpointing_enable",
+        "--data.max_len",
+        str(args.prompt_len + args.response_len),
+    ]
 
 
 def _gpu_builder(args, pretrain: str):
@@ -222,8 +279,11 @@ def _lora_b_not_zero(actor, seed: int = 0) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hilore_actor.openrlhf.verify", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m hilore_actor.openrlhf.verify",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--pretrain", default="smollm2", help="local model path or 'smollm2'")
     p.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
     p.add_argument("--prompt_len", type=int, default=512)
@@ -238,8 +298,10 @@ def main(argv=None) -> int:
     pretrain = _local_model(args.pretrain)
     with open(os.path.join(pretrain, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    exps = [experience(i, args.batch, args.prompt_len, args.response_len, vocab, torch.device("cuda"))
-            for i in range(1 + args.steps)]
+    exps = [
+        experience(i, args.batch, args.prompt_len, args.response_len, vocab, torch.device("cuda"))
+        for i in range(1 + args.steps)
+    ]
     result = check(_gpu_builder(args, pretrain), exps, [m.strip() for m in args.modes.split(",")])
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,6 @@
 """The recovery engine: graph-valid units whose saved activations are stored (H), compressed
 (L) or recomputed (R). Imports torch only."""
+
 from .codecs import CODECS, Codec, get_codec, reconstruction_error, register
 from .engine import RecoveryEngine, Step
 from .policies import BASELINES, ENGINE_POLICIES, apply_baseline
@@ -7,6 +8,18 @@ from .state import ACTIONS, ALLOWED, PLANS
 from .units import discover_units
 
 __all__ = [
-    "ACTIONS", "ALLOWED", "BASELINES", "CODECS", "Codec", "ENGINE_POLICIES", "PLANS", "RecoveryEngine", "Step",
-    "apply_baseline", "discover_units", "get_codec", "reconstruction_error", "register",
+    "ACTIONS",
+    "ALLOWED",
+    "BASELINES",
+    "CODECS",
+    "Codec",
+    "ENGINE_POLICIES",
+    "PLANS",
+    "RecoveryEngine",
+    "Step",
+    "apply_baseline",
+    "discover_units",
+    "get_codec",
+    "reconstruction_error",
+    "register",
 ]

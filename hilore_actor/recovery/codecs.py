@@ -18,6 +18,7 @@ plain torch ops so it runs on CPU and CUDA alike:
 Every payload reports its exact stored bytes: values, scales and side tables.
 Adding a codec is a subclass with ``encode``/``decode`` and a ``register`` call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ class RowSplit:
         return self.rest is None or self.rest.finite()
 
     @classmethod
-    def encode(cls, codec: "Codec", x: torch.Tensor, kept: torch.Tensor, rest_rows: torch.Tensor,
-               keep_sign: bool = False) -> "RowSplit":
+    def encode(
+        cls, codec: "Codec", x: torch.Tensor, kept: torch.Tensor, rest_rows: torch.Tensor, keep_sign: bool = False
+    ) -> "RowSplit":
         rows = x.detach().reshape(-1, x.shape[-1])
         rest = codec.encode(rows.index_select(0, rest_rows), keep_sign) if rest_rows.numel() else None
         return cls(kept, rest_rows, rows.index_select(0, kept), rest, codec, tuple(x.shape), x.dtype)

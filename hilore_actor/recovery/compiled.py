@@ -51,6 +51,7 @@ region runs, the hooks of the layer's submodules and their compiled unit forward
 aside, so the region traces the eager code of the whole layer; a layer whose submodules carry
 hooks other than the engine's (ZeRO-3's, FSDP's) keeps per-unit regions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,7 +67,11 @@ MARK = "_hilore_compiled"
 REGION = "_hilore_region"  # a decoder layer's dispatching forward (its compiled region's owner)
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 # what Dynamo reads to decide whether a module call has hooks (torch/_dynamo/variables/nn_module.py:1138-1156)
-SET_ASIDE = HOOK_DICTS + ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+SET_ASIDE = HOOK_DICTS + (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 _NO_HOOKS: dict = {}  # set in place of a submodule's hook dicts while a region runs (never filled)
 
 
@@ -101,8 +106,12 @@ def compile_units(engine, activation_budget: float = 1.0, layer_regions: bool = 
                 continue
             foreign = _foreign_hooks(layer.module, own)
             if foreign or "forward" in vars(layer.module):
-                why = (f"its submodule {foreign} carries hooks other than the recovery engine's, which a layer region "
-                       "would set aside" if foreign else "its forward is already replaced (a wrapper of its own)")
+                why = (
+                    f"its submodule {foreign} carries hooks other than the recovery engine's, which a layer region "
+                    "would set aside"
+                    if foreign
+                    else "its forward is already replaced (a wrapper of its own)"
+                )
                 warnings.warn(f"hilore: {layer.name} keeps per-unit compiled regions: {why}")
                 continue
             _install_region(layer.module, activation_budget, options)
@@ -173,7 +182,9 @@ def _install_region(mod: torch.nn.Module, activation_budget: float, options) -> 
     cls_forward = type(mod).forward
     eager = cls_forward.__get__(mod)  # HF's layer-checkpointing wrapper included
     code = getattr(cls_forward, "__code__", None)  # HF's wrapper checkpoints by its own flag: the region does that here
-    inner = cls_forward.__wrapped__ if code is not None and code.co_name == "forward_with_checkpointing" else cls_forward
+    inner = (
+        cls_forward.__wrapped__ if code is not None and code.co_name == "forward_with_checkpointing" else cls_forward
+    )
     compiled = torch.compile(inner.__get__(mod), **options)
     subs = [m for m in mod.modules() if m is not mod]
 
@@ -194,7 +205,9 @@ def _install_region(mod: torch.nn.Module, activation_budget: float, options) -> 
                 return region(*args, **kwargs)
             finally:
                 st.in_region = False
-        if getattr(mod, "gradient_checkpointing", False) and mod.training and torch.is_grad_enabled():  # HF's or policies
+        if (
+            getattr(mod, "gradient_checkpointing", False) and mod.training and torch.is_grad_enabled()
+        ):  # HF's or policies
             return mod._gradient_checkpointing_func(functools.partial(region, **kwargs), *args)  # gc+compile
         return region(*args, **kwargs)
 

@@ -30,6 +30,7 @@ Mechanism (the same one ``torch.utils.checkpoint``'s non-reentrant mode uses, ma
 
 H, P and R therefore give bitwise the gradients of plain autograd; only L approximates.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,10 @@ def _drop_caches(kwargs: dict, first_layer: bool) -> dict:
     for k, v in kwargs.items():
         if _is_kv_cache(v):
             if first_layer and v.get_seq_length() > 0:
-                raise RuntimeError("hilore: a KV cache that already holds tokens was passed to a training forward; "
-                                   "call the model with use_cache=False")
+                raise RuntimeError(
+                    "hilore: a KV cache that already holds tokens was passed to a training forward; "
+                    "call the model with use_cache=False"
+                )
             v = None
         out[k] = v
     return out
@@ -85,7 +88,9 @@ class RecoveryEngine:
     """Attach once to an HF decoder model (plain, peft, or inside a DeepSpeed engine); then
     ``with engine.step(plan): forward; loss; step.set_actions(...); loss.backward()``."""
 
-    def __init__(self, model: torch.nn.Module, codec: str = DEFAULT_CODECS.split(",")[0], attention_core_exact: bool = True):
+    def __init__(
+        self, model: torch.nn.Module, codec: str = DEFAULT_CODECS.split(",")[0], attention_core_exact: bool = True
+    ):
         """``attention_core_exact``: L keeps the attention core's saved tensors exact
         (``rules.KEEP_EXACT``); off only to measure what that rule buys."""
         self.model = model
@@ -109,7 +114,9 @@ class RecoveryEngine:
             for ui, unit in enumerate(layer.units):
                 last = len(unit.modules) - 1
                 for k, m in enumerate(unit.modules):
-                    self._hooks.append(m.register_forward_pre_hook(partial(self._module_pre, li, ui, k), with_kwargs=True))
+                    self._hooks.append(
+                        m.register_forward_pre_hook(partial(self._module_pre, li, ui, k), with_kwargs=True)
+                    )
                     self._hooks.append(m.register_forward_hook(partial(self._module_post, li, ui, k, k == last)))
 
     def _watch_attention_core(self, attn: torch.nn.Module) -> None:
@@ -122,11 +129,15 @@ class RecoveryEngine:
         def leave(name, *_):
             setattr(self, name, getattr(self, name) - 1)
 
-        self._hooks += [attn.register_forward_pre_hook(partial(enter, "_core_depth")),
-                        attn.register_forward_hook(partial(leave, "_core_depth"))]
+        self._hooks += [
+            attn.register_forward_pre_hook(partial(enter, "_core_depth")),
+            attn.register_forward_hook(partial(leave, "_core_depth")),
+        ]
         for child in attn.children():
-            self._hooks += [child.register_forward_pre_hook(partial(enter, "_child_depth")),
-                            child.register_forward_hook(partial(leave, "_child_depth"))]
+            self._hooks += [
+                child.register_forward_pre_hook(partial(enter, "_child_depth")),
+                child.register_forward_hook(partial(leave, "_child_depth")),
+            ]
 
     def _watch_sign_reading(self) -> None:
         """Count when a sign-reading activation runs, so that L's codecs keep the signs of what
@@ -137,8 +148,10 @@ class RecoveryEngine:
                 for sub in (s for m in unit.modules for s in m.modules()):
                     if reads_sign(sub) and id(sub) not in seen:
                         seen.add(id(sub))
-                        self._hooks += [sub.register_forward_pre_hook(lambda *_: self._count_sign(1)),
-                                        sub.register_forward_hook(lambda *_: self._count_sign(-1))]
+                        self._hooks += [
+                            sub.register_forward_pre_hook(lambda *_: self._count_sign(1)),
+                            sub.register_forward_hook(lambda *_: self._count_sign(-1)),
+                        ]
 
     def _count_sign(self, d: int) -> None:
         self._sign_depth += d
@@ -176,7 +189,9 @@ class RecoveryEngine:
         return twin
 
     def step(
-        self, plan: Union[str, Dict[str, str], None] = None, actions: Union[str, Dict[str, str], None] = None,
+        self,
+        plan: Union[str, Dict[str, str], None] = None,
+        actions: Union[str, Dict[str, str], None] = None,
         track_error: bool = True,
         track_tokens: bool = False,
         profile: bool = False,
@@ -196,8 +211,16 @@ class RecoveryEngine:
         from .policies import resolve_plan
 
         plans, default_actions = resolve_plan(plan, self.unit_names)
-        return Step(self, plans, actions if actions is not None else default_actions, track_error, track_tokens, profile,
-                    token_scores, regions)
+        return Step(
+            self,
+            plans,
+            actions if actions is not None else default_actions,
+            track_error,
+            track_tokens,
+            profile,
+            token_scores,
+            regions,
+        )
 
     # ---- forward hooks -------------------------------------------------------------------
     def _active(self) -> Optional["Step"]:
@@ -212,10 +235,14 @@ class RecoveryEngine:
         if st.region[id(module)] is not None:
             return  # one compiled region: plain autograd or torch's checkpoint keeps what it needs
         if ls.replay.calls:
-            raise RuntimeError(f"hilore: {ls.spec.name} ran twice in one engine step: use one engine.step() per microbatch "
-                               "forward; a model that runs a layer more than once per forward (shared or recurrent "
-                               "layers) needs gradient checkpointing instead")
-        ls.replay = Replay([Call(module, args, _drop_caches(kwargs, li == 0))], _rng_state((args, kwargs)), _autocast_state())
+            raise RuntimeError(
+                f"hilore: {ls.spec.name} ran twice in one engine step: use one engine.step() per microbatch "
+                "forward; a model that runs a layer more than once per forward (shared or recurrent "
+                "layers) needs gradient checkpointing instead"
+            )
+        ls.replay = Replay(
+            [Call(module, args, _drop_caches(kwargs, li == 0))], _rng_state((args, kwargs)), _autocast_state()
+        )
 
     def _module_pre(self, li, ui, k, module, args, kwargs):
         st = self._active()
@@ -258,7 +285,9 @@ class RecoveryEngine:
                 u.ext_keys.add(storage_key(x))
             return x
 
-        u.replay.calls.append(Call(module, map_structure(args, record), map_structure(_drop_caches(kwargs, False), record)))
+        u.replay.calls.append(
+            Call(module, map_structure(args, record), map_structure(_drop_caches(kwargs, False), record))
+        )
 
     def _module_post(self, li, ui, k, last, module, args, output):
         st = self._active()

@@ -4,16 +4,36 @@
 OpenRLHF runs; torch's per layer where HF has none) are baselines applied to the model itself; ``all-h``, ``all-l``, ``all-r`` and
 explicit maps run through the engine.
 """
+
 from __future__ import annotations
 
 import contextlib
 from typing import Dict, Tuple, Union
 
-from .state import (ACTIONS, CHECKPOINT, COMPRESSED, EXACT, PARTIAL, PLANS, SEP, H, L, P, R, action_for_plan,
-                    plan_for_label, split_label)
+from .state import (
+    ACTIONS,
+    CHECKPOINT,
+    COMPRESSED,
+    EXACT,
+    PARTIAL,
+    PLANS,
+    SEP,
+    H,
+    L,
+    P,
+    R,
+    action_for_plan,
+    plan_for_label,
+    split_label,
+)
 
-ENGINE_POLICIES = {"all-h": (EXACT, H), "all-l": (COMPRESSED, L), "all-p": (PARTIAL, P),
-                   "all-p:core": (PARTIAL + SEP + "core", P + SEP + "core"), "all-r": (CHECKPOINT, R)}
+ENGINE_POLICIES = {
+    "all-h": (EXACT, H),
+    "all-l": (COMPRESSED, L),
+    "all-p": (PARTIAL, P),
+    "all-p:core": (PARTIAL + SEP + "core", P + SEP + "core"),
+    "all-r": (CHECKPOINT, R),
+}
 BASELINES = ("no-gc", "gc")
 
 
@@ -23,13 +43,17 @@ def _check_names(mapping: Dict[str, str], unit_names) -> None:
         raise ValueError(f"unknown unit(s) {unknown}; units are e.g. {list(unit_names)[:4]}")
 
 
-def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Dict[str, str], Union[str, Dict[str, str], None]]:
+def resolve_plan(
+    plan: Union[str, Dict[str, str], None], unit_names
+) -> Tuple[Dict[str, str], Union[str, Dict[str, str], None]]:
     """(plan per unit, default actions) for ``engine.step(plan)``."""
     if plan is None:
         return {n: EXACT for n in unit_names}, None
     if isinstance(plan, str):
         if plan in BASELINES:
-            raise ValueError(f"{plan!r} is a baseline applied to the model (see hilore_actor.recovery.apply_baseline), not an engine policy")
+            raise ValueError(
+                f"{plan!r} is a baseline applied to the model (see hilore_actor.recovery.apply_baseline), not an engine policy"
+            )
         if plan not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {plan!r}; engine policies: {sorted(ENGINE_POLICIES)}")
         p, a = ENGINE_POLICIES[plan]
@@ -42,8 +66,10 @@ def resolve_plan(plan: Union[str, Dict[str, str], None], unit_names) -> Tuple[Di
         return {n: plan.get(n, EXACT) for n in unit_names}, None
     if bases <= set(ACTIONS):
         return {n: plan_for_label(plan.get(n, H)) for n in unit_names}, {n: plan.get(n, H) for n in unit_names}
-    raise ValueError(f"a plan maps units to one of {PLANS} (or actions {ACTIONS}; L and compressed may name a codec, "
-                     f"e.g. L:bf16), got {sorted(values)}")
+    raise ValueError(
+        f"a plan maps units to one of {PLANS} (or actions {ACTIONS}; L and compressed may name a codec, "
+        f"e.g. L:bf16), got {sorted(values)}"
+    )
 
 
 def _check_codecs(labels) -> None:
@@ -61,7 +87,9 @@ def _check_codecs(labels) -> None:
     named = [(b, c) for b, c in map(split_label, labels) if c is not None]
     levels = sorted({f"{b}:{c}" for b, c in named if b in (P, PARTIAL) and c not in PARTIAL_LEVELS})
     if levels:
-        raise ValueError(f"unknown P level in {levels}; P and partial may name {sorted(k for k in PARTIAL_LEVELS if k)}")
+        raise ValueError(
+            f"unknown P level in {levels}; P and partial may name {sorted(k for k in PARTIAL_LEVELS if k)}"
+        )
     named = [(b, c) for b, c in named if b not in (P, PARTIAL)]
     misplaced = sorted({f"{b}:{c}" for b, c in named if b not in (L, COMPRESSED)})
     if misplaced:
@@ -149,4 +177,3 @@ def layer_checkpointing(model):
         yield
     finally:
         apply_baseline(model, "no-gc")
-

@@ -11,6 +11,7 @@ attention logits, and errors in the log-sum-exp rescale whole rows of attention
 probabilities: both act multiplicatively on the attention gradient. So the attention core's
 saved tensors stay exact.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -23,10 +24,10 @@ KEEP_EXACT: Dict[str, str] = {
     "not float": "integer and boolean tensors (indices, boolean masks, RNG offsets) have no scale to take",
     "small": f"fewer than {MIN_COMPRESS_NUMEL} elements (norm statistics, LoRA scalars): nothing worth saving",
     "not finite": "inf/NaN values (additive -inf attention masks): no scale represents them, and equal masks "
-                  "stay shared across layers",
+    "stay shared across layers",
     "attention core": "whatever the attention module saves outside its projections: the rotated queries and "
-                      "keys, the values, the kernel's output and its softmax log-sum-exp (sdpa, flash or eager "
-                      "alike), the rotary tables",
+    "keys, the values, the kernel's output and its softmax log-sum-exp (sdpa, flash or eager "
+    "alike), the rotary tables",
 }
 
 
@@ -52,8 +53,19 @@ def exact_reason(t: torch.Tensor, in_attention_core: bool = False) -> Optional[s
 # least one quantum of its sign); elsewhere they round to nearest, because sign-keeping moves
 # each value below half a quantum by up to a whole one, which costs error where nothing reads
 # the sign (SiLU and GELU MLPs).
-SIGN_READING_ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold", "Hardtanh", "Hardswish",
-                            "Hardsigmoid", "ReLUSquaredActivation", "XIELUActivation")
+SIGN_READING_ACTIVATIONS = (
+    "ReLU",
+    "ReLU6",
+    "LeakyReLU",
+    "PReLU",
+    "RReLU",
+    "Threshold",
+    "Hardtanh",
+    "Hardswish",
+    "Hardsigmoid",
+    "ReLUSquaredActivation",
+    "XIELUActivation",
+)
 
 
 def reads_sign(module: torch.nn.Module) -> bool:
@@ -61,9 +73,14 @@ def reads_sign(module: torch.nn.Module) -> bool:
     return type(module).__name__ in SIGN_READING_ACTIVATIONS
 
 
-ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
-                     "_flash_attention_forward", "_efficient_attention_forward")
+ATTENTION_KERNELS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
 # Other libraries' attention kernels, ``namespace::op``: what transformers' flash_attention_2 path
 # (verl and OpenRLHF with remove-padding / packing: ``flash_attn_varlen_func``) and FA3 run.
 # flash-attn 2.8.3 (flash_attn/flash_attn_interface.py) registers its forward kernels with
@@ -74,14 +91,17 @@ ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product
 # call returns the same out, log-sum-exp and RNG state, and q, k, v come from the projections'
 # replay. Looked up when a partial unit runs: an op not registered then (the package not
 # installed or not yet imported) is skipped.
-LIBRARY_ATTENTION_KERNELS = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
-                             "flash_attn_3::fwd")
+LIBRARY_ATTENTION_KERNELS = (
+    "flash_attn::_flash_attn_forward",
+    "flash_attn::_flash_attn_varlen_forward",
+    "flash_attn_3::fwd",
+)
 # What each P level keeps (the action "P:core", plan "partial:core"; "P": the default level).
 PARTIAL_LEVELS: Dict[Optional[str], str] = {
     None: "the outputs of the unit's matmuls and attention kernels",
     "core": "the attention kernel's outputs alone (attention units): on a packed 2048-token microbatch the "
-            "masked kernel takes about three times its unit's four projections on CPU, and keeps about a "
-            "quarter of their bytes (SmolLM2: 4.6 of 17 MiB)",
+    "masked kernel takes about three times its unit's four projections on CPU, and keeps about a "
+    "quarter of their bytes (SmolLM2: 4.6 of 17 MiB)",
 }
 
 

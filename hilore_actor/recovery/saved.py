@@ -7,6 +7,7 @@ both import this module and neither imports the other. ``pack`` and ``unpack`` r
 engine only through attributes (``attention_core_exact``, the attention-core depth counters,
 ``codec``, ``_recompute``), so the mechanism keeps one direction: engine -> step -> saved.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,9 @@ def is_param(t: torch.Tensor, st) -> bool:
     view of them, whose storage is in no such set. The view's ``_base`` names the parameter;
     keeping it (not a copy) also lets FSDP2 free that storage after forward and refill it for
     backward, as plain autograd would."""
-    return (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-            or storage_key(t) in st.param_keys)
+    return (
+        isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or storage_key(t) in st.param_keys
+    )
 
 
 def pack(st, t: torch.Tensor):
@@ -81,7 +83,9 @@ def unpack(st, h):
         return gathered_alias(h) if is_partitioned(h) else h
     eng = st.engine
     if eng._step is not st:
-        raise RuntimeError("hilore: backward ran after its engine step ended; call loss.backward() inside `with engine.step():`")
+        raise RuntimeError(
+            "hilore: backward ran after its engine step ended; call loss.backward() inside `with engine.step():`"
+        )
     st.ensure_actions()
     u, idx = h.unit, h.idx
     if u.action in RECOMPUTED:

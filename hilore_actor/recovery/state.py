@@ -3,6 +3,7 @@
 The engine's mechanism (``engine.py``) fills these records during forward and drains them
 during backward; this module only holds data and accounting.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -234,7 +235,7 @@ def partial_outputs(u: UnitState) -> List[torch.Tensor]:
     out = []
     for entries in u.sac[0].storage.values():
         for v in entries.values():  # one _VersionWrapper per output (torch.utils.checkpoint), a tuple of
-            for w in (v if isinstance(v, (tuple, list)) else (v,)):  # them for a multi-output op (sdpa)
+            for w in v if isinstance(v, (tuple, list)) else (v,):  # them for a multi-output op (sdpa)
                 out += list(iter_tensors(getattr(w, "val", None)))
     return out
 

@@ -4,6 +4,7 @@
 dropping for R, and accounting. The hooks that fill and drain it are ``saved.py``; the
 recording and replay of units is ``engine.py``.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,17 +17,44 @@ import torch
 from .codecs import RowSplit, decode, get_codec, has_rows
 from .rules import exact_reason
 from .saved import pack, unpack
-from .state import (ALLOWED, CHECKPOINT, COMPRESSED, EXACT, H, L, R, RECOMPUTED, LayerState, Replay, UnitState, allows,
-                    partial_level, region_kind, row_share, set_active_step, split_label, storage_key, unit_bytes)
+from .state import (
+    ALLOWED,
+    CHECKPOINT,
+    COMPRESSED,
+    EXACT,
+    H,
+    L,
+    R,
+    RECOMPUTED,
+    LayerState,
+    Replay,
+    UnitState,
+    allows,
+    partial_level,
+    region_kind,
+    row_share,
+    set_active_step,
+    split_label,
+    storage_key,
+    unit_bytes,
+)
 
 
 class Step:
     """One microbatch under the engine: ``with engine.step(...) as step:`` forward, loss,
     ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
 
-    def __init__(self, engine, plans: Dict[str, str], actions, track_error: bool = True,
-                 track_tokens: bool = False, profile: bool = False, token_scores: Optional[torch.Tensor] = None,
-                 regions: bool = False):
+    def __init__(
+        self,
+        engine,
+        plans: Dict[str, str],
+        actions,
+        track_error: bool = True,
+        track_tokens: bool = False,
+        profile: bool = False,
+        token_scores: Optional[torch.Tensor] = None,
+        regions: bool = False,
+    ):
         """``token_scores``: a pre-forward weight per token (``[B, T]`` or shorter; e.g. |advantage|
         on response tokens) that token L multiplies with each row's norm to choose its exact rows;
         None: the norms alone. ``engine``: the ``RecoveryEngine`` this step runs under.
@@ -41,9 +69,19 @@ class Step:
         self.plans = plans  # labels: a compressed plan may name its codec ("compressed:bf16")
         self._pending_actions = actions
         self.layers = [
-            LayerState(spec, [UnitState(u, plan=split_label(plans[u.name])[0], codec=self._codec(plans[u.name]),
-                                        row_share=row_share(plans[u.name]), partial_level=partial_level(plans[u.name]))
-                              for u in spec.units])
+            LayerState(
+                spec,
+                [
+                    UnitState(
+                        u,
+                        plan=split_label(plans[u.name])[0],
+                        codec=self._codec(plans[u.name]),
+                        row_share=row_share(plans[u.name]),
+                        partial_level=partial_level(plans[u.name]),
+                    )
+                    for u in spec.units
+                ],
+            )
             for spec in engine.layer_specs
         ]
         self.units = [u for ls in self.layers for u in ls.units]
@@ -53,8 +91,10 @@ class Step:
         self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
         self.layer_joint_plan = [all(u.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
         with_regions = getattr(engine, "region_layers", set()) if regions and not profile else set()
-        self.region = {id(ls.spec.module): region_kind(u.plan for u in ls.units) if id(ls.spec.module) in with_regions
-                       else None for ls in self.layers}  # layer module -> H | R (one compiled region) | None
+        self.region = {
+            id(ls.spec.module): region_kind(u.plan for u in ls.units) if id(ls.spec.module) in with_regions else None
+            for ls in self.layers
+        }  # layer module -> H | R (one compiled region) | None
         self.in_region = False  # an H region runs now (saved.pack)
         self.mode = "forward"
         self.current: Optional[UnitState] = None
@@ -71,14 +111,19 @@ class Step:
         """Token L: mark the unit's exact rows from its input ``x`` (``[.., rows, hidden]``) as
         the unit starts: the ``row_share`` of rows with the largest ``norm x score`` (Eq. 7's
         terms with the pre-forward score for |omega|); rows scored 0 stay compressed."""
-        norms = unit.token_norms if unit.token_norms is not None else \
-            torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
+        norms = (
+            unit.token_norms
+            if unit.token_norms is not None
+            else torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
+        )
         weight = norms.reshape(-1)
         if self.token_scores is not None:
             s = self.token_scores.detach().float().to(weight.device)
             if x.dim() < 3 or s.shape[:-1] != x.shape[:-2] or s.shape[-1] > x.shape[-2]:
-                raise ValueError(f"{unit.name}: token_scores of shape {tuple(s.shape)} do not line up with the unit's "
-                                 f"input rows {tuple(x.shape[:-1])} (expected [..., <= {x.shape[-2]}])")
+                raise ValueError(
+                    f"{unit.name}: token_scores of shape {tuple(s.shape)} do not line up with the unit's "
+                    f"input rows {tuple(x.shape[:-1])} (expected [..., <= {x.shape[-2]}])"
+                )
             s = torch.nn.functional.pad(s, (0, x.shape[-2] - s.shape[-1]))  # the last position predicts nothing
             weight = weight * s.reshape(-1)
         k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))  # the one device sync
@@ -107,9 +152,14 @@ class Step:
         # ZeRO-3's (``ds_id``) are left out: a weight still gathered now is released during the
         # step and its storage reused by activations, which would then pass for weights (a
         # gathered weight is saved as the Parameter or a view of it: ``is_param``).
-        self.param_keys = {storage_key(p.to_local() if hasattr(p, "to_local") else p)
-                           for p in self.engine.model.parameters() if p.numel() > 0 and not hasattr(p, "ds_id")}
-        self.engine._core_depth = self.engine._child_depth = self.engine._sign_depth = 0  # a failed forward may have left them set
+        self.param_keys = {
+            storage_key(p.to_local() if hasattr(p, "to_local") else p)
+            for p in self.engine.model.parameters()
+            if p.numel() > 0 and not hasattr(p, "ds_id")
+        }
+        self.engine._core_depth = self.engine._child_depth = self.engine._sign_depth = (
+            0  # a failed forward may have left them set
+        )
         self.engine._step = self
         self._outer = set_active_step(self)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(pack, self), partial(unpack, self))
@@ -168,7 +218,11 @@ class Step:
         # A weak reference to the base proves it is still the same live tensor (addresses and
         # ids are reused once a tensor is freed).
         codec = unit.codec or self.engine.codec
-        keep = unit.row_index if unit.row_index is not None and has_rows(t, sum(i.numel() for i in unit.row_index)) else None
+        keep = (
+            unit.row_index
+            if unit.row_index is not None and has_rows(t, sum(i.numel() for i in unit.row_index))
+            else None
+        )
         base = t._base if t._base is not None else t
         key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name, id(keep))
         hit = self._compressed.get(key)
@@ -202,13 +256,17 @@ class Step:
         for u in self.units:
             label = chosen[u.name]
             if not allows(self.plans[u.name], label):
-                raise ValueError(f"{u.name}: action {label} is not available for a {self.plans[u.name]!r} bundle "
-                                 f"(allowed: {ALLOWED[u.plan]}; a compressed copy keeps the codec it was made with)")
+                raise ValueError(
+                    f"{u.name}: action {label} is not available for a {self.plans[u.name]!r} bundle "
+                    f"(allowed: {ALLOWED[u.plan]}; a compressed copy keeps the codec it was made with)"
+                )
             a = split_label(label)[0]
             if a != H and self.region[id(self.layer_of[u.name].spec.module)] == H:
-                raise ValueError(f"{u.name}: its layer ran as one compiled region (every unit planned exact, "
-                                 f"engine.step(regions=True)) and keeps its units H, not {label}; choose actions "
-                                 "that keep compiled.region_units H, or run the step without regions")
+                raise ValueError(
+                    f"{u.name}: its layer ran as one compiled region (every unit planned exact, "
+                    f"engine.step(regions=True)) and keeps its units H, not {label}; choose actions "
+                    "that keep compiled.region_units H, or run the step without regions"
+                )
             u.action, u.label = a, label
             if a == R:
                 u.entries.clear()

@@ -18,6 +18,7 @@ child calls, not the layer's own code between them); otherwise its structure is 
 caller falls back. The trace costs one tiny forward per model class and config (cached) and
 leaves the caller's random state as it was.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,15 +29,46 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add_,
-        torch.Tensor.__iadd__}
+ADDS = {
+    torch.add,
+    torch.Tensor.add,
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.add_,
+    torch.Tensor.__iadd__,
+}
 # Width fields a shrunken copy sets when its config has them (layer counts and types are kept).
-SMALL = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-         "num_attention_heads": 4, "head_dim": 16, "n_embd": 64, "n_head": 4, "n_inner": 96, "rotary_dim": 8,
-         "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-         "vocab_size": 128, "d_model": 64, "n_heads": 4, "ffn_dim": 96}
-AT_MOST = {"num_key_value_heads": 2, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
-           "num_experts_per_tok": 2, "n_shared_experts": 1, "topk_group": 1, "n_group": 1}
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "n_embd": 64,
+    "n_head": 4,
+    "n_inner": 96,
+    "rotary_dim": 8,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "vocab_size": 128,
+    "d_model": 64,
+    "n_heads": 4,
+    "ffn_dim": 96,
+}
+AT_MOST = {
+    "num_key_value_heads": 2,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "topk_group": 1,
+    "n_group": 1,
+}
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 MAX_COPY_PARAMS = 50_000_000  # a config whose widths this table does not reach: units by name instead
 _CACHE: Dict[str, Optional[List[Optional[List[str]]]]] = {}
@@ -54,9 +86,11 @@ def shrunk_config(config, model_class=None):
     """A copy of an HF config with tiny widths and the same layer count and layer types; a
     composite config (a text model inside a multimodal one) has its sub-configs shrunk too."""
     cfg = copy.deepcopy(config)
-    for sub in {id(c): c for c in [_text_config(cfg),
-                                   *(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}) or {})]
-                if c is not None and c is not cfg}.values():
+    for sub in {
+        id(c): c
+        for c in [_text_config(cfg), *(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}) or {})]
+        if c is not None and c is not cfg
+    }.values():
         _shrink(sub)
     _shrink(cfg)
     if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
@@ -86,6 +120,7 @@ def _record(layers: nn.ModuleList, events: List[List[Tuple[str, Optional[str]]]]
     st = {"layer": None, "stream": None, "depth": 0}
     hooks = []
     for i, layer in enumerate(layers):
+
         def layer_pre(mod, args, kwargs, i=i):
             if any(e[0] == "layer" for e in events[i]):
                 events[i].append(("again", None))  # a shared or recurrent layer: runs twice per forward
@@ -98,6 +133,7 @@ def _record(layers: nn.ModuleList, events: List[List[Tuple[str, Optional[str]]]]
 
         hooks += [layer.register_forward_pre_hook(layer_pre, with_kwargs=True), layer.register_forward_hook(layer_post)]
         for name, child in layer.named_children():
+
             def pre(mod, args, name=name, i=i):
                 if st["layer"] == i and st["depth"] == 0:
                     events[i].append(("call", name))
@@ -210,14 +246,19 @@ def layer_structure(model: nn.Module, layers_path: str, n_layers: int) -> Option
     try:
         events = trace_events(model, layers_path, n_layers)
     except Exception as e:  # a config the shrunken copy cannot build or run: units by name instead
-        warnings.warn(f"hilore: could not trace {type(model).__name__}'s decoder layers on a shrunken copy "
-                      f"({type(e).__name__}: {str(e)[:160]}); finding units by name", stacklevel=3)
+        warnings.warn(
+            f"hilore: could not trace {type(model).__name__}'s decoder layers on a shrunken copy "
+            f"({type(e).__name__}: {str(e)[:160]}); finding units by name",
+            stacklevel=3,
+        )
         result = None
     else:
         if any(kind == "again" for ev in events for kind, _ in ev):
-            raise ValueError(f"hilore: {type(model).__name__} runs a decoder layer more than once per forward (shared or "
-                             "recurrent layers); the recovery engine needs each layer to run once: use gradient "
-                             "checkpointing for this model")
+            raise ValueError(
+                f"hilore: {type(model).__name__} runs a decoder layer more than once per forward (shared or "
+                "recurrent layers); the recovery engine needs each layer to run once: use gradient "
+                "checkpointing for this model"
+            )
         result = [segments(ev) for ev in events]
     if key is not None:
         _CACHE[key] = result

@@ -21,6 +21,7 @@ traced (no HF config), the attribute-name table below finds the two Llama-family
 neither can cut is one whole-layer unit (plain decoder-layer checkpointing), with a warning
 naming its class.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,9 +35,27 @@ ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 NORM1_NAMES = ("input_layernorm", "ln_1", "attention_norm")
 NORM2_NAMES = ("post_attention_layernorm", "ln_2", "ffn_norm")
-MIXER_WORDS = {"mamba", "mixer", "ssm", "conv", "delta", "deltanet", "recurrent", "rnn", "retention", "lru", "rwkv",
-               "gdn"}
-WRAPPER_PREFIXES = ("module.", "base_model.model.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+MIXER_WORDS = {
+    "mamba",
+    "mixer",
+    "ssm",
+    "conv",
+    "delta",
+    "deltanet",
+    "recurrent",
+    "rnn",
+    "retention",
+    "lru",
+    "rwkv",
+    "gdn",
+}
+WRAPPER_PREFIXES = (
+    "module.",
+    "base_model.model.",
+    "_orig_mod.",
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+)
 WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")  # FSDP1, checkpoint_wrapper, compile
 
 
@@ -72,7 +91,7 @@ def stable_name(name: str) -> str:
         changed = False
         for p in WRAPPER_PREFIXES:
             if name.startswith(p):
-                name, changed = name[len(p):], True
+                name, changed = name[len(p) :], True
     return name
 
 
@@ -105,8 +124,11 @@ def _unwrap(m: nn.Module) -> nn.Module:
 
 def _mixes_tokens(block: nn.Module) -> bool:
     """The block mixes tokens: it holds softmax attention or another sequence mixer."""
-    return any(_is_attention(n.rsplit(".", 1)[-1], m) or _is_mixer(n.rsplit(".", 1)[-1], m)
-               for n, m in block.named_modules() if n)
+    return any(
+        _is_attention(n.rsplit(".", 1)[-1], m) or _is_mixer(n.rsplit(".", 1)[-1], m)
+        for n, m in block.named_modules()
+        if n
+    )
 
 
 def _innermost(model: nn.Module) -> nn.Module:
@@ -155,8 +177,11 @@ def _is_mixer(name: str, m: nn.Module) -> bool:
 def _is_moe(m: nn.Module) -> bool:
     """An MLP block that routes tokens to experts: it holds an ``experts`` module or an experts
     class (a dense MLP of an MoE family, ``Qwen3MoeMLP``, is not one)."""
-    return any(n.rsplit(".", 1)[-1] in ("experts", "expert") or "expert" in type(x).__name__.lower()
-               for n, x in m.named_modules() if n)
+    return any(
+        n.rsplit(".", 1)[-1] in ("experts", "expert") or "expert" in type(x).__name__.lower()
+        for n, x in m.named_modules()
+        if n
+    )
 
 
 def _is_block(m: nn.Module) -> bool:
@@ -198,8 +223,10 @@ def _named_units(name: str, i: int, layer: nn.Module) -> Optional[List[UnitSpec]
         return None
     attn_name = next(n for n in ATTN_NAMES if getattr(layer, n, None) is parts[1])
     mlp_name = next(n for n in MLP_NAMES if getattr(layer, n, None) is parts[3])
-    return [UnitSpec(f"{name}.{attn_name}", "attn", i, [parts[0], parts[1]], parts[1]),
-            UnitSpec(f"{name}.{mlp_name}", "moe" if _is_moe(parts[3]) else "mlp", i, [parts[2], parts[3]])]
+    return [
+        UnitSpec(f"{name}.{attn_name}", "attn", i, [parts[0], parts[1]], parts[1]),
+        UnitSpec(f"{name}.{mlp_name}", "moe" if _is_moe(parts[3]) else "mlp", i, [parts[2], parts[3]]),
+    ]
 
 
 def discover_units(model: nn.Module) -> List[LayerSpec]:
@@ -209,8 +236,10 @@ def discover_units(model: nn.Module) -> List[LayerSpec]:
 
     found = find_decoder_layers(model)
     if found is None:
-        raise ValueError(f"hilore: {type(model).__name__}: no decoder layers found (a ModuleList of blocks, one of them "
-                         "holding attention or another sequence mixer); the recovery engine cannot cut this model into units")
+        raise ValueError(
+            f"hilore: {type(model).__name__}: no decoder layers found (a ModuleList of blocks, one of them "
+            "holding attention or another sequence mixer); the recovery engine cannot cut this model into units"
+        )
     path, layers = found
     path = stable_name(path)
     inner = _innermost(model)

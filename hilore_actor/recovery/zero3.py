@@ -11,6 +11,7 @@ re-partition at once: the alias keeps the full weight alive only while backward 
 DeepSpeed's own gather would. A replay in backward runs with DeepSpeed's module hooks set aside
 (``replay_outside_coordinator``). The module needs no deepspeed import: it is duck-typed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -94,8 +95,12 @@ def replay_outside_coordinator(modules):
             with torch.no_grad(), _disable_current_modes():
                 done[0].partition(param_list=done)
 
-    saved = [(d, list(d.items()), gather if d is m._forward_pre_hooks else release)
-             for m in mods for d in (m._forward_pre_hooks, m._forward_hooks) if ours & d.keys()]
+    saved = [
+        (d, list(d.items()), gather if d is m._forward_pre_hooks else release)
+        for m in mods
+        for d in (m._forward_pre_hooks, m._forward_hooks)
+        if ours & d.keys()
+    ]
     try:
         for d, items, fn in saved:  # DeepSpeed's forward hooks -> gather, release; its backward hooks left out
             d.clear()

@@ -1,4 +1,5 @@
 """Group sampling with HF ``generate``: G responses per prompt, chat template applied."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,18 +24,29 @@ def apply_chat(tokenizer, prompt: Union[str, List[Dict[str, str]]], template: bo
     the tokenizer's chat template (``--data.apply_chat_template``; a tokenizer without one
     takes the string as it is); ``template=False``: the string's own tokens."""
     if isinstance(prompt, list):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
     if template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
     return tokenizer(prompt)["input_ids"]
 
 
 @torch.no_grad()
 def generate_groups(
-    model, tokenizer, prompts: Sequence[str], group_size: int, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-    top_p: float = 1.0, batched: bool = False, greedy: bool = False, chat_template: bool = True,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    group_size: int,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    top_p: float = 1.0,
+    batched: bool = False,
+    greedy: bool = False,
+    chat_template: bool = True,
 ) -> Rollout:
     """Sample ``group_size`` responses for every prompt (group-contiguous order).
 
@@ -59,10 +71,16 @@ def generate_groups(
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, c in enumerate(rows):  # left padding: every prompt ends where generation starts
-            ids[i, width - len(c):] = torch.tensor(c)
-            mask[i, width - len(c):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             num_return_sequences=1 if greedy else group_size, pad_token_id=pad, **sampling).cpu()
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=1 if greedy else group_size,
+            pad_token_id=pad,
+            **sampling,
+        ).cpu()
         for j, row in enumerate(out):  # rows are group-contiguous: prompt j // group_size
             prompt = torch.tensor(batch[j // group_size])
             resp = row[width:]

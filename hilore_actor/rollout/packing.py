@@ -1,4 +1,5 @@
 """Rollouts -> packed learner microbatches (the layout of ``grpo.microbatch``)."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -21,18 +22,31 @@ def pack_row(seqs: Sequence[Tuple]) -> Dict[str, torch.Tensor]:
     how many such sequences it holds."""
     ids = torch.cat([s[0] for s in seqs])[None]
     pos = torch.cat([torch.arange(len(s[0])) for s in seqs])[None]
-    mask = torch.cat([torch.cat([torch.zeros(p - 1), torch.ones(len(s[0]) - p), torch.zeros(1)]) for s, p in
-                      ((s, s[1]) for s in seqs)])[None, :-1]
+    mask = torch.cat(
+        [
+            torch.cat([torch.zeros(p - 1), torch.ones(len(s[0]) - p), torch.zeros(1)])
+            for s, p in ((s, s[1]) for s in seqs)
+        ]
+    )[None, :-1]
     adv = torch.cat([torch.full((len(s[0]),), float(s[2])) for s in seqs])[None, :-1]
     row = {"input_ids": ids, "position_ids": pos, "action_mask": mask, "advantages": adv}
     given = [len(s) > 3 for s in seqs]
     if any(given):
-        def laid_out(k):  # per sequence its n - 1 values and a 0 where it meets the next one
-            return torch.cat([torch.cat([s[k].float(), torch.zeros(1)]) if g else torch.zeros(len(s[0]))
-                              for s, g in zip(seqs, given)])[None, :-1]
 
-        row["given_mask"] = torch.cat([torch.cat([torch.full((len(s[0]) - 1,), g), torch.zeros(1, dtype=torch.bool)])
-                                       for s, g in zip(seqs, given)])[None, :-1]
+        def laid_out(k):  # per sequence its n - 1 values and a 0 where it meets the next one
+            return torch.cat(
+                [
+                    torch.cat([s[k].float(), torch.zeros(1)]) if g else torch.zeros(len(s[0]))
+                    for s, g in zip(seqs, given)
+                ]
+            )[None, :-1]
+
+        row["given_mask"] = torch.cat(
+            [
+                torch.cat([torch.full((len(s[0]) - 1,), g), torch.zeros(1, dtype=torch.bool)])
+                for s, g in zip(seqs, given)
+            ]
+        )[None, :-1]
         row["given_old_log_probs"], row["given_ref_log_probs"] = laid_out(3), laid_out(4)
         row["replayed"] = sum(given)
     return row
@@ -40,13 +54,20 @@ def pack_row(seqs: Sequence[Tuple]) -> Dict[str, torch.Tensor]:
 
 def rollout_sequences(rollout: Rollout, advantages: torch.Tensor) -> List[Tuple[torch.Tensor, int, float]]:
     """The rollout's sequences without padding, with prompt lengths and advantages."""
-    return [(rollout.sequences[i, : rollout.prompt_lens[i] + rollout.response_lens[i]], rollout.prompt_lens[i],
-             float(advantages[i])) for i in range(rollout.sequences.shape[0])]
+    return [
+        (
+            rollout.sequences[i, : rollout.prompt_lens[i] + rollout.response_lens[i]],
+            rollout.prompt_lens[i],
+            float(advantages[i]),
+        )
+        for i in range(rollout.sequences.shape[0])
+    ]
 
 
 @torch.no_grad()
-def pack_rollout(model, rollout: Rollout, advantages: torch.Tensor, max_tokens: int, ref_model=None,
-                 loss_options=None) -> List[Microbatch]:
+def pack_rollout(
+    model, rollout: Rollout, advantages: torch.Tensor, max_tokens: int, ref_model=None, loss_options=None
+) -> List[Microbatch]:
     """Pack the rollout's sequences (padding dropped) into rows of at most ``max_tokens``;
     old log-probs from ``model`` (the behaviour policy), reference log-probs from
     ``ref_model`` (or ``model`` with its LoRA adapters disabled)."""

@@ -13,6 +13,7 @@ error of L measured on them means little. Here the inputs are what a GRPO learne
    reference log-probs from the model with its adapters off, so the ratio and the clipping
    in the measured updates are real.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ def _cache_file(seed: int, max_new_tokens: int, group_size: int) -> Path:
     return cache_root() / "bench" / f"cpu-real-rollouts-seed{seed}-new{max_new_tokens}{g}.json"
 
 
-def rollout_pool(model, tokenizer, n_tokens: int, group_size: int, seed: int, max_new_tokens: int = 160,
-                 log=print) -> List[Dict]:
+def rollout_pool(
+    model, tokenizer, n_tokens: int, group_size: int, seed: int, max_new_tokens: int = 160, log=print
+) -> List[Dict]:
     """Groups ``{"prompt_len", "sequences", "rewards"}`` holding at least ``n_tokens`` tokens,
     read from the cache and extended (then rewritten atomically) when it holds too few."""
     from ..data.tasks import load_task
@@ -58,7 +60,9 @@ def rollout_pool(model, tokenizer, n_tokens: int, group_size: int, seed: int, ma
     while have < n_tokens:
         i = len(groups)
         ex = task.examples[i % len(task)]
-        ro = generate_groups(model, tokenizer, [ex.prompt], group_size, max_new_tokens=max_new_tokens, seed=seed * 10007 + i)
+        ro = generate_groups(
+            model, tokenizer, [ex.prompt], group_size, max_new_tokens=max_new_tokens, seed=seed * 10007 + i
+        )
         seqs = [ro.sequences[j, : ro.prompt_lens[j] + ro.response_lens[j]].tolist() for j in range(group_size)]
         rewards = [task.score(t, ex) for t in ro.texts]
         groups.append({"prompt_len": ro.prompt_lens[0], "sequences": seqs, "rewards": rewards})
@@ -93,13 +97,28 @@ def pack_rows(groups: List[Dict], sizes: List[int], group_size: int) -> List[Dic
             pos += list(range(n))
             mask += m
             advs += [a] * n
-        rows.append({"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]),
-                     "action_mask": torch.tensor([mask[:-1]]), "advantages": torch.tensor([advs[:-1]])})
+        rows.append(
+            {
+                "input_ids": torch.tensor([ids]),
+                "position_ids": torch.tensor([pos]),
+                "action_mask": torch.tensor([mask[:-1]]),
+                "advantages": torch.tensor([advs[:-1]]),
+            }
+        )
     return rows
 
 
-def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed: int, loss_options: Dict,
-                      step_lr: float = 1e-3, n_described: int | None = None, log=print) -> Tuple[List[Microbatch], Dict]:
+def real_microbatches(
+    model,
+    tokenizer,
+    sizes: List[int],
+    group_size: int,
+    seed: int,
+    loss_options: Dict,
+    step_lr: float = 1e-3,
+    n_described: int | None = None,
+    log=print,
+) -> Tuple[List[Microbatch], Dict]:
     """Microbatches of ``sizes`` tokens (see module docstring) and their provenance. The
     model's trainable parameters end one AdamW step away from the old policy.
 
@@ -120,8 +139,17 @@ def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed:
             old = sequence_log_probs(model, ids, position_ids=pos).float()
             with model.disable_adapter():
                 ref = sequence_log_probs(model, ids, position_ids=pos).float()
-            mbs.append(Microbatch(ids, pos, old, ref, r["advantages"].to(device), r["action_mask"].to(device),
-                                  loss_options=dict(loss_options)))
+            mbs.append(
+                Microbatch(
+                    ids,
+                    pos,
+                    old,
+                    ref,
+                    r["advantages"].to(device),
+                    r["action_mask"].to(device),
+                    loss_options=dict(loss_options),
+                )
+            )
     model.train(was_training)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=step_lr)
@@ -129,12 +157,18 @@ def real_microbatches(model, tokenizer, sizes: List[int], group_size: int, seed:
     opt.step()
     for p in params:
         p.grad = None
-    described = mbs[:n_described or len(mbs)]
+    described = mbs[: n_described or len(mbs)]
     with torch.no_grad():
         out = microbatch_loss(model, described[-1])
     rewards = [x for g in pool for x in g["rewards"]]
     share = sum(float(m.action_mask.sum()) for m in described) / sum(m.action_mask.numel() for m in described)
-    prov = {"task": TASK, "task_options": TASK_OPTIONS, "groups": len(pool), "mean_reward": sum(rewards) / len(rewards),
-            "old_policy": f"one AdamW step (lr {step_lr}) before the measured updates",
-            "response_token_share": float(share), "clip_frac_last_row": float(out.stats["clip_fraction"])}
+    prov = {
+        "task": TASK,
+        "task_options": TASK_OPTIONS,
+        "groups": len(pool),
+        "mean_reward": sum(rewards) / len(rewards),
+        "old_policy": f"one AdamW step (lr {step_lr}) before the measured updates",
+        "response_token_share": float(share),
+        "clip_frac_last_row": float(out.stats["clip_fraction"]),
+    }
     return mbs, prov

@@ -22,6 +22,7 @@ the exposure then lets the allocator compress more of those microbatches' activa
 The buffer is part of the job's checkpoint (``state_dict``); its draws use a generator seeded
 per step, so a resumed run draws what the uninterrupted one did.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,15 +47,24 @@ class ReplayItem:
     replays: int = 0
 
     def to_dict(self) -> Dict:
-        return dict(ids=self.ids, prompt_len=self.prompt_len, advantage=self.advantage, step=self.step,
-                    old_log_probs=self.old_log_probs, ref_log_probs=self.ref_log_probs, replays=self.replays)
+        return dict(
+            ids=self.ids,
+            prompt_len=self.prompt_len,
+            advantage=self.advantage,
+            step=self.step,
+            old_log_probs=self.old_log_probs,
+            ref_log_probs=self.ref_log_probs,
+            replays=self.replays,
+        )
 
 
 class ReplayBuffer:
     def __init__(self, capacity: int, max_age: int, priority: str = "abs_advantage", alpha: float = 1.0, seed: int = 0):
         if capacity < 1 or max_age < 0 or alpha < 0 or priority not in PRIORITIES:
-            raise ValueError(f"replay buffer: capacity >= 1, max_age >= 0, alpha >= 0 and priority in {PRIORITIES}; got "
-                             f"{capacity}, {max_age}, {alpha}, {priority!r}")
+            raise ValueError(
+                f"replay buffer: capacity >= 1, max_age >= 0, alpha >= 0 and priority in {PRIORITIES}; got "
+                f"{capacity}, {max_age}, {alpha}, {priority!r}"
+            )
         self.capacity, self.max_age, self.priority, self.alpha, self.seed = capacity, max_age, priority, alpha, seed
         self.items: List[ReplayItem] = []
 
@@ -67,7 +77,7 @@ class ReplayBuffer:
         kept = [it for it in items if it.advantage != 0.0]
         self.items.extend(kept)
         if len(self.items) > self.capacity:
-            self.items = self.items[len(self.items) - self.capacity:]
+            self.items = self.items[len(self.items) - self.capacity :]
         return len(kept)
 
     def evict(self, step: int) -> int:
@@ -97,8 +107,10 @@ class ReplayBuffer:
         return out
 
     def state_dict(self) -> Dict:
-        return {"items": [it.to_dict() for it in self.items], "config": dict(capacity=self.capacity, max_age=self.max_age,
-                                                                            priority=self.priority, alpha=self.alpha)}
+        return {
+            "items": [it.to_dict() for it in self.items],
+            "config": dict(capacity=self.capacity, max_age=self.max_age, priority=self.priority, alpha=self.alpha),
+        }
 
     def load_state_dict(self, state: Dict) -> None:
         self.items = [ReplayItem(**d) for d in state["items"]]
@@ -111,7 +123,7 @@ def split_row(values: torch.Tensor, lengths: List[int]) -> List[torch.Tensor]:
     flat = values.reshape(-1)
     out, offset = [], 0
     for n in lengths:
-        out.append(flat[offset:offset + n - 1].clone())
+        out.append(flat[offset : offset + n - 1].clone())
         offset += n
     return out
 

@@ -15,6 +15,7 @@ DeepSpeed builds the kernel only when ``deepspeed.ops.__compatible_ops__`` marks
 (``deepspeed/ops/__init__.py``), so marking it incompatible makes DeepSpeed take its own
 "no kernel: plain gloo" path. CUDA (nccl) never builds it; this changes nothing there.
 """
+
 from __future__ import annotations
 
 import os

@@ -37,6 +37,7 @@ tensors go to another process by CUDA IPC (OpenRLHF's colocated weight sync): to
 expandable-segment memory through ``pidfd_getfd``, which containers and Yama refuse
 (``openrlhf/policy_actor.py``).
 """
+
 from __future__ import annotations
 
 import gc
@@ -97,7 +98,9 @@ class MemoryMeter:
             self._storage = StorageMeter().__enter__()
         else:
             if torch.autograd.profiler._is_profiler_enabled:
-                raise RuntimeError("MemoryMeter on CPU uses the torch profiler, and another profiler is already running")
+                raise RuntimeError(
+                    "MemoryMeter on CPU uses the torch profiler, and another profiler is already running"
+                )
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self
@@ -137,9 +140,17 @@ class MemoryMeter:
             # for memory). Collect now: on CPU the meter serves measurement (the profiler already
             # slows the region far more than one collection; a CPU training job pays both).
             gc.collect()
-        self.report = MemoryReport(str(self.device), int(max(peak, 0)), int(net), {k: int(v) for k, v in since.items()},
-                                   {k: int(max(v, 0)) for k, v in before.items()}, int(top), int(reserved),
-                                   int(trapped), dict(self._trapped_before))
+        self.report = MemoryReport(
+            str(self.device),
+            int(max(peak, 0)),
+            int(net),
+            {k: int(v) for k, v in since.items()},
+            {k: int(max(v, 0)) for k, v in before.items()},
+            int(top),
+            int(reserved),
+            int(trapped),
+            dict(self._trapped_before),
+        )
 
     def _cuda_exit(self):
         """(peak, net, since, before, max allocated, max reserved, trapped) of the region; closes its windows."""
@@ -180,6 +191,7 @@ def _peaks(stats: Dict) -> Dict[tuple, int]:
 
 def _with_peaks(stats: Dict, peaks: Dict[tuple, int]) -> Dict:
     """``stats`` with every peak raised to at least ``peaks``' (a copy)."""
+
     def up(k, pool, d):
         return dict(d, peak=max(d["peak"], peaks.get((k, pool), 0)))
 
@@ -319,7 +331,7 @@ def _cpu_events(prof) -> Tuple[list, list]:
             if f.device.type == "cpu":
                 allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
         elif e.name.startswith(MARK_PREFIX):
-            marks.append((e.start_time_ns, e.name[len(MARK_PREFIX):]))
+            marks.append((e.start_time_ns, e.name[len(MARK_PREFIX) :]))
     return sorted(allocs, key=lambda a: a[0]), sorted(marks)
 
 
@@ -362,4 +374,3 @@ def measure_peak(fn: Callable[[], T], device: Union[str, torch.device, None] = N
     with MemoryMeter(device) as meter:
         out = fn()
     return out, meter.report
-

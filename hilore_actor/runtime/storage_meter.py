@@ -32,6 +32,7 @@ Edge cases, named:
   it.
 - Storages freed after the region ends are ignored (the finalizers are disarmed at exit).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -64,8 +65,11 @@ class StorageMeter(TorchDispatchMode):
             # ``torch.tensor(data)`` allocates before dispatch and hands the new tensor to
             # lift_fresh, whose output is its input: count that one as new
             lifted = func in _LIFT
-            inputs = set() if lifted else {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-                                           if isinstance(t, torch.Tensor)}
+            inputs = (
+                set()
+                if lifted
+                else {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            )
             for t in fresh:
                 self._count(t.untyped_storage(), inputs)
         return out

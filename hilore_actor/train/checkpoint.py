@@ -13,6 +13,7 @@ crash at any point leaves the previous checkpoint and ``latest`` untouched.
 checkpoint that checks out, saying which one it skipped and why: a damaged checkpoint is never
 loaded. Checkpoints from before checksums (no ``files``) are taken as they are.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +38,11 @@ def file_digest(path: Path) -> str:
 def manifest(folder: Path) -> Dict[str, Dict]:
     """``relative path -> {"bytes", "sha256"}`` of every file under ``folder`` but meta.json."""
     folder = Path(folder)
-    return {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": file_digest(f)}
-            for f in sorted(folder.rglob("*")) if f.is_file() and f.name != "meta.json"}
+    return {
+        str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": file_digest(f)}
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != "meta.json"
+    }
 
 
 def damage(folder: Path) -> Optional[str]:

@@ -8,6 +8,7 @@ Flag names follow OpenRLHF 0.11's dotted style where the concept exists there, s
 The parsed config is a nested namespace (``cfg.rollout.n_samples_per_prompt``), as OpenRLHF's
 ``hierarchize`` builds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,21 +29,40 @@ class ConfigError(ValueError):
 # (flag, type, default, help); type "flag" is a store_true switch.
 FLAGS = [
     # model and data
-    ("actor.model_name_or_path", str, None, "policy model: a local HF directory, a config.json, a .gguf file, "
-     "'smollm2' (the bundled SmolLM2-135M-Instruct) or 'tiny:<qwen2|llama|phi3>' (a tiny random model)"),
-    ("data.prompt_dataset", str, "rg:basic_arithmetic", "task: rg:<reasoning-gym name>, toy:vowels, or a .jsonl file "
-     "with prompt/answer fields"),
+    (
+        "actor.model_name_or_path",
+        str,
+        None,
+        "policy model: a local HF directory, a config.json, a .gguf file, "
+        "'smollm2' (the bundled SmolLM2-135M-Instruct) or 'tiny:<qwen2|llama|phi3>' (a tiny random model)",
+    ),
+    (
+        "data.prompt_dataset",
+        str,
+        "rg:basic_arithmetic",
+        "task: rg:<reasoning-gym name>, toy:vowels, or a .jsonl file with prompt/answer fields",
+    ),
     ("data.input_key", str, "prompt", "JSONL field holding the prompt"),
     ("data.label_key", str, "answer", "JSONL field holding the reference answer"),
     ("data.max_samples", int, 1024, "prompts drawn from the task (procedural tasks generate this many)"),
     ("data.prompt_max_len", int, 256, "prompts longer than this (in tokens) are an error"),
     ("data.instruction", str, None, "text appended to every prompt (default: the task's answer-format line)"),
     ("data.task_options", str, None, "reasoning-gym dataset options as JSON, e.g. '{\"max_digits\": 1}'"),
-    ("data.apply_chat_template", boolean, True, "render prompts with the tokenizer's chat template (a JSONL prompt "
-     "field holding chat messages needs it); false: the prompt text as it is"),
-    ("reward.path", str, None, "your reward function: a .py file or an importable module, with verl's "
-     "compute_score(data_source, solution_str, ground_truth, extra_info) per response or OpenRLHF's "
-     "reward_func(queries, prompts, labels) batched (default: the task's own verifier)"),
+    (
+        "data.apply_chat_template",
+        boolean,
+        True,
+        "render prompts with the tokenizer's chat template (a JSONL prompt "
+        "field holding chat messages needs it); false: the prompt text as it is",
+    ),
+    (
+        "reward.path",
+        str,
+        None,
+        "your reward function: a .py file or an importable module, with verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info) per response or OpenRLHF's "
+        "reward_func(queries, prompts, labels) batched (default: the task's own verifier)",
+    ),
     ("reward.name", str, None, "the function's name in --reward.path (default: compute_score, else reward_func)"),
     # rollout
     ("rollout.batch_size", int, 4, "prompts per training step"),
@@ -69,18 +89,33 @@ FLAGS = [
     ("actor.adam.lr", float, 1e-6, "learning rate"),
     ("actor.adam.betas", float, (0.9, 0.95), "AdamW betas", 2),
     ("actor.adam.weight_decay", float, 0.0, "AdamW weight decay"),
-    ("actor.lr_scheduler", str, "constant_with_warmup", "transformers scheduler name (constant_with_warmup, cosine, ...)"),
+    (
+        "actor.lr_scheduler",
+        str,
+        "constant_with_warmup",
+        "transformers scheduler name (constant_with_warmup, cosine, ...)",
+    ),
     ("actor.lr_warmup_ratio", float, 0.0, "warmup share of the steps"),
     ("actor.max_norm", float, 1.0, "gradient clipping norm"),
     ("actor.num_nodes", int, 1, "learner nodes"),
     ("actor.num_gpus_per_node", int, 1, "learner ranks per node (processes on CPU, GPUs on CUDA)"),
-    ("actor.backend", str, "hilore", "learner backend: hilore (store/compress/recompute per unit under --hilore.budget), "
-     "gc (gradient checkpointing on every layer) or none (store everything); also --actor_backend"),
+    (
+        "actor.backend",
+        str,
+        "hilore",
+        "learner backend: hilore (store/compress/recompute per unit under --hilore.budget), "
+        "gc (gradient checkpointing on every layer) or none (store everything); also --actor_backend",
+    ),
     # training
     ("train.batch_size", int, 16, "sequences per optimizer update, over all ranks"),
     ("train.micro_batch_size", int, 4, "sequences per packed learner microbatch, per rank"),
     ("train.seed", int, 42, "seed of prompt order, sampling, LoRA dropout and initialisation"),
-    ("train.max_skipped_updates", int, 3, "stop after this many updates in a row skipped for a non-finite gradient (0: never)"),
+    (
+        "train.max_skipped_updates",
+        int,
+        3,
+        "stop after this many updates in a row skipped for a non-finite gradient (0: never)",
+    ),
     ("max_steps", int, 1, "training steps (one rollout batch each, then its updates)"),
     ("ds.zero_stage", int, 2, "DeepSpeed ZeRO stage (2 or 3; 0 = plain data parallel)"),
     ("ds.param_dtype", str, "fp32", "fp32 or bf16"),
@@ -90,78 +125,167 @@ FLAGS = [
     ("ds.lora.target_modules", str, "all-linear", "LoRA targets: all-linear or comma-separated module names"),
     ("threads", int, None, "torch threads per worker on CPU (default: the cores divided among learner ranks)"),
     # replay (rollout/replay.py)
-    ("replay.enable", "flag", False, "rollout-level replay: store single rollouts (advantage != 0) and append replayed "
-     "ones to every step's fresh rollouts, each with the old and reference log-probs it had when fresh"),
+    (
+        "replay.enable",
+        "flag",
+        False,
+        "rollout-level replay: store single rollouts (advantage != 0) and append replayed "
+        "ones to every step's fresh rollouts, each with the old and reference log-probs it had when fresh",
+    ),
     ("replay.max_age", int, 4, "replayed rollouts are at most this many training steps old (older ones are evicted)"),
-    ("replay.ratio", float, 1.0, "replayed rollouts per fresh rollout, rounded down to whole --train.batch_size updates"),
+    (
+        "replay.ratio",
+        float,
+        1.0,
+        "replayed rollouts per fresh rollout, rounded down to whole --train.batch_size updates",
+    ),
     ("replay.capacity", int, 4096, "rollouts the buffer holds (the oldest go first)"),
-    ("replay.priority", str, "abs_advantage", "draw rollouts with probability ~ |advantage|^alpha (abs_advantage) or uniform"),
+    (
+        "replay.priority",
+        str,
+        "abs_advantage",
+        "draw rollouts with probability ~ |advantage|^alpha (abs_advantage) or uniform",
+    ),
     ("replay.alpha", float, 1.0, "priority exponent of abs_advantage"),
     # output
-    ("save_path", str, "runs/grpo", "output folder: metrics.jsonl, TensorBoard events, checkpoints, final weights "
-     "(alias --ckpt.output_dir); a folder you name must not hold a run (use --resume or --overwrite_output_dir); "
-     "left unnamed, each run gets a new folder under it"),
-    ("overwrite_output_dir", "flag", False, "start a fresh run in a --save_path that holds one: its metrics, "
-     "TensorBoard events, samples, checkpoints and final weights are deleted first"),
+    (
+        "save_path",
+        str,
+        "runs/grpo",
+        "output folder: metrics.jsonl, TensorBoard events, checkpoints, final weights "
+        "(alias --ckpt.output_dir); a folder you name must not hold a run (use --resume or --overwrite_output_dir); "
+        "left unnamed, each run gets a new folder under it",
+    ),
+    (
+        "overwrite_output_dir",
+        "flag",
+        False,
+        "start a fresh run in a --save_path that holds one: its metrics, "
+        "TensorBoard events, samples, checkpoints and final weights are deleted first",
+    ),
     ("ckpt.path", str, None, "checkpoint folder (default <save_path>/checkpoints)"),
     ("ckpt.save_steps", int, 1, "checkpoint every N steps (-1: only at the end)"),
     ("ckpt.max_num", int, 2, "complete checkpoints kept"),
     ("ckpt.load_enable", "flag", False, "resume from the last checkpoint (alias --resume)"),
     ("logger.tensorboard_dir", str, None, "TensorBoard folder (default <save_path>/tensorboard)"),
-    ("compare_gc", "flag", False, "after every update, time gc and the backend on the same microbatches, "
-     "interleaved (no optimizer step), and report the ratio"),
-    ("measure_grad_error", "flag", False, "before every update, compute its gradient under HiLoRe's plan and the exact "
-     "one (every layer recomputed) on the same microbatches, outside the optimizer's path, and log their relative "
-     "error and cosine (grad_rel_error, grad_cosine_min; extra passes each step, not in update_seconds)"),
+    (
+        "compare_gc",
+        "flag",
+        False,
+        "after every update, time gc and the backend on the same microbatches, "
+        "interleaved (no optimizer step), and report the ratio",
+    ),
+    (
+        "measure_grad_error",
+        "flag",
+        False,
+        "before every update, compute its gradient under HiLoRe's plan and the exact "
+        "one (every layer recomputed) on the same microbatches, outside the optimizer's path, and log their relative "
+        "error and cosine (grad_rel_error, grad_cosine_min; extra passes each step, not in update_seconds)",
+    ),
     ("log_workers", "flag", False, "show the workers' own output (planning messages, warnings) on the driver"),
     # logging (train/metrics.py) and held-out evaluation (train/evaluation.py)
-    ("logger.wandb.enable", "flag", False, "also log to Weights & Biases: the TensorBoard scalars under the same "
-     "names, sample generations, the flags (pip install 'hilore-actor[wandb]'; WANDB_MODE=offline writes the run "
-     "under <save_path>/wandb without network; alias --use_wandb)"),
+    (
+        "logger.wandb.enable",
+        "flag",
+        False,
+        "also log to Weights & Biases: the TensorBoard scalars under the same "
+        "names, sample generations, the flags (pip install 'hilore-actor[wandb]'; WANDB_MODE=offline writes the run "
+        "under <save_path>/wandb without network; alias --use_wandb)",
+    ),
     ("logger.wandb.key", str, None, "W&B API key; turns W&B on, as OpenRLHF's (default: WANDB_API_KEY or wandb login)"),
     ("logger.wandb.org", str, None, "W&B entity (alias --wandb_org)"),
     ("logger.wandb.group", str, None, "W&B run group (alias --wandb_group)"),
     ("logger.wandb.project", str, "hilore_train_grpo", "W&B project (alias --wandb_project)"),
-    ("logger.wandb.run_name", str, None, "W&B run name (default: the --save_path folder's name; alias "
-     "--wandb_run_name)"),
-    ("logger.samples_per_step", int, 2, "sample generations (prompt, response, reward) per step, each of another "
-     "prompt, into <save_path>/samples.jsonl, TensorBoard text and a W&B table (0: none)"),
-    ("eval.dataset", str, None, "held-out prompts: a .jsonl file read as --data.prompt_dataset is (same keys and "
-     "reward); greedy responses through the rollout workers, scored every --eval.steps steps and after the last "
-     "(eval/accuracy: share of reward 1, eval/reward_mean)"),
+    (
+        "logger.wandb.run_name",
+        str,
+        None,
+        "W&B run name (default: the --save_path folder's name; alias --wandb_run_name)",
+    ),
+    (
+        "logger.samples_per_step",
+        int,
+        2,
+        "sample generations (prompt, response, reward) per step, each of another "
+        "prompt, into <save_path>/samples.jsonl, TensorBoard text and a W&B table (0: none)",
+    ),
+    (
+        "eval.dataset",
+        str,
+        None,
+        "held-out prompts: a .jsonl file read as --data.prompt_dataset is (same keys and "
+        "reward); greedy responses through the rollout workers, scored every --eval.steps steps and after the last "
+        "(eval/accuracy: share of reward 1, eval/reward_mean)",
+    ),
     ("eval.steps", int, 0, "evaluate every N steps (0 or -1: only after the last step)"),
     ("eval.max_samples", int, 256, "held-out prompts evaluated: the first N of --eval.dataset"),
 ]
 FLAGS += HILORE_FLAGS  # the --hilore.* flags, shared with the OpenRLHF drop-in (learner/settings.py)
-ALIASES = {"pretrain": "actor.model_name_or_path", "actor_backend": "actor.backend", "resume": "ckpt.load_enable",
-           "ckpt.output_dir": "save_path", "prompt_data": "data.prompt_dataset"}
-ALIASES.update({"use_wandb": "logger.wandb.enable", "wandb_org": "logger.wandb.org",  # older OpenRLHF's names
-                "wandb_group": "logger.wandb.group", "wandb_project": "logger.wandb.project",
-                "wandb_run_name": "logger.wandb.run_name"})
+ALIASES = {
+    "pretrain": "actor.model_name_or_path",
+    "actor_backend": "actor.backend",
+    "resume": "ckpt.load_enable",
+    "ckpt.output_dir": "save_path",
+    "prompt_data": "data.prompt_dataset",
+}
+ALIASES.update(
+    {
+        "use_wandb": "logger.wandb.enable",
+        "wandb_org": "logger.wandb.org",  # older OpenRLHF's names
+        "wandb_group": "logger.wandb.group",
+        "wandb_project": "logger.wandb.project",
+        "wandb_run_name": "logger.wandb.run_name",
+    }
+)
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # The README's main command: a real model on a small arithmetic task, in minutes on 2 cores.
     "cpu-demo": {
-        "actor.model_name_or_path": "smollm2", "data.prompt_dataset": "rg:basic_arithmetic",
+        "actor.model_name_or_path": "smollm2",
+        "data.prompt_dataset": "rg:basic_arithmetic",
         "data.task_options": '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}',
-        "data.instruction": " Answer with the number only.", "rollout.batch_size": 4, "rollout.n_samples_per_prompt": 4,
-        "rollout.max_new_tokens": 32, "train.batch_size": 16, "train.micro_batch_size": 8, "actor.adam.lr": 2e-4,
-        "algo.kl.use_loss": True, "max_steps": 5, "hilore.mode": "hilore-hr", "hilore.profile_repeats": 1,
-        "compare_gc": True, "save_path": "runs/cpu-demo", "ckpt.save_steps": -1,
+        "data.instruction": " Answer with the number only.",
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 32,
+        "train.batch_size": 16,
+        "train.micro_batch_size": 8,
+        "actor.adam.lr": 2e-4,
+        "algo.kl.use_loss": True,
+        "max_steps": 5,
+        "hilore.mode": "hilore-hr",
+        "hilore.profile_repeats": 1,
+        "compare_gc": True,
+        "save_path": "runs/cpu-demo",
+        "ckpt.save_steps": -1,
     },
     # Tests: a tiny random model, a reward a random model already varies on, seconds per step.
     "tiny": {
-        "actor.model_name_or_path": "tiny:qwen2", "data.prompt_dataset": "toy:vowels", "rollout.batch_size": 2,
-        "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 16, "train.batch_size": 8,
-        "train.micro_batch_size": 2, "actor.adam.lr": 1e-3, "data.prompt_max_len": 48, "ds.lora.rank": 8, "algo.kl.use_loss": True,
-        "actor.num_gpus_per_node": 2, "max_steps": 2, "hilore.calibration_batches": 2, "hilore.profile_repeats": 1,
+        "actor.model_name_or_path": "tiny:qwen2",
+        "data.prompt_dataset": "toy:vowels",
+        "rollout.batch_size": 2,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 16,
+        "train.batch_size": 8,
+        "train.micro_batch_size": 2,
+        "actor.adam.lr": 1e-3,
+        "data.prompt_max_len": 48,
+        "ds.lora.rank": 8,
+        "algo.kl.use_loss": True,
+        "actor.num_gpus_per_node": 2,
+        "max_steps": 2,
+        "hilore.calibration_batches": 2,
+        "hilore.profile_repeats": 1,
         "save_path": "runs/tiny",
     },
 }
 
 
-ZERO3_COMPILE = ("--hilore.compile does not run under --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in "
-                 "hooks that torch.compile would trace into the compiled units; use ZeRO-2 or leave --hilore.compile off")
+ZERO3_COMPILE = (
+    "--hilore.compile does not run under --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in "
+    "hooks that torch.compile would trace into the compiled units; use ZeRO-2 or leave --hilore.compile off"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -183,12 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="GRPO training on Ray with a HiLoRe learner: rollout workers -> rewards and group advantages -> "
         "reference log-probs -> N DeepSpeed learner ranks whose activations are stored, compressed or recomputed "
         "per unit under a memory budget that a coordinator enforces.",
-        epilog="Flags follow OpenRLHF 0.11's dotted names. Aliases: " + ", ".join(f"--{a} = --{t}" for a, t in ALIASES.items()),
+        epilog="Flags follow OpenRLHF 0.11's dotted names. Aliases: "
+        + ", ".join(f"--{a} = --{t}" for a, t in ALIASES.items()),
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so presets and YAML can fill them
     )
-    p.add_argument("--config", help="YAML file of flags (dotted keys or nested mappings); the command line overrides it")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a named set of defaults: " + "; ".join(
-        f"{k}: {', '.join(f'{a}={b}' for a, b in list(v.items())[:3])}, ..." for k, v in PRESETS.items()))
+    p.add_argument(
+        "--config", help="YAML file of flags (dotted keys or nested mappings); the command line overrides it"
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named set of defaults: "
+        + "; ".join(f"{k}: {', '.join(f'{a}={b}' for a, b in list(v.items())[:3])}, ..." for k, v in PRESETS.items()),
+    )
     rev = {}
     for a, t in ALIASES.items():
         rev.setdefault(t, []).append(a)
@@ -352,8 +483,12 @@ def lora_spec(cfg, dropout: bool = True):
     if cfg.ds.lora.rank <= 0:
         return None
     t = cfg.ds.lora.target_modules
-    return LoraSpec(cfg.ds.lora.rank, cfg.ds.lora.alpha, cfg.ds.lora.dropout if dropout else 0.0,
-                    t if t == "all-linear" else [x.strip() for x in t.split(",")])
+    return LoraSpec(
+        cfg.ds.lora.rank,
+        cfg.ds.lora.alpha,
+        cfg.ds.lora.dropout if dropout else 0.0,
+        t if t == "all-linear" else [x.strip() for x in t.split(",")],
+    )
 
 
 def worker_device():
@@ -372,24 +507,38 @@ def validate(cfg) -> None:
         errors.append(f"--actor_backend {cfg.actor.backend!r}: choose one of {', '.join(BACKENDS)}")
     G, world = cfg.rollout.n_samples_per_prompt, world_size(cfg)
     seqs = cfg.rollout.batch_size * G
-    for name, v in (("rollout.batch_size", cfg.rollout.batch_size), ("rollout.n_samples_per_prompt", G),
-                    ("train.batch_size", cfg.train.batch_size), ("train.micro_batch_size", cfg.train.micro_batch_size),
-                    ("rollout.max_new_tokens", cfg.rollout.max_new_tokens), ("rollout.num_workers", cfg.rollout.num_workers),
-                    ("actor.num_gpus_per_node", cfg.actor.num_gpus_per_node), ("max_steps", cfg.max_steps)):
+    for name, v in (
+        ("rollout.batch_size", cfg.rollout.batch_size),
+        ("rollout.n_samples_per_prompt", G),
+        ("train.batch_size", cfg.train.batch_size),
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        ("rollout.num_workers", cfg.rollout.num_workers),
+        ("actor.num_gpus_per_node", cfg.actor.num_gpus_per_node),
+        ("max_steps", cfg.max_steps),
+    ):
         if v is None or v < 1:
             errors.append(f"--{name} must be >= 1, got {v}")
     if not errors:
         if cfg.train.batch_size % G:
-            errors.append(f"the group size --rollout.n_samples_per_prompt {G} does not divide --train.batch_size "
-                          f"{cfg.train.batch_size}: an update must hold whole groups")
+            errors.append(
+                f"the group size --rollout.n_samples_per_prompt {G} does not divide --train.batch_size "
+                f"{cfg.train.batch_size}: an update must hold whole groups"
+            )
         elif seqs % cfg.train.batch_size:  # one mistake, one line: the first of these that fails
-            errors.append(f"--train.batch_size {cfg.train.batch_size} does not divide the {seqs} sequences of a rollout "
-                          f"batch (--rollout.batch_size {cfg.rollout.batch_size} x --rollout.n_samples_per_prompt {G})")
+            errors.append(
+                f"--train.batch_size {cfg.train.batch_size} does not divide the {seqs} sequences of a rollout "
+                f"batch (--rollout.batch_size {cfg.rollout.batch_size} x --rollout.n_samples_per_prompt {G})"
+            )
         elif cfg.train.batch_size % (world * cfg.train.micro_batch_size):
-            errors.append(f"--train.batch_size {cfg.train.batch_size} is not a multiple of ranks x micro batch = "
-                          f"{world} x {cfg.train.micro_batch_size}")
+            errors.append(
+                f"--train.batch_size {cfg.train.batch_size} is not a multiple of ranks x micro batch = "
+                f"{world} x {cfg.train.micro_batch_size}"
+            )
     if cfg.algo.advantage.estimator in ("group_norm", "rloo") and G < 2:
-        errors.append(f"--algo.advantage.estimator {cfg.algo.advantage.estimator} needs --rollout.n_samples_per_prompt > 1")
+        errors.append(
+            f"--algo.advantage.estimator {cfg.algo.advantage.estimator} needs --rollout.n_samples_per_prompt > 1"
+        )
     if cfg.vllm.tensor_parallel_size != 1:
         errors.append("--vllm.tensor_parallel_size > 1 is not supported yet")
     if cfg.ds.zero_stage not in (0, 1, 2, 3):
@@ -399,23 +548,31 @@ def validate(cfg) -> None:
     if getattr(cfg.hilore, "compile", False) and cfg.ds.zero_stage == 3:
         errors.append(ZERO3_COMPILE)
     if cfg.compare_gc and cfg.ds.zero_stage == 3:
-        errors.append("--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2")
+        errors.append(
+            "--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2"
+        )
     if cfg.measure_grad_error and (cfg.actor.backend != "hilore" or cfg.ds.zero_stage == 3):
-        errors.append("--measure_grad_error compares HiLoRe's gradient with the exact one outside DeepSpeed's gradient "
-                      f"path: it needs --actor_backend hilore (gc and none are exact) and ZeRO stage < 3, got "
-                      f"{cfg.actor.backend} and stage {cfg.ds.zero_stage}")
+        errors.append(
+            "--measure_grad_error compares HiLoRe's gradient with the exact one outside DeepSpeed's gradient "
+            f"path: it needs --actor_backend hilore (gc and none are exact) and ZeRO stage < 3, got "
+            f"{cfg.actor.backend} and stage {cfg.ds.zero_stage}"
+        )
     if cfg.replay.enable:
         from ..rollout.replay import PRIORITIES
 
         r = cfg.replay
         if r.max_age < 1 or r.capacity < 1 or r.ratio < 0 or r.alpha < 0:
-            errors.append(f"--replay.max_age and --replay.capacity must be >= 1 and --replay.ratio, --replay.alpha >= 0; "
-                          f"got {r.max_age}, {r.capacity}, {r.ratio}, {r.alpha}")
+            errors.append(
+                f"--replay.max_age and --replay.capacity must be >= 1 and --replay.ratio, --replay.alpha >= 0; "
+                f"got {r.max_age}, {r.capacity}, {r.ratio}, {r.alpha}"
+            )
         if r.priority not in PRIORITIES:
             errors.append(f"--replay.priority {r.priority!r}: choose one of {', '.join(PRIORITIES)}")
         if not errors and replay_sequences(cfg) == 0:
-            errors.append(f"--replay.ratio {r.ratio} x {cfg.rollout.batch_size * G} fresh rollouts is less than one update "
-                          f"of --train.batch_size {cfg.train.batch_size}: nothing would be replayed")
+            errors.append(
+                f"--replay.ratio {r.ratio} x {cfg.rollout.batch_size * G} fresh rollouts is less than one update "
+                f"of --train.batch_size {cfg.train.batch_size}: nothing would be replayed"
+            )
     from .evaluation import eval_errors  # W&B installed and logged in, --eval.* (before Ray starts)
     from .metrics import logging_errors
 
@@ -430,21 +587,32 @@ def validate(cfg) -> None:
 
 # (flag, test, what it must be): ranges the job's parts would otherwise refuse late, or not at all
 RANGES = [
-    ("rollout.temperature", lambda v: v > 0, "> 0"), ("rollout.top_p", lambda v: 0 < v <= 1, "within (0, 1]"),
-    ("actor.adam.lr", lambda v: v >= 0, ">= 0"), ("actor.adam.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("rollout.temperature", lambda v: v > 0, "> 0"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "within (0, 1]"),
+    ("actor.adam.lr", lambda v: v >= 0, ">= 0"),
+    ("actor.adam.weight_decay", lambda v: v >= 0, ">= 0"),
     ("actor.adam.betas", lambda v: all(0 <= b < 1 for b in v), "two values within [0, 1)"),
-    ("actor.eps_clip", lambda v: v > 0, "> 0"), ("actor.max_norm", lambda v: v > 0, "> 0"),
+    ("actor.eps_clip", lambda v: v > 0, "> 0"),
+    ("actor.max_norm", lambda v: v > 0, "> 0"),
     ("actor.eps_clip_low_high", lambda v: v is None or all(b > 0 for b in v), "two values > 0"),
     ("actor.dual_clip", lambda v: v is None or v > 1, "> 1"),
-    ("actor.lr_warmup_ratio", lambda v: 0 <= v <= 1, "within [0, 1]"), ("algo.kl.init_coef", lambda v: v >= 0, ">= 0"),
-    ("actor.num_nodes", lambda v: v >= 1, ">= 1"), ("data.max_samples", lambda v: v >= 1, ">= 1"),
-    ("data.prompt_max_len", lambda v: v >= 1, ">= 1"), ("ds.lora.rank", lambda v: v >= 0, ">= 0 (0: all weights)"),
-    ("ds.lora.alpha", lambda v: v > 0, "> 0"), ("ds.lora.dropout", lambda v: 0 <= v < 1, "within [0, 1)"),
-    ("vllm.num_engines", lambda v: v >= 0, ">= 0"), ("vllm.gpu_memory_utilization", lambda v: 0 < v <= 1, "within (0, 1]"),
-    ("rollout.num_gpus", lambda v: v >= 0, ">= 0"), ("ref.num_gpus", lambda v: v >= 0, ">= 0"),
-    ("rollout.max_restarts", lambda v: v >= 0, ">= 0"), ("train.max_skipped_updates", lambda v: v >= 0, ">= 0"),
+    ("actor.lr_warmup_ratio", lambda v: 0 <= v <= 1, "within [0, 1]"),
+    ("algo.kl.init_coef", lambda v: v >= 0, ">= 0"),
+    ("actor.num_nodes", lambda v: v >= 1, ">= 1"),
+    ("data.max_samples", lambda v: v >= 1, ">= 1"),
+    ("data.prompt_max_len", lambda v: v >= 1, ">= 1"),
+    ("ds.lora.rank", lambda v: v >= 0, ">= 0 (0: all weights)"),
+    ("ds.lora.alpha", lambda v: v > 0, "> 0"),
+    ("ds.lora.dropout", lambda v: 0 <= v < 1, "within [0, 1)"),
+    ("vllm.num_engines", lambda v: v >= 0, ">= 0"),
+    ("vllm.gpu_memory_utilization", lambda v: 0 < v <= 1, "within (0, 1]"),
+    ("rollout.num_gpus", lambda v: v >= 0, ">= 0"),
+    ("ref.num_gpus", lambda v: v >= 0, ">= 0"),
+    ("rollout.max_restarts", lambda v: v >= 0, ">= 0"),
+    ("train.max_skipped_updates", lambda v: v >= 0, ">= 0"),
     ("ckpt.save_steps", lambda v: v >= 1 or v == -1, ">= 1, or -1 (only at the end)"),
-    ("ckpt.max_num", lambda v: v >= 1, ">= 1"), ("threads", lambda v: v is None or v >= 1, ">= 1"),
+    ("ckpt.max_num", lambda v: v >= 1, ">= 1"),
+    ("threads", lambda v: v is None or v >= 1, ">= 1"),
 ]
 
 
@@ -467,16 +635,21 @@ def value_errors(cfg) -> List[str]:
             errors.append(f"--{name} {v}: must be a finite number, {want}")
         elif not ok(v):
             errors.append(f"--{name} {v}: must be {want}")
-    for name, choices in (("algo.advantage.estimator", ESTIMATORS), ("algo.kl.estimator", KL_ESTIMATORS),
-                          ("actor.loss_agg_mode", LOSS_AGG_MODES)):
+    for name, choices in (
+        ("algo.advantage.estimator", ESTIMATORS),
+        ("algo.kl.estimator", KL_ESTIMATORS),
+        ("actor.loss_agg_mode", LOSS_AGG_MODES),
+    ):
         if flat[name] not in choices:
             errors.append(f"--{name} {flat[name]!r}: choose one of {', '.join(choices)}")
     try:
         from transformers import SchedulerType
 
         if cfg.actor.lr_scheduler not in {t.value for t in SchedulerType}:
-            errors.append(f"--actor.lr_scheduler {cfg.actor.lr_scheduler!r}: choose one of "
-                          f"{', '.join(t.value for t in SchedulerType)}")
+            errors.append(
+                f"--actor.lr_scheduler {cfg.actor.lr_scheduler!r}: choose one of "
+                f"{', '.join(t.value for t in SchedulerType)}"
+            )
     except ImportError:  # transformers absent: the learner reports it
         pass
     if cfg.data.task_options:
@@ -488,8 +661,10 @@ def value_errors(cfg) -> List[str]:
             errors.append(f"--data.task_options {cfg.data.task_options!r}: expected a JSON object ({opts})")
     ignored = [k for k in getattr(cfg, "user_set", ()) if k.startswith("replay.") and k != "replay.enable"]
     if ignored and not cfg.replay.enable:
-        errors.append(f"{', '.join('--' + k for k in ignored)} given without --replay.enable: add it, or drop "
-                      f"{'them' if len(ignored) > 1 else 'it'}")
+        errors.append(
+            f"{', '.join('--' + k for k in ignored)} given without --replay.enable: add it, or drop "
+            f"{'them' if len(ignored) > 1 else 'it'}"
+        )
     if cfg.reward.name and not cfg.reward.path:
         errors.append("--reward.name names a function of --reward.path: pass the file or module too")
     if cfg.vllm.num_engines > 0:

@@ -7,6 +7,7 @@ one per prompt) from the rollout workers with the weights of the step just train
 policy's score, not a sample of it, so curves from step to step differ by the training only.
 ``eval/accuracy`` is the share of prompts whose reward is exactly 1 (a verifier's "correct").
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,8 +23,10 @@ def eval_errors(cfg) -> List[str]:
     if e.max_samples < 1:
         errors.append(f"--eval.max_samples must be >= 1, got {e.max_samples}")
     if e.dataset and e.dataset.split(":")[0] in ("rg", "toy"):
-        errors.append(f"--eval.dataset {e.dataset}: a held-out set is a .jsonl file (a generated task would draw "
-                      "its problems with the training task's seed)")
+        errors.append(
+            f"--eval.dataset {e.dataset}: a held-out set is a .jsonl file (a generated task would draw "
+            "its problems with the training task's seed)"
+        )
     return errors
 
 
@@ -33,7 +36,7 @@ def load_eval_task(cfg, load_prompts: Callable):
     if not cfg.eval.dataset:
         return None
     task = load_prompts(cfg, cfg.eval.dataset)
-    task.examples = task.examples[:cfg.eval.max_samples]
+    task.examples = task.examples[: cfg.eval.max_samples]
     return task
 
 
@@ -51,12 +54,16 @@ def evaluate(job, task, cfg, step: int, rewards_of: Callable) -> Tuple[Dict, Lis
     examples = task.examples
     texts, lengths, rewards = [], [], []
     for i in range(0, len(examples), batch):
-        chunk = examples[i:i + batch]
+        chunk = examples[i : i + batch]
         out = job.generate([e.prompt for e in chunk], step, greedy=True)
         rewards += [float(r) for r in rewards_of(out, chunk)]
         texts += out["texts"]
         lengths += [s[2] for s in out["seqs"]]
-    m = {"eval_accuracy": sum(r == 1 for r in rewards) / len(rewards), "eval_reward_mean": statistics.fmean(rewards),
-         "eval_response_length": statistics.fmean(lengths), "eval_prompts": len(rewards),
-         "eval_seconds": time.perf_counter() - t}
+    m = {
+        "eval_accuracy": sum(r == 1 for r in rewards) / len(rewards),
+        "eval_reward_mean": statistics.fmean(rewards),
+        "eval_response_length": statistics.fmean(lengths),
+        "eval_prompts": len(rewards),
+        "eval_seconds": time.perf_counter() - t,
+    }
     return m, pick_samples(examples, texts, rewards, 1, cfg.logger.samples_per_step, split="eval")

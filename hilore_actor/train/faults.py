@@ -28,6 +28,7 @@ commas):
 
 A damaged checkpoint is handled by ``checkpoint.CheckpointDir.resumable``.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,9 @@ class StopRequest:
         if self.signal is not None:  # asked twice: do not wait for the step
             raise KeyboardInterrupt(f"signal {signum} received twice")
         self.signal = signum
-        print(f"\n[train] {signal.Signals(signum).name} received: stopping after this step, with a checkpoint",
-              flush=True)
+        print(
+            f"\n[train] {signal.Signals(signum).name} received: stopping after this step, with a checkpoint", flush=True
+        )
 
     @property
     def requested(self) -> bool:
@@ -87,9 +89,14 @@ class SkipCounter:
     def update(self, skipped: bool, step: int) -> None:
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped:
-            print(f"[train] step {step}: an update had a non-finite gradient and was skipped on every rank "
-                  f"({self.in_a_row} in a row)", flush=True)
+            print(
+                f"[train] step {step}: an update had a non-finite gradient and was skipped on every rank "
+                f"({self.in_a_row} in a row)",
+                flush=True,
+            )
         if self.limit and self.in_a_row >= self.limit:
-            raise TooManySkipped(f"{self.in_a_row} updates in a row had a non-finite gradient (the last in step {step}), "
-                                 "so the run stopped: lower the learning rate or check the data and rewards of those "
-                                 "steps (--train.max_skipped_updates sets the limit)")
+            raise TooManySkipped(
+                f"{self.in_a_row} updates in a row had a non-finite gradient (the last in step {step}), "
+                "so the run stopped: lower the learning rate or check the data and rewards of those "
+                "steps (--train.max_skipped_updates sets the limit)"
+            )

@@ -1,6 +1,7 @@
 """The Ray actors of one training run and the calls the recipe (``train_grpo.py``) makes on them:
 learner ranks (placed by ``placement.py``), rollout workers (restarted by Ray when they die),
 the reference worker and the budget coordinator (restarted too, ``learner/coordinator.py``)."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,16 @@ import torch
 from .config import flatten_ns, world_size
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
-PASS_ENV = ("HILORE_FAULT", "HILORE_CACHE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "GLIBC_TUNABLES", "HF_HOME",
-            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+PASS_ENV = (
+    "HILORE_FAULT",
+    "HILORE_CACHE",
+    "DS_ACCELERATOR",
+    "TORCH_EXTENSIONS_DIR",
+    "GLIBC_TUNABLES",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+)
 
 
 class JobError(RuntimeError):
@@ -36,25 +45,42 @@ class Job:
         cuda = torch.cuda.is_available()
         env = {"runtime_env": {"env_vars": {k: os.environ[k] for k in PASS_ENV if k in os.environ}}}
         # Ray restarts a dead coordinator, which reloads the last checkpoint's state (coordinator.py)
-        self.coordinator = ray.remote(BudgetCoordinator).options(num_cpus=0, max_restarts=3, **env).remote(
-            checkpoints=checkpoints, resume_from=resume_dir)
+        self.coordinator = (
+            ray.remote(BudgetCoordinator)
+            .options(num_cpus=0, max_restarts=3, **env)
+            .remote(checkpoints=checkpoints, resume_from=resume_dir)
+        )
         try:  # ranks placed (one bundle each), checkpoint storage checked, then the learners start
             self.pg, place, addr, port = learner_placement(ray, world_size(cfg), cfg.actor.num_nodes, cuda)
             check_shared(ray, place, checkpoints, **env)
         except RuntimeError as e:
             raise JobError(str(e)) from None
-        self.learners = [ray.remote(Learner).options(**place[r], **env).remote(flat, r, addr, port, self.coordinator, resume_dir)
-                         for r in range(world_size(cfg))]
+        self.learners = [
+            ray.remote(Learner).options(**place[r], **env).remote(flat, r, addr, port, self.coordinator, resume_dir)
+            for r in range(world_size(cfg))
+        ]
         ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
         if cfg.vllm.num_engines > 0:
             if not cuda:
-                raise JobError("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
-            self.rollout = [ray.remote(VLLMRolloutWorker).options(num_gpus=cfg.vllm.tensor_parallel_size, **ropts)
-                            .remote(flat, i) for i in range(cfg.vllm.num_engines)]
+                raise JobError(
+                    "--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)"
+                )
+            self.rollout = [
+                ray.remote(VLLMRolloutWorker).options(num_gpus=cfg.vllm.tensor_parallel_size, **ropts).remote(flat, i)
+                for i in range(cfg.vllm.num_engines)
+            ]
         else:
-            self.rollout = [ray.remote(HFRolloutWorker).options(num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
-                            .remote(flat, i) for i in range(cfg.rollout.num_workers)]
-        self.ref = ray.remote(ReferenceWorker).options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env).remote(flat)
+            self.rollout = [
+                ray.remote(HFRolloutWorker)
+                .options(num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
+                .remote(flat, i)
+                for i in range(cfg.rollout.num_workers)
+            ]
+        self.ref = (
+            ray.remote(ReferenceWorker)
+            .options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env)
+            .remote(flat)
+        )
         self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
         self.weight_kind = self.get(self.rollout[0].weight_kind.remote())
 
@@ -82,10 +108,15 @@ class Job:
         cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples
         if self.cfg.hilore.calibration:
             save_levels(cal, self.cfg.hilore.calibration)
-        self.infos = self.get([l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners])
+        self.infos = self.get(
+            [l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners]
+        )
         n = len({s["batch"] for s in next(iter(cal.values())).samples})
-        print(f"[train] calibrated L's risk on {n} real microbatches in {time.perf_counter() - t:.0f}s; "
-              f"plan {self.infos[0].get('plan')}", flush=True)
+        print(
+            f"[train] calibrated L's risk on {n} real microbatches in {time.perf_counter() - t:.0f}s; "
+            f"plan {self.infos[0].get('plan')}",
+            flush=True,
+        )
 
     def sync_weights(self) -> None:
         w = self.get([l.export_weights.remote(self.weight_kind) for l in self.learners])[0]
@@ -105,9 +136,11 @@ class Job:
             try:
                 return self._generate(prompts, step, greedy)
             except RayActorError as e:
-                print(f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
-                      f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
-                      flush=True)
+                print(
+                    f"[train] a rollout worker died in step {step + 1} ({type(e).__name__}); Ray restarts it "
+                    f"(restart {attempt + 1} of at most {self.cfg.rollout.max_restarts}); redoing the step's rollouts",
+                    flush=True,
+                )
                 for w in self.rollout:  # each answers once Ray has restarted it (call waits while it restarts)
                     call(w.weight_kind)
                 self.sync_weights()
@@ -116,9 +149,14 @@ class Job:
 
     def _generate(self, prompts: List[str], step: int, greedy: bool = False) -> Dict:
         k = len(self.rollout)
-        chunks = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
-        outs = self.get([w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step, greedy)
-                         for i, (w, c) in enumerate(zip(self.rollout, chunks)) if c])
+        chunks = [prompts[i * len(prompts) // k : (i + 1) * len(prompts) // k] for i in range(k)]
+        outs = self.get(
+            [
+                w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step, greedy)
+                for i, (w, c) in enumerate(zip(self.rollout, chunks))
+                if c
+            ]
+        )
         seqs, texts = [], []
         for o in outs:
             for i in range(len(o["texts"])):

@@ -17,6 +17,7 @@ Lifecycle (the driver calls these on every rank; ``ray.remote(Learner)`` makes t
    plan's memory budget by the overshoot and re-plan before the next microbatch.
 4. ``export_weights`` for rollout workers; ``save`` / ``load`` checkpoints.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,13 +47,25 @@ def _fault(point: str, rank: int, step: int) -> None:
 
 
 class Learner:
-    def __init__(self, flat_cfg: Dict, rank: int, master_addr: str, master_port: int, coordinator=None,
-                 resume_dir: Optional[str] = None):
+    def __init__(
+        self,
+        flat_cfg: Dict,
+        rank: int,
+        master_addr: str,
+        master_port: int,
+        coordinator=None,
+        resume_dir: Optional[str] = None,
+    ):
         cfg = self.cfg = hierarchize(flat_cfg)
         self.rank, self.world = rank, world_size(cfg)
         self.oom_reruns, self._oom_injected = 0, False  # microbatches rerun all-R after running out of memory
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK="0",
+        )
         from ..runtime.memory import default_allocator_settings
 
         default_allocator_settings()  # expandable segments unless the user chose; before CUDA starts
@@ -103,9 +116,14 @@ class Learner:
     def loss_options(self) -> Dict:
         cfg = self.cfg
         low_high = cfg.actor.eps_clip_low_high or (cfg.actor.eps_clip, cfg.actor.eps_clip)
-        return dict(clip_eps_low=low_high[0], clip_eps_high=low_high[1], dual_clip=cfg.actor.dual_clip,
-                    kl_coef=cfg.algo.kl.init_coef if cfg.algo.kl.use_loss else 0.0, kl_estimator=cfg.algo.kl.estimator,
-                    loss_agg_mode=cfg.actor.loss_agg_mode)
+        return dict(
+            clip_eps_low=low_high[0],
+            clip_eps_high=low_high[1],
+            dual_clip=cfg.actor.dual_clip,
+            kl_coef=cfg.algo.kl.init_coef if cfg.algo.kl.use_loss else 0.0,
+            kl_estimator=cfg.algo.kl.estimator,
+            loss_agg_mode=cfg.actor.loss_agg_mode,
+        )
 
     def _plan(self, model, resume_dir: Optional[str]):
         """B, and for hilore the validated plan, before DeepSpeed (``learner/plan.py``)."""
@@ -115,18 +133,31 @@ class Learner:
         cfg = self.cfg
         saved = Path(resume_dir) / f"hilore_rank{self.rank}.json" if resume_dir else None
         if saved is not None and saved.is_file() and not self._replan(resume_dir):  # same budget and plan, no profiling
-            return restore_rank_plan(model, json.loads(saved.read_text()), cfg.hilore, self.loss_fn, self.backend, self._log)
+            return restore_rank_plan(
+                model, json.loads(saved.read_text()), cfg.hilore, self.loss_fn, self.backend, self._log
+            )
         return plan_before_wrapping(
             # the driver sets --hilore.plan_tokens from the real prompts; --data.prompt_max_len bounds them
-            model, cfg.hilore, backend=self.backend, tokens=plan_tokens(cfg, cfg.data.prompt_max_len),
+            model,
+            cfg.hilore,
+            backend=self.backend,
+            tokens=plan_tokens(cfg, cfg.data.prompt_max_len),
             seqs_per_microbatch=cfg.train.micro_batch_size,
-            group_size=cfg.rollout.n_samples_per_prompt, loss_options=self.loss_options(), loss_fn=self.loss_fn,
-            std_loss_fn=microbatch_loss, device=self.device, seed=cfg.train.seed + 7, write_calibration=self.rank == 0,
-            resident=estimate_resident(model, world=self.world, zero_stage=cfg.ds.zero_stage,
-                                       mixed_precision=self.dtype != torch.float32),
+            group_size=cfg.rollout.n_samples_per_prompt,
+            loss_options=self.loss_options(),
+            loss_fn=self.loss_fn,
+            std_loss_fn=microbatch_loss,
+            device=self.device,
+            seed=cfg.train.seed + 7,
+            write_calibration=self.rank == 0,
+            resident=estimate_resident(
+                model, world=self.world, zero_stage=cfg.ds.zero_stage, mixed_precision=self.dtype != torch.float32
+            ),
             # L's risk is calibrated on the first step's real rollouts (Learner.calibration_share); under
             # ZeRO-3 passes outside DeepSpeed's gradient path are not possible, so synthetic ones before it
-            calibrate_later=cfg.ds.zero_stage < 3, log=self._log)
+            calibrate_later=cfg.ds.zero_stage < 3,
+            log=self._log,
+        )
 
     def _replan(self, resume_dir: str) -> bool:
         """Whether ``--resume`` changed a memory setting (``train/resume.py``; the driver said so): the
@@ -193,21 +224,30 @@ class Learner:
         cfg = self.cfg
         params = [p for p in model.parameters() if p.requires_grad]
         bucket = int(min(5e8, max(2**20, sum(p.numel() for p in params))))
-        opt = torch.optim.AdamW(params, lr=cfg.actor.adam.lr, betas=tuple(cfg.actor.adam.betas),
-                                weight_decay=cfg.actor.adam.weight_decay)
+        opt = torch.optim.AdamW(
+            params, lr=cfg.actor.adam.lr, betas=tuple(cfg.actor.adam.betas), weight_decay=cfg.actor.adam.weight_decay
+        )
         seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
         self.updates_per_step = seqs // cfg.train.batch_size  # fresh rollouts; replay adds up to replay_sequences
         self.gas = cfg.train.batch_size // (self.world * cfg.train.micro_batch_size)
         total = max(1, cfg.max_steps * (seqs + replay_sequences(cfg)) // cfg.train.batch_size)
-        sched = transformers.get_scheduler(cfg.actor.lr_scheduler, opt, num_warmup_steps=int(cfg.actor.lr_warmup_ratio * total),
-                                           num_training_steps=total)
+        sched = transformers.get_scheduler(
+            cfg.actor.lr_scheduler,
+            opt,
+            num_warmup_steps=int(cfg.actor.lr_warmup_ratio * total),
+            num_training_steps=total,
+        )
         ds_cfg = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": self.gas,
             "gradient_clipping": cfg.actor.max_norm,
             # ZeRO-2 allocates a reduce bucket of this many elements in every backward (DeepSpeed's
             # default, 5e8, is 2 GB in fp32): with LoRA the trainable parameters need far less
-            "zero_optimization": {"stage": cfg.ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+            "zero_optimization": {
+                "stage": cfg.ds.zero_stage,
+                "reduce_bucket_size": bucket,
+                "allgather_bucket_size": bucket,
+            },
             "bf16": {"enabled": self.dtype == torch.bfloat16},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
@@ -226,8 +266,9 @@ class Learner:
 
         self.ds.eval()
         for r in rows:
-            old = sequence_log_probs(self.ds, r["input_ids"].to(self.device),
-                                     position_ids=r["position_ids"].to(self.device)).float()
+            old = sequence_log_probs(
+                self.ds, r["input_ids"].to(self.device), position_ids=r["position_ids"].to(self.device)
+            ).float()
             if "given_mask" in r:
                 old = torch.where(r["given_mask"].to(self.device), r["given_old_log_probs"].to(self.device), old)
             r["old_log_probs"] = old
@@ -236,18 +277,28 @@ class Learner:
         return [r["old_log_probs"].cpu() for r in rows]
 
     def _microbatch(self, r: Dict):
-        return Microbatch(r["input_ids"], r["position_ids"], r["old_log_probs"], r["ref_log_probs"], r["advantages"],
-                          r["action_mask"], loss_options=self.loss_options()).to(self.device)
+        return Microbatch(
+            r["input_ids"],
+            r["position_ids"],
+            r["old_log_probs"],
+            r["ref_log_probs"],
+            r["advantages"],
+            r["action_mask"],
+            loss_options=self.loss_options(),
+        ).to(self.device)
 
     def update(self, step: int, u: int) -> Dict:
         """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
         from ..learner.step import report
 
         _fault("learner", self.rank, step)
-        rows = self.rows[u * self.gas:(u + 1) * self.gas]
+        rows = self.rows[u * self.gas : (u + 1) * self.gas]
         stats: Dict[str, List[float]] = {}
         counts = dict.fromkeys(ACTIONS, 0)
-        by_kind = {"fresh": dict.fromkeys(ACTIONS, 0), "replay": dict.fromkeys(ACTIONS, 0)}  # rows with replayed rollouts
+        by_kind = {
+            "fresh": dict.fromkeys(ACTIONS, 0),
+            "replay": dict.fromkeys(ACTIONS, 0),
+        }  # rows with replayed rollouts
         clip = {"fresh": [], "replay": []}
         peaks, t0, tokens = [], time.perf_counter(), 0
         for i, r in enumerate(rows):
@@ -271,14 +322,20 @@ class Learner:
         # DeepSpeed's ZeRO optimizer skips a step whose all-reduced gradient norm is not finite
         # (fp32, and bf16 with its check_grad_overflow), on every rank alike
         reruns, self.oom_reruns = self.oom_reruns, 0
-        return {"rank": self.rank, "update_seconds": seconds, "tokens": tokens, "skipped": not self.ds.was_step_applied(),
-                "oom_reruns": reruns,
-                **{k: statistics.fmean(v) for k, v in stats.items()},
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "peak_bytes": max(peaks), "peak_over_budget": max(peaks) / self.budget,
-                **{f"fraction_{a}": counts[a] / total for a in ACTIONS},
-                **_split(by_kind, clip),
-                "lr": self.ds.get_lr()[0]}
+        return {
+            "rank": self.rank,
+            "update_seconds": seconds,
+            "tokens": tokens,
+            "skipped": not self.ds.was_step_applied(),
+            "oom_reruns": reruns,
+            **{k: statistics.fmean(v) for k, v in stats.items()},
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "peak_bytes": max(peaks),
+            "peak_over_budget": max(peaks) / self.budget,
+            **{f"fraction_{a}": counts[a] / total for a in ACTIONS},
+            **_split(by_kind, clip),
+            "lr": self.ds.get_lr()[0],
+        }
 
     def _forward_backward(self, mb, step: int, index: int):
         """One microbatch under the plan. Out of memory before its backward (nothing reduced or
@@ -292,8 +349,15 @@ class Learner:
         rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
         stage = "forward"
         try:
-            with run_microbatch(self.plan, self.rec, self.device, mb.num_tokens, self._resident(),
-                                all_r=self._all_r_somewhere(mb.num_tokens), token_scores=token_scores(mb)) as rec:
+            with run_microbatch(
+                self.plan,
+                self.rec,
+                self.device,
+                mb.num_tokens,
+                self._resident(),
+                all_r=self._all_r_somewhere(mb.num_tokens),
+                token_scores=token_scores(mb),
+            ) as rec:
                 out = self.loss_fn(self.ds, mb)
                 if injected("oom", self.rank, step) and index == 0 and not self._oom_injected:
                     self._oom_injected = True
@@ -306,15 +370,20 @@ class Learner:
             return out, rec
         except torch.OutOfMemoryError as e:
             if stage == "backward" or self.cfg.ds.zero_stage >= 3:
-                raise RuntimeError(f"rank {self.rank} ran out of memory in the {stage} of step {step + 1}'s microbatch "
-                                   f"{index} ({e}); lower --hilore.budget or the microbatch size") from None
+                raise RuntimeError(
+                    f"rank {self.rank} ran out of memory in the {stage} of step {step + 1}'s microbatch "
+                    f"{index} ({e}); lower --hilore.budget or the microbatch size"
+                ) from None
             message = str(e).splitlines()[0] if str(e) else "out of memory"
         out = rec = None  # what the failed forward held goes now
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         by = out_of_memory(self.plan, self.coordinator, self.rank, step, index, mb.num_tokens)
-        print(f"[learner {self.rank}] out of memory in step {step + 1}'s microbatch {index} ({message}): rerun all-R, "
-              f"plan {by / 2**20:.1f} MiB smaller", flush=True)
+        print(
+            f"[learner {self.rank}] out of memory in step {step + 1}'s microbatch {index} ({message}): rerun all-R, "
+            f"plan {by / 2**20:.1f} MiB smaller",
+            flush=True,
+        )
         self.oom_reruns += 1
         torch.random.set_rng_state(rng[0])
         if rng[1] is not None:
@@ -360,7 +429,9 @@ class Learner:
         t = time.perf_counter()
         with self._side_runner() as runner:
             cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], cap=self.plan.hl.budget)
-        self._log(f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s")
+        self._log(
+            f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s"
+        )
         return {a: asdict(c) for a, c in cal.items()}
 
     def adopt_calibration(self, cal: Dict) -> Dict:
@@ -371,9 +442,16 @@ class Learner:
         from ..learner.plan import planning_microbatches
 
         cfg = self.cfg
-        dev = planning_microbatches(self.ds.module, 1, tokens=self.plan.info["plan_tokens"],
-                                    seqs_per_microbatch=cfg.train.micro_batch_size, group_size=cfg.rollout.n_samples_per_prompt,
-                                    seed=cfg.train.seed + 7, loss_options=self.loss_options(), device=self.device)[0]
+        dev = planning_microbatches(
+            self.ds.module,
+            1,
+            tokens=self.plan.info["plan_tokens"],
+            seqs_per_microbatch=cfg.train.micro_batch_size,
+            group_size=cfg.rollout.n_samples_per_prompt,
+            seed=cfg.train.seed + 7,
+            loss_options=self.loss_options(),
+            device=self.device,
+        )[0]
         with self._side_runner() as runner:
             self.plan.adopt_calibration({a: Calibration(**v) for a, v in cal.items()}, runner, dev, cfg.hilore)
         return self.info()
@@ -385,7 +463,7 @@ class Learner:
 
         if self.rec is None:
             return None
-        mbs = [self._microbatch(r) for r in self.rows[u * self.gas:(u + 1) * self.gas]]
+        mbs = [self._microbatch(r) for r in self.rows[u * self.gas : (u + 1) * self.gas]]
         return update_gradient_error(self.plan, self.rec, self.ds.module, self.loss_fn, mbs, self.device)
 
     def compare(self, repeats: int = 1) -> Dict[str, float]:
@@ -409,7 +487,9 @@ class Learner:
                         t += gc.run(mb, "gc").seconds
                     elif name == "hilore":
                         sp = self.plan.for_tokens(mb.num_tokens)
-                        t += ours.run(mb, sp.plan, partial(self.plan.actions, sp=sp), track_tokens=self.plan.track_tokens).seconds
+                        t += ours.run(
+                            mb, sp.plan, partial(self.plan.actions, sp=sp), track_tokens=self.plan.track_tokens
+                        ).seconds
                     else:  # none: the model as it is, everything stored
                         t += ours.run(mb, "as-is").seconds
                 times[name].append(t)
@@ -428,8 +508,13 @@ class Learner:
         """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""
         p = Path(path)
         self.ds.save_checkpoint(str(p), tag="ds", save_latest=False)
-        torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   p / f"rng_rank{self.rank}.pt")
+        torch.save(
+            {
+                "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            p / f"rng_rank{self.rank}.pt",
+        )
         (p / f"hilore_rank{self.rank}.json").write_text(json.dumps(self.plan.state()))
 
     def load(self, path: str) -> None:
@@ -453,7 +538,9 @@ class Learner:
     def info(self) -> Dict:
         from .placement import node_id
 
-        return dict(self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step, node_id=node_id())
+        return dict(
+            self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step, node_id=node_id()
+        )
 
 
 def _split(by_kind: Dict[str, Dict[str, int]], clip: Dict[str, List[float]]) -> Dict:

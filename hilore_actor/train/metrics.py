@@ -3,6 +3,7 @@ in TensorBoard and, with ``--use_wandb``, in Weights & Biases, both under the na
 (grouped by area: ``reward/mean``, ``actor/entropy``, ``memory/peak_over_budget/0`` ...); a few
 sample generations per step in ``samples.jsonl`` (and TensorBoard text, a W&B table); and a
 one-line summary for the progress bar. wandb is imported only when it is on."""
+
 from __future__ import annotations
 
 import json
@@ -13,24 +14,45 @@ from typing import Dict, List, Optional, Sequence
 
 # metrics.jsonl key -> TensorBoard / W&B name; nested keys keep their tail (peak_over_budget/0)
 TAGS = {
-    "reward_mean": "reward/mean", "reward_std": "reward/std", "reward_min": "reward/min", "reward_max": "reward/max",
+    "reward_mean": "reward/mean",
+    "reward_std": "reward/std",
+    "reward_min": "reward/min",
+    "reward_max": "reward/max",
     "accuracy": "reward/accuracy",
-    "response_length": "rollout/response_length", "response_length_max": "rollout/response_length_max",
-    "loss": "actor/loss", "policy_loss": "actor/policy_loss", "kl": "actor/kl", "entropy": "actor/entropy",
-    "clip_fraction": "actor/clip_fraction", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
+    "response_length": "rollout/response_length",
+    "response_length_max": "rollout/response_length_max",
+    "loss": "actor/loss",
+    "policy_loss": "actor/policy_loss",
+    "kl": "actor/kl",
+    "entropy": "actor/entropy",
+    "clip_fraction": "actor/clip_fraction",
+    "grad_norm": "actor/grad_norm",
+    "lr": "actor/lr",
     "skipped_updates": "actor/skipped_updates",
-    "fresh_clip_fraction": "actor/fresh_clip_fraction", "replay_clip_fraction": "actor/replay_clip_fraction",
-    "update_seconds": "perf/update_seconds", "rollout_seconds": "perf/rollout_seconds",
-    "ref_seconds": "perf/ref_seconds", "tokens_per_second": "perf/tokens_per_second",
-    "peak_over_budget": "memory/peak_over_budget", "peak_over_budget_max": "memory/peak_over_budget_max",
-    "plan_peak_over_budget": "memory/plan_peak_over_budget", "oom_reruns": "memory/oom_reruns",
-    "coordinator": "coordinator", "coordinator_restarts": "coordinator/restarts",
-    "replayed": "replay/replayed", "replay_microbatches": "hilore/replay_microbatches",
+    "fresh_clip_fraction": "actor/fresh_clip_fraction",
+    "replay_clip_fraction": "actor/replay_clip_fraction",
+    "update_seconds": "perf/update_seconds",
+    "rollout_seconds": "perf/rollout_seconds",
+    "ref_seconds": "perf/ref_seconds",
+    "tokens_per_second": "perf/tokens_per_second",
+    "peak_over_budget": "memory/peak_over_budget",
+    "peak_over_budget_max": "memory/peak_over_budget_max",
+    "plan_peak_over_budget": "memory/plan_peak_over_budget",
+    "oom_reruns": "memory/oom_reruns",
+    "coordinator": "coordinator",
+    "coordinator_restarts": "coordinator/restarts",
+    "replayed": "replay/replayed",
+    "replay_microbatches": "hilore/replay_microbatches",
 }
 # then by prefix, first match wins (longer prefixes first)
 PREFIX_TAGS = (
-    ("eval_", "eval/"), ("compare_", "perf/compare_"), ("grad_", "hilore/grad_"), ("fraction_", "hilore/fraction_"),
-    ("fresh_", "hilore/fresh_"), ("replay_fraction_", "hilore/replay_fraction_"), ("replay_", "replay/"),
+    ("eval_", "eval/"),
+    ("compare_", "perf/compare_"),
+    ("grad_", "hilore/grad_"),
+    ("fraction_", "hilore/fraction_"),
+    ("fresh_", "hilore/fresh_"),
+    ("replay_fraction_", "hilore/replay_fraction_"),
+    ("replay_", "replay/"),
 )
 PREFIX_TAGS = tuple(sorted(PREFIX_TAGS, key=lambda p: -len(p[0])))
 SAMPLES_TAG = "rollout/samples"  # sample generations: TensorBoard text, a W&B table
@@ -43,7 +65,7 @@ def tag(key: str) -> str:
     head, sep, rest = key.partition("/")
     name = TAGS.get(head)
     if name is None:
-        name = next((to + head[len(pre):] for pre, to in PREFIX_TAGS if head.startswith(pre)), "train/" + head)
+        name = next((to + head[len(pre) :] for pre, to in PREFIX_TAGS if head.startswith(pre)), "train/" + head)
     return name + sep + rest
 
 
@@ -57,8 +79,12 @@ def rollout_metrics(rewards: Sequence[float], response_lengths: Sequence[int]) -
     response, beside ``reward_mean`` and ``response_length`` (the mean)."""
     r = [float(x) for x in rewards]
     mean = sum(r) / len(r)
-    return {"reward_std": math.sqrt(sum((x - mean) ** 2 for x in r) / len(r)), "reward_min": min(r),
-            "reward_max": max(r), "response_length_max": max(response_lengths)}
+    return {
+        "reward_std": math.sqrt(sum((x - mean) ** 2 for x in r) / len(r)),
+        "reward_min": min(r),
+        "reward_max": max(r),
+        "response_length_max": max(response_lengths),
+    }
 
 
 def learner_means(rows: Sequence[Dict], keys: Sequence[str]) -> Dict[str, float]:
@@ -71,14 +97,23 @@ def learner_means(rows: Sequence[Dict], keys: Sequence[str]) -> Dict[str, float]
     return out
 
 
-def pick_samples(examples, texts: Sequence[str], rewards: Sequence[float], group_size: int, k: int,
-                 split: str = "train") -> List[Dict]:
+def pick_samples(
+    examples, texts: Sequence[str], rewards: Sequence[float], group_size: int, k: int, split: str = "train"
+) -> List[Dict]:
     """``k`` generations to read beside the curves: the first response to each of the first
     ``k`` prompts (then the second responses, when there are fewer prompts)."""
     n = len(texts)
     order = [p * group_size + j for j in range(group_size) for p in range(n // group_size)]
-    return [{"split": split, "prompt": examples[i // group_size].prompt, "response": texts[i],
-             "reward": float(rewards[i]), "answer": examples[i // group_size].answer} for i in order[:max(k, 0)]]
+    return [
+        {
+            "split": split,
+            "prompt": examples[i // group_size].prompt,
+            "response": texts[i],
+            "reward": float(rewards[i]),
+            "answer": examples[i // group_size].answer,
+        }
+        for i in order[: max(k, 0)]
+    ]
 
 
 def _prompt_text(prompt) -> str:
@@ -105,8 +140,13 @@ def _append(path: Path, rows: Sequence[Dict]) -> None:
 
 
 class MetricsLog:
-    def __init__(self, save_path, tensorboard_dir: Optional[str] = None, resume_step: Optional[int] = None,
-                 wandb: Optional[Dict] = None):
+    def __init__(
+        self,
+        save_path,
+        tensorboard_dir: Optional[str] = None,
+        resume_step: Optional[int] = None,
+        wandb: Optional[Dict] = None,
+    ):
         self.path = Path(save_path) / "metrics.jsonl"
         self.samples_path = Path(save_path) / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,12 +196,15 @@ class MetricsLog:
 
 def _markdown(samples: Sequence[Dict]) -> str:
     """Samples as TensorBoard text (markdown): one block each."""
+
     def quote(t):
         return "\n".join("    " + ln for ln in str(t).splitlines()) or "    (empty)"
 
-    return "\n\n".join(f"**{s['split']} sample, reward {s['reward']:.4g}** (answer: {s.get('answer', '')!s})\n\n"
-                       f"prompt:\n\n{quote(_prompt_text(s['prompt']))}\n\nresponse:\n\n{quote(s['response'])}"
-                       for s in samples)
+    return "\n\n".join(
+        f"**{s['split']} sample, reward {s['reward']:.4g}** (answer: {s.get('answer', '')!s})\n\n"
+        f"prompt:\n\n{quote(_prompt_text(s['prompt']))}\n\nresponse:\n\n{quote(s['response'])}"
+        for s in samples
+    )
 
 
 def wandb_options(cfg) -> Optional[Dict]:
@@ -173,8 +216,15 @@ def wandb_options(cfg) -> Optional[Dict]:
     from .config import flatten_ns
 
     config = {k: v for k, v in flatten_ns(cfg).items() if k != "logger.wandb.key"}
-    return dict(project=w.project, entity=w.org, group=w.group, name=w.run_name or Path(cfg.save_path).resolve().name,
-                dir=str(cfg.save_path), config=config, key=w.key)
+    return dict(
+        project=w.project,
+        entity=w.org,
+        group=w.group,
+        name=w.run_name or Path(cfg.save_path).resolve().name,
+        dir=str(cfg.save_path),
+        config=config,
+        key=w.key,
+    )
 
 
 def _start_wandb(opts: Dict):
@@ -192,8 +242,10 @@ def _start_wandb(opts: Dict):
         from .job import JobError
 
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise JobError(f"W&B did not start ({type(e).__name__}: {first}); WANDB_MODE=offline logs without network, "
-                       "`wandb sync` uploads later") from None
+        raise JobError(
+            f"W&B did not start ({type(e).__name__}: {first}); WANDB_MODE=offline logs without network, "
+            "`wandb sync` uploads later"
+        ) from None
     return wandb
 
 
@@ -230,8 +282,10 @@ def logging_errors(cfg) -> List[str]:
         else:
             why = "no API key"
         if not ok:
-            errors.append(f"--use_wandb: W&B is online and has {why}: run `wandb login`, set WANDB_API_KEY or "
-                          "--logger.wandb.key, or log offline with WANDB_MODE=offline")
+            errors.append(
+                f"--use_wandb: W&B is online and has {why}: run `wandb login`, set WANDB_API_KEY or "
+                "--logger.wandb.key, or log offline with WANDB_MODE=offline"
+            )
     return errors
 
 
@@ -246,8 +300,13 @@ def _scalars(d: Dict, prefix: str = "") -> Dict[str, float]:
 
 
 def summary(m: Dict) -> str:
-    parts = [f"reward {m['reward_mean']:.3f}", f"acc {m['accuracy']:.2f}", f"loss {m['loss']:+.4g}",
-             f"update {m['update_seconds']:.1f}s", f"peak/B {m['peak_over_budget_max']:.3f}"]
+    parts = [
+        f"reward {m['reward_mean']:.3f}",
+        f"acc {m['accuracy']:.2f}",
+        f"loss {m['loss']:+.4g}",
+        f"update {m['update_seconds']:.1f}s",
+        f"peak/B {m['peak_over_budget_max']:.3f}",
+    ]
     if m.get("entropy") is not None:
         parts.insert(3, f"entropy {m['entropy']:.3f}")
     if "eval_accuracy" in m:

@@ -14,6 +14,7 @@
 ``HILORE_FAULT=unshared:<rank>``: that rank's probe goes to a folder of its own, as on a node
 whose disk is not shared (the test of ``check_shared``).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,14 +50,24 @@ def learner_placement(ray, world: int, num_nodes: int, cuda: bool) -> Tuple[obje
     ready, _ = ray.wait([pg.ready()], timeout=READY_S)
     if not ready:
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"the cluster could not place {world} learner ranks of {bundle} each within {READY_S} s "
-                           f"(--actor.num_nodes {num_nodes} x --actor.num_gpus_per_node {world // num_nodes}); "
-                           f"cluster resources: {ray.cluster_resources()}")
-    place = [dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-             for r in range(world)]
-    addr, port = ray.get(ray.remote(_rendezvous_address).options(num_cpus=0, scheduling_strategy=place[0]["scheduling_strategy"])
-                         .remote(num_nodes == 1))
+        raise RuntimeError(
+            f"the cluster could not place {world} learner ranks of {bundle} each within {READY_S} s "
+            f"(--actor.num_nodes {num_nodes} x --actor.num_gpus_per_node {world // num_nodes}); "
+            f"cluster resources: {ray.cluster_resources()}"
+        )
+    place = [
+        dict(
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        )
+        for r in range(world)
+    ]
+    addr, port = ray.get(
+        ray.remote(_rendezvous_address)
+        .options(num_cpus=0, scheduling_strategy=place[0]["scheduling_strategy"])
+        .remote(num_nodes == 1)
+    )
     return pg, place, addr, port
 
 
@@ -104,8 +115,14 @@ def check_shared(ray, place: List[dict], root: str, **options) -> None:
     token, world = uuid.uuid4().hex, len(place)
 
     def on_each(fn, *args):  # fn(*args, rank) in rank's bundle, for every rank
-        return ray.get([ray.remote(fn).options(num_cpus=0, scheduling_strategy=p["scheduling_strategy"], **options)
-                        .remote(*args, r) for r, p in enumerate(place)])
+        return ray.get(
+            [
+                ray.remote(fn)
+                .options(num_cpus=0, scheduling_strategy=p["scheduling_strategy"], **options)
+                .remote(*args, r)
+                for r, p in enumerate(place)
+            ]
+        )
 
     on_each(write_probe, root, token)
     unseen = dict(enumerate(on_each(unseen_probes, root, token, world)))
@@ -114,5 +131,7 @@ def check_shared(ray, place: List[dict], root: str, **options) -> None:
     blind = {r: m for r, m in unseen.items() if m}
     if blind:
         who = "; ".join(f"rank {r} (node {nodes[r][:8]}) does not see the files of ranks {m}" for r, m in blind.items())
-        raise RuntimeError(f"the checkpoint folder {root} is not storage every learner node reaches ({who}): set "
-                           "--ckpt.path (or --save_path) to a shared file system mounted at the same path on every node")
+        raise RuntimeError(
+            f"the checkpoint folder {root} is not storage every learner node reaches ({who}): set "
+            "--ckpt.path (or --save_path) to a shared file system mounted at the same path on every node"
+        )

@@ -17,14 +17,22 @@ the driver compares them with this run's (``check``), so a resumed run is the ru
 Checkpoints from before ``config`` was saved resume as before: only the world size and the budget
 settings kept with the plan can be checked, and the driver says so.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
-MODEL = ("actor.model_name_or_path", "ds.lora.rank", "ds.lora.alpha", "ds.lora.dropout", "ds.lora.target_modules",
-         "ds.param_dtype", "ds.zero_stage")
+MODEL = (
+    "actor.model_name_or_path",
+    "ds.lora.rank",
+    "ds.lora.alpha",
+    "ds.lora.dropout",
+    "ds.lora.target_modules",
+    "ds.param_dtype",
+    "ds.zero_stage",
+)
 OPTIMIZER = ("actor.adam.lr", "actor.adam.betas", "actor.adam.weight_decay")
 DATA = ("train.seed", "rollout.batch_size", "rollout.n_samples_per_prompt", "train.batch_size")
 DATA_PREFIXES = ("data.", "reward.")
@@ -66,8 +74,12 @@ def _legacy(folder: Path) -> Dict:
     plan = folder / "hilore_rank0.json"
     if plan.is_file():
         info = json.loads(plan.read_text()).get("info", {})
-        for key, field in (("hilore.budget", "budget_spec"), ("hilore.budget_scope", "budget_scope"),
-                           ("hilore.plan_tokens", "plan_tokens"), ("hilore.fill", "fill")):
+        for key, field in (
+            ("hilore.budget", "budget_spec"),
+            ("hilore.budget_scope", "budget_scope"),
+            ("hilore.plan_tokens", "plan_tokens"),
+            ("hilore.fill", "fill"),
+        ):
             if field in info:
                 out[key] = info[field]
     return out
@@ -149,14 +161,19 @@ def check(folder, flat: Dict, log: Callable[[str], None] = _say) -> List[str]:
             refused.setdefault(_kind(k), []).append(k)
     if refused:
         why = "; ".join(f"{_values(diff, keys)}: {REASONS[kind]}" for kind, keys in refused.items())
-        raise ResumeError(f"--resume from {folder}: {why}; resume with the checkpoint's values, or start a new run "
-                          f"in another --save_path")
+        raise ResumeError(
+            f"--resume from {folder}: {why}; resume with the checkpoint's values, or start a new run "
+            f"in another --save_path"
+        )
     if not complete:
-        log(f"[train] {folder} predates checkpoints that keep their flags: only the world size and the budget "
-            f"settings are checked; the model, LoRA, dtype, optimizer and data flags must be the run's")
+        log(
+            f"[train] {folder} predates checkpoints that keep their flags: only the world size and the budget "
+            f"settings are checked; the model, LoRA, dtype, optimizer and data flags must be the run's"
+        )
     replan = [k for k in diff if _kind(k) == "replan"]
     if replan:
-        log(f"[train] --resume with {_values(diff, replan)}: every rank plans anew (budget and plan) instead of "
-            f"restoring the checkpoint's")
+        log(
+            f"[train] --resume with {_values(diff, replan)}: every rank plans anew (budget and plan) instead of "
+            f"restoring the checkpoint's"
+        )
     return replan
-

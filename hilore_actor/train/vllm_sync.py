@@ -21,6 +21,7 @@ The method is not called ``update_weights``: newer vLLM workers have a native
 ``update_weights`` (its weight-transfer engines), and vLLM asserts that an extension's
 attributes do not clash with the worker's. Nothing here imports vLLM.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -44,11 +45,14 @@ def without_tied_head(weights: Dict[str, torch.Tensor], tied: bool) -> Dict[str,
         return weights
     embed = next((v for k, v in weights.items() if k.endswith(EMBED_SUFFIX)), None)
     head = weights[HEAD]
-    same = embed is not None and (head.data_ptr() == embed.data_ptr() or
-                                  (head.shape == embed.shape and torch.equal(head, embed)))
+    same = embed is not None and (
+        head.data_ptr() == embed.data_ptr() or (head.shape == embed.shape and torch.equal(head, embed))
+    )
     if not same:
-        raise ValueError("tie_word_embeddings is set but lm_head.weight differs from the embedding; "
-                         "vLLM would load the embedding as the head")
+        raise ValueError(
+            "tie_word_embeddings is set but lm_head.weight differs from the embedding; "
+            "vLLM would load the embedding as the head"
+        )
     return {k: v for k, v in weights.items() if k != HEAD}
 
 

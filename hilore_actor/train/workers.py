@@ -7,6 +7,7 @@
   starts, never at module level.
 - ``ReferenceWorker``: the frozen base model; reference log-probs for the KL term.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ class HFRolloutWorker:
         _threads(self.cfg)
         self.index = index
         self.device = worker_device()
-        self.model, self.tok = load_policy(self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), lora=None,
-                                           seed=self.cfg.train.seed)
+        self.model, self.tok = load_policy(
+            self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), lora=None, seed=self.cfg.train.seed
+        )
         self.model.to(self.device).eval()
 
     def weight_kind(self) -> str:
@@ -60,11 +62,25 @@ class HFRolloutWorker:
 
         _fault(self.index, step)
         c = self.cfg.rollout
-        r = generate_groups(self.model, self.tok, prompts, 1 if greedy else c.n_samples_per_prompt, c.max_new_tokens,
-                            c.temperature, seed, c.top_p, batched=True, greedy=greedy,
-                            chat_template=self.cfg.data.apply_chat_template)
-        return {"sequences": r.sequences.cpu(), "prompt_lens": r.prompt_lens, "response_lens": r.response_lens,
-                "texts": r.texts}
+        r = generate_groups(
+            self.model,
+            self.tok,
+            prompts,
+            1 if greedy else c.n_samples_per_prompt,
+            c.max_new_tokens,
+            c.temperature,
+            seed,
+            c.top_p,
+            batched=True,
+            greedy=greedy,
+            chat_template=self.cfg.data.apply_chat_template,
+        )
+        return {
+            "sequences": r.sequences.cpu(),
+            "prompt_lens": r.prompt_lens,
+            "response_lens": r.response_lens,
+            "texts": r.texts,
+        }
 
 
 class VLLMRolloutWorker:
@@ -85,10 +101,15 @@ class VLLMRolloutWorker:
         self.cfg = hierarchize(flat_cfg)
         spec = self.cfg.actor.model_name_or_path
         path = str(convert_smollm2()) if spec == "smollm2" else spec
-        self.llm = vllm.LLM(model=path, tensor_parallel_size=self.cfg.vllm.tensor_parallel_size, seed=self.cfg.train.seed,
-                            gpu_memory_utilization=self.cfg.vllm.gpu_memory_utilization, dtype="bfloat16"
-                            if self.cfg.ds.param_dtype == "bf16" else "auto", enable_prefix_caching=True,
-                            worker_extension_cls=EXTENSION)
+        self.llm = vllm.LLM(
+            model=path,
+            tensor_parallel_size=self.cfg.vllm.tensor_parallel_size,
+            seed=self.cfg.train.seed,
+            gpu_memory_utilization=self.cfg.vllm.gpu_memory_utilization,
+            dtype="bfloat16" if self.cfg.ds.param_dtype == "bf16" else "auto",
+            enable_prefix_caching=True,
+            worker_extension_cls=EXTENSION,
+        )
         self.tok = self.llm.get_tokenizer()
 
     def weight_kind(self) -> str:
@@ -109,9 +130,13 @@ class VLLMRolloutWorker:
 
         c = self.cfg.rollout
         ids = [apply_chat(self.tok, p, self.cfg.data.apply_chat_template) for p in prompts]
-        params = vllm.SamplingParams(n=1 if greedy else c.n_samples_per_prompt,
-                                     temperature=0.0 if greedy else c.temperature, top_p=1.0 if greedy else c.top_p,
-                                     max_tokens=c.max_new_tokens, seed=seed)
+        params = vllm.SamplingParams(
+            n=1 if greedy else c.n_samples_per_prompt,
+            temperature=0.0 if greedy else c.temperature,
+            top_p=1.0 if greedy else c.top_p,
+            max_tokens=c.max_new_tokens,
+            seed=seed,
+        )
         outs = self.llm.generate([vllm.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
         seqs, plens, rlens, texts = [], [], [], []
         for p_ids, o in zip(ids, outs):
@@ -136,7 +161,9 @@ class ReferenceWorker:
         self.cfg = hierarchize(flat_cfg)
         _threads(self.cfg)
         self.device = worker_device()
-        self.model, _ = load_policy(self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), seed=self.cfg.train.seed)
+        self.model, _ = load_policy(
+            self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), seed=self.cfg.train.seed
+        )
         self.model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -145,5 +172,11 @@ class ReferenceWorker:
     def log_probs(self, rows: List[Dict]) -> List[torch.Tensor]:
         from ..models.logprobs import sequence_log_probs
 
-        return [sequence_log_probs(self.model, r["input_ids"].to(self.device), position_ids=r["position_ids"].to(self.device))
-                .float().cpu() for r in rows]
+        return [
+            sequence_log_probs(
+                self.model, r["input_ids"].to(self.device), position_ids=r["position_ids"].to(self.device)
+            )
+            .float()
+            .cpu()
+            for r in rows
+        ]

@@ -23,6 +23,7 @@ rank and stored on another would leave the first in an all-to-all the second ski
   group's first rank's answer is the group's; the measured peak that ``observe`` and the
   coordinator see is the group's largest, so later plans and ``tighten`` stay one too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,10 @@ def planning_tokens(hcfg, job, engine_config) -> int:
     if not tokens and engine_config.use_dynamic_bsz:
         tokens = engine_config.max_token_len_per_gpu
     if not tokens:
-        raise ValueError(f"HiLoRe needs the planning microbatch's size: set +{PREFIX}plan_tokens=N (the launcher "
-                         "sets it from data.max_prompt_length + data.max_response_length)")
+        raise ValueError(
+            f"HiLoRe needs the planning microbatch's size: set +{PREFIX}plan_tokens=N (the launcher "
+            "sets it from data.max_prompt_length + data.max_response_length)"
+        )
     return int(tokens)
 
 
@@ -102,16 +105,26 @@ def attach(fsdp_engine):
     rank, sp = torch.distributed.get_rank(), sp_size(fsdp_engine)
     group = fsdp_engine.ulysses_parallel_group if sp > 1 else None
     dtype = getattr(fsdp_engine, "_autocast_dtype", torch.float32)
-    autocast = (contextlib.nullcontext() if dtype == torch.float32
-                else torch.autocast(device_type=device.type, dtype=dtype))
+    autocast = (
+        contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device.type, dtype=dtype)
+    )
     with autocast, without_sp_group():
         plan = plan_in_lockstep(
-            model, hcfg, backend="hilore", tokens=-(-planning_tokens(hcfg, job, ec) // sp),
+            model,
+            hcfg,
+            backend="hilore",
+            tokens=-(-planning_tokens(hcfg, job, ec) // sp),
             seqs_per_microbatch=int(job.get("seqs_per_microbatch") or ec.micro_batch_size_per_gpu or 1),
-            group_size=int(job.get("group_size", 8)), loss_options=dict(job.get("loss_options", {})),
-            loss_fn=microbatch_loss, std_loss_fn=microbatch_loss, device=device, seed=int(ec.seed or 0),
+            group_size=int(job.get("group_size", 8)),
+            loss_options=dict(job.get("loss_options", {})),
+            loss_fn=microbatch_loss,
+            std_loss_fn=microbatch_loss,
+            device=device,
+            seed=int(ec.seed or 0),
             resident=estimate_resident_local(model),
-            write_calibration=rank == 0, log=print)
+            write_calibration=rank == 0,
+            log=print,
+        )
     resident = resident_bytes(fsdp_engine, device)
     plan.rebase(resident if group is None else agree_max([resident], group, device)[0])
     engine = make_engine(model, hcfg)
@@ -122,15 +135,17 @@ def attach(fsdp_engine):
         if ray.is_initialized():
             from ..learner.coordinator import BudgetCoordinator
 
-            coordinator = ray.remote(BudgetCoordinator).options(
-                name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
+            coordinator = (
+                ray.remote(BudgetCoordinator).options(name=COORDINATOR_NAME, get_if_exists=True, num_cpus=0).remote()
+            )
             ray.get(coordinator.register.remote(rank, plan.budget))
     except ImportError:
         pass
     print(f"[hilore] verl rank {rank}: B = {plan.budget / 2**20:.1f} MiB, plan {plan.info.get('plan')}")
     extra = {} if group is None else {"group": group, "sp": sp}
     return (Microbatches if group is None else UlyssesMicrobatches)(
-        plan, engine, device, coordinator, rank, resident=lambda: resident_bytes(fsdp_engine, device), **extra)
+        plan, engine, device, coordinator, rank, resident=lambda: resident_bytes(fsdp_engine, device), **extra
+    )
 
 
 class UlyssesMicrobatches(Microbatches):
@@ -152,8 +167,9 @@ class UlyssesMicrobatches(Microbatches):
         if self._open is not None:
             stack, rec = self._open
             stack.close()  # the record is complete
-            rec.peak_bytes, scope, rec.trapped_bytes = agree_max([rec.peak_bytes, rec.scope_peak, rec.trapped_bytes],
-                                                                 self.group, self.device)
+            rec.peak_bytes, scope, rec.trapped_bytes = agree_max(
+                [rec.peak_bytes, rec.scope_peak, rec.trapped_bytes], self.group, self.device
+            )
             rec.resident = scope - rec.peak_bytes
             self._open = (contextlib.ExitStack(), rec)
         super().close()

@@ -29,6 +29,7 @@ role, it fails loudly when the plugin is missing (verl: ``Unknown backend``), an
 verl's worker, loss and trainer untouched; a loss registered with ``register_policy_loss`` sees
 no forward, and a patched ``FSDPEngine`` would reach the critic too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,9 +49,11 @@ def _need_device() -> None:
 
     device = get_device_name()
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("HiLoRe's verl engine (actor_rollout_ref.actor.strategy=hilore) needs a CUDA device in each "
-                           "actor worker, and this worker has none: give the actor GPUs (trainer.n_gpus_per_node) or run "
-                           f"without +{PREFIX}enable=true")
+        raise RuntimeError(
+            "HiLoRe's verl engine (actor_rollout_ref.actor.strategy=hilore) needs a CUDA device in each "
+            "actor worker, and this worker has none: give the actor GPUs (trainer.n_gpus_per_node) or run "
+            f"without +{PREFIX}enable=true"
+        )
 
 
 class HiLoReFSDPEngine(FSDPEngineWithLMHead):
@@ -62,8 +65,11 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if not engine_config.forward_only and getattr(model_config, "enable_activation_offload", False):
             # the launcher turns it off; verl's own main_ppo (the patch) may not: its hooks would
             # take the saved tensors from HiLoRe's (main_ppo.REPLACED)
-            print("[hilore] actor_rollout_ref.model.enable_activation_offload=true is turned off: HiLoRe's plan "
-                  "decides per unit what is kept, compressed or recomputed", flush=True)
+            print(
+                "[hilore] actor_rollout_ref.model.enable_activation_offload=true is turned off: HiLoRe's plan "
+                "decides per unit what is kept, compressed or recomputed",
+                flush=True,
+            )
             object.__setattr__(model_config, "enable_activation_offload", False)
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 

@@ -25,6 +25,7 @@ Stand-ins (``--stand-ins``, each used only where needed, printed and written to 
   ``PIL``). Where one of those is not installed, the package is entered without running its
   ``__init__``; its modules import as they are.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,15 @@ import types
 
 STAND_INS = ("ray", "verl.utils.dataset")
 DATASET_IMPORTS = ("datasets", "pandas", "PIL")  # what verl.utils.dataset's __init__ imports
-ENGINE_IMPORTS = ("tensordict", "verl.trainer.config", "verl.workers.config", "verl.workers.engine.fsdp.transformer_impl",
-                  "verl.workers.utils.losses", "verl.workers.utils.padding", "verl.utils.tensordict_utils")
+ENGINE_IMPORTS = (
+    "tensordict",
+    "verl.trainer.config",
+    "verl.workers.config",
+    "verl.workers.engine.fsdp.transformer_impl",
+    "verl.workers.utils.losses",
+    "verl.workers.utils.padding",
+    "verl.utils.tensordict_utils",
+)
 SKIPPED = 3
 
 
@@ -46,8 +54,10 @@ class _Absent:
     """What every name of the ray stand-in is: making or calling one raises."""
 
     def __init__(self, *a, **k):
-        raise RuntimeError(f"{type(self).__module__}.{type(self).__name__} was used, but its module is an "
-                           "import-only stand-in (hilore_actor.verl.gpu_check)")
+        raise RuntimeError(
+            f"{type(self).__module__}.{type(self).__name__} was used, but its module is an "
+            "import-only stand-in (hilore_actor.verl.gpu_check)"
+        )
 
 
 def ray_stand_in() -> types.ModuleType:
@@ -71,7 +81,9 @@ def dataset_package_without_init() -> types.ModuleType:
     from its real directory)."""
     spec = importlib.util.find_spec("verl.utils")
     path = os.path.join(next(iter(spec.submodule_search_locations)), "dataset")
-    mod = types.ModuleType("verl.utils.dataset", "verl.utils.dataset without its __init__ (hilore_actor.verl.gpu_check)")
+    mod = types.ModuleType(
+        "verl.utils.dataset", "verl.utils.dataset without its __init__ (hilore_actor.verl.gpu_check)"
+    )
     mod.__spec__ = importlib.machinery.ModuleSpec("verl.utils.dataset", None, is_package=True)
     mod.__spec__.submodule_search_locations = [path]
     mod.__path__ = [path]
@@ -113,9 +125,17 @@ def write_model(path: str, seed: int, layers: int, hidden: int, vocab: int) -> s
 
     torch.manual_seed(seed)
     heads = max(hidden // 64, 1)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=(hidden * 11 // 4) // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
-                      max_position_embeddings=4096, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=(hidden * 11 // 4) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -128,13 +148,21 @@ def reduced_check(path: str, args, attn: str = "sdpa", mixed: bool = True, log=p
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompt = args.tokens // 8
-    batch = verify.grpo_batch(args.seed, vocab=vocab, B=args.seqs, P=prompt, R=args.tokens - prompt, full=True, micro_batch=2)
+    batch = verify.grpo_batch(
+        args.seed, vocab=vocab, B=args.seqs, P=prompt, R=args.tokens - prompt, full=True, micro_batch=2
+    )
     loss_fn = verify.ppo_loss_fn(batch_size=args.seqs, micro_batch=2)
     settings = {"budget": args.budget, "loo": False, "profile_repeats": 1, "calibration_batches": 2}
     job = {"plan_tokens": 2 * args.tokens, "seqs_per_microbatch": 2, "group_size": args.seqs, "fsdp": "fsdp2"}
-    return verify.check(lambda kind: verify.build_engine(kind, path, args.seed, micro_batch=2, attn=attn, mixed=mixed,
-                                                         settings=settings, job=job),
-                        batch, loss_fn, steps=args.steps, log=log)
+    return verify.check(
+        lambda kind: verify.build_engine(
+            kind, path, args.seed, micro_batch=2, attn=attn, mixed=mixed, settings=settings, job=job
+        ),
+        batch,
+        loss_fn,
+        steps=args.steps,
+        log=log,
+    )
 
 
 def _write(path: str, doc) -> None:
@@ -157,8 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default="1.10")
     p.add_argument("--steps", type=int, default=1, help="timed batches per engine after the gradient check")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stand-ins", default=",".join(STAND_INS),
-                   help=f"comma list, a subset of {','.join(STAND_INS)}, or '' for none: import-only modules where not installed")
+    p.add_argument(
+        "--stand-ins",
+        default=",".join(STAND_INS),
+        help=f"comma list, a subset of {','.join(STAND_INS)}, or '' for none: import-only modules where not installed",
+    )
     p.add_argument("--parse-only", action="store_true", help="check the arguments, print them and exit 0")
     return p
 
@@ -199,11 +230,22 @@ def main(argv=None) -> int:
     path = write_model(os.path.join(args.workdir, "qwen2-random"), args.seed, args.layers, args.hidden, args.vocab)
     log("[verl-check] model written; building the engines")
     result = reduced_check(path, args, log=log)
-    result.update(model=f"random Qwen2, {args.layers} layers, hidden {args.hidden}", attn="sdpa", seqs=args.seqs,
-                  tokens=args.tokens, budget=args.budget, stand_ins=used, torch=torch.__version__,
-                  device=torch.cuda.get_device_name(0), log=lines)
+    result.update(
+        model=f"random Qwen2, {args.layers} layers, hidden {args.hidden}",
+        attn="sdpa",
+        seqs=args.seqs,
+        tokens=args.tokens,
+        budget=args.budget,
+        stand_ins=used,
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name(0),
+        log=lines,
+    )
     _write(args.out, result)
-    print(json.dumps({k: result[k] for k in ("noise_floor", "relative_error", "peak_over_budget", "failures")}), flush=True)
+    print(
+        json.dumps({k: result[k] for k in ("noise_floor", "relative_error", "peak_over_budget", "failures")}),
+        flush=True,
+    )
     torch.distributed.destroy_process_group()
     return 1 if result["failures"] else 0
 

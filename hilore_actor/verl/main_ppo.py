@@ -21,6 +21,7 @@ stops here with one line and exit code 2; these checks compose verl's config fro
 without importing verl, so none of verl's import-time warnings follows that line. A worker
 without CUDA stops in the worker (``engine.py``). ``--help`` lists HiLoRe's overrides (``usage``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -88,11 +89,17 @@ def job_facts(cfg) -> Dict:
     seq = int(data.max_prompt_length) + int(data.max_response_length)
     micro = actor.ppo_micro_batch_size_per_gpu or 1
     tokens = int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else int(micro) * seq
-    return {"plan_tokens": tokens, "seqs_per_microbatch": int(micro) if not actor.use_dynamic_bsz else max(1, tokens // seq),
-            "group_size": int(cfg.actor_rollout_ref.rollout.n),
-            "loss_options": {"clip_eps_low": float(actor.clip_ratio_low), "clip_eps_high": float(actor.clip_ratio_high),
-                             "kl_coef": float(actor.kl_loss_coef) if actor.use_kl_loss else 0.0,
-                             "kl_estimator": KL_ESTIMATORS.get(str(actor.kl_loss_type), "k3")}}
+    return {
+        "plan_tokens": tokens,
+        "seqs_per_microbatch": int(micro) if not actor.use_dynamic_bsz else max(1, tokens // seq),
+        "group_size": int(cfg.actor_rollout_ref.rollout.n),
+        "loss_options": {
+            "clip_eps_low": float(actor.clip_ratio_low),
+            "clip_eps_high": float(actor.clip_ratio_high),
+            "kl_coef": float(actor.kl_loss_coef) if actor.use_kl_loss else 0.0,
+            "kl_estimator": KL_ESTIMATORS.get(str(actor.kl_loss_type), "k3"),
+        },
+    }
 
 
 def fsdp_version(rest: List[str], chosen: Optional[str]) -> Tuple[List[str], str]:
@@ -108,8 +115,10 @@ def fsdp_version(rest: List[str], chosen: Optional[str]) -> Tuple[List[str], str
         else:
             keep.append(arg)
     if strategy is not None and strategy not in ("fsdp", "fsdp2"):
-        raise ValueError(f"HiLoRe runs as verl's FSDP actor engine; {STRATEGY}={strategy} is not supported "
-                         f"(Megatron is not supported yet): set {STRATEGY}=fsdp2 or fsdp, or drop +{PREFIX}enable=true")
+        raise ValueError(
+            f"HiLoRe runs as verl's FSDP actor engine; {STRATEGY}={strategy} is not supported "
+            f"(Megatron is not supported yet): set {STRATEGY}=fsdp2 or fsdp, or drop +{PREFIX}enable=true"
+        )
     if strategy is not None and chosen is not None and strategy != chosen:
         raise ValueError(f"{STRATEGY}={strategy} and +{PREFIX}fsdp={chosen} disagree; give one FSDP version")
     return keep, strategy or chosen or "fsdp2"
@@ -120,10 +129,11 @@ def fsdp_version(rest: List[str], chosen: Optional[str]) -> Tuple[List[str], str
 # (verl/utils/activation_offload.py), taking the saved tensors from HiLoRe's, and HF gradient
 # checkpointing (on in verl's defaults) would recompute every layer whatever the plan keeps.
 REPLACED = (
-    ("actor_rollout_ref.model.enable_activation_offload",
-     "HiLoRe's plan decides per unit what is kept, compressed or recomputed"),
-    ("actor_rollout_ref.model.enable_gradient_checkpointing",
-     "HiLoRe's plan recomputes per unit instead"),
+    (
+        "actor_rollout_ref.model.enable_activation_offload",
+        "HiLoRe's plan decides per unit what is kept, compressed or recomputed",
+    ),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", "HiLoRe's plan recomputes per unit instead"),
 )
 
 
@@ -151,16 +161,17 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     cfg = compose(rest)
     strategy = str(cfg.actor_rollout_ref.actor.strategy)
     if strategy not in ("fsdp", "fsdp2"):
-        raise ValueError(f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
-                         f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true")
+        raise ValueError(
+            f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
+            f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true"
+        )
     facts = job_facts(cfg)
     rest, notes = replaced(cfg, rest)
     for note in notes:
         print(note, flush=True)
     value = to_env(settings, {**facts, **verl_only})
     env = {CONFIG_ENV: value, "VERL_USE_EXTERNAL_MODULES": REGISTER}
-    extra = [f"{STRATEGY}=hilore"] + [
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env.items()]
+    extra = [f"{STRATEGY}=hilore"] + [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env.items()]
     return rest + extra, env
 
 
@@ -181,16 +192,21 @@ def usage() -> str:
     for name, _, default, help_ in HILORE_FLAGS:
         if name == "hilore.chunked_head":
             help_ += "; no effect under verl, whose engine computes the log-probs"
-        rows.append((name[len("hilore."):], shown(default), help_.replace("--hilore.", "+" + PREFIX)))
-    lines = [f"usage: python -m hilore_actor.verl.main_ppo [--config-name NAME] [--config-path DIR] <verl overrides> "
-             f"+{PREFIX}enable=true [+{PREFIX}KEY=VALUE ...]", "",
-             "verl's own main_ppo with HiLoRe's actor engine (actor_rollout_ref.actor.strategy=hilore). verl's",
-             "overrides and config: python -m verl.trainer.main_ppo --help.", "",
-             f"HiLoRe's overrides (+{PREFIX}KEY=VALUE):"]
+        rows.append((name[len("hilore.") :], shown(default), help_.replace("--hilore.", "+" + PREFIX)))
+    lines = [
+        f"usage: python -m hilore_actor.verl.main_ppo [--config-name NAME] [--config-path DIR] <verl overrides> "
+        f"+{PREFIX}enable=true [+{PREFIX}KEY=VALUE ...]",
+        "",
+        "verl's own main_ppo with HiLoRe's actor engine (actor_rollout_ref.actor.strategy=hilore). verl's",
+        "overrides and config: python -m verl.trainer.main_ppo --help.",
+        "",
+        f"HiLoRe's overrides (+{PREFIX}KEY=VALUE):",
+    ]
     for key, default, help_ in rows:
         lines.append(f"  +{PREFIX}{key}=VALUE")
-        lines += textwrap.wrap(f"{help_} (default: {default})", width=100, initial_indent=" " * 6,
-                               subsequent_indent=" " * 6)
+        lines += textwrap.wrap(
+            f"{help_} (default: {default})", width=100, initial_indent=" " * 6, subsequent_indent=" " * 6
+        )
     return "\n".join(lines)
 
 
@@ -201,8 +217,11 @@ def main(argv=None) -> int:
         return 0
     missing = [m for m in ("hydra", "verl") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"error: verl is not installed (no module named {missing[0]!r}); install it as the README's install "
-              "table says (pip install -e \".[verl]\" && pip install --no-deps verl==0.9.1)", file=sys.stderr)
+        print(
+            f"error: verl is not installed (no module named {missing[0]!r}); install it as the README's install "
+            'table says (pip install -e ".[verl]" && pip install --no-deps verl==0.9.1)',
+            file=sys.stderr,
+        )
         return 2
     try:
         overrides, env = launch_args(argv)

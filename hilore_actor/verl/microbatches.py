@@ -13,6 +13,7 @@ rule as the OpenRLHF drop-in).
 
 Imports torch and this package only; verl's objects come in as arguments.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,9 @@ from .token_weights import differentiable, flat_gradient, flat_mask, to_input_la
 
 
 class Microbatches:
-    def __init__(self, plan, engine, device, coordinator=None, rank: int = 0,
-                 resident: Optional[Callable[[], int]] = None):
+    def __init__(
+        self, plan, engine, device, coordinator=None, rank: int = 0, resident: Optional[Callable[[], int]] = None
+    ):
         self.plan, self.engine, self.device = plan, engine, torch.device(device)
         self.coordinator, self.rank = coordinator, rank
         self.resident = resident or (lambda: 0)
@@ -71,8 +73,12 @@ class Microbatches:
         stack, rec = self._open
         self._open = None
         stack.close()
-        self.last = {"peak_bytes": rec.scope_peak, "peak_over_budget": rec.scope_peak / self.plan.budget,
-                     "actions": rec.actions, "counts": rec.counts}
+        self.last = {
+            "peak_bytes": rec.scope_peak,
+            "peak_over_budget": rec.scope_peak / self.plan.budget,
+            "actions": rec.actions,
+            "counts": rec.counts,
+        }
         self.batch_peaks.append(self.last["peak_over_budget"])
         if self._metrics is not None:
             self._metrics.update(metrics(self.last))
@@ -82,6 +88,7 @@ class Microbatches:
 
     def wrap(self, loss_function):
         """verl's loss, with the actions set between it and verl's backward."""
+
         def loss_with_actions(model_output, data, dp_group=None):
             originals = dict(model_output)
             held = differentiable(model_output)
@@ -114,8 +121,9 @@ class Microbatches:
         width = next(iter(norms.values())).shape[-1] if norms and not packed else None
         offsets = data["input_ids"].offsets()
         self.weights = {"omega": omega, "weight": weight, "mask": mask}
-        out = SimpleNamespace(omega=to_input_layout(weight, offsets, packed, width),
-                              mask=to_input_layout(mask, offsets, packed, width))
+        out = SimpleNamespace(
+            omega=to_input_layout(weight, offsets, packed, width), mask=to_input_layout(mask, offsets, packed, width)
+        )
         return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out, rec.sp)
 
 

@@ -5,6 +5,7 @@ Loaded through verl's plugin hooks, so verl is never forked: the ``verl.plugins`
 ``VERL_USE_EXTERNAL_MODULES=hilore_actor.verl.register``, which the launcher puts into the
 driver's and the Ray workers' environment. Idempotent (both hooks may fire in one process).
 """
+
 from .engine import register
 
 register()

@@ -9,6 +9,7 @@ planning microbatch's tokens, the group size).
 
 Imports the package's learner room only.
 """
+
 from __future__ import annotations
 
 import base64
@@ -20,9 +21,13 @@ from typing import Dict, List, Tuple
 CONFIG_ENV = "HILORE_VERL_CONFIG"
 PREFIX = "actor_rollout_ref.actor.hilore."
 # verl-only keys beside the shared --hilore.* settings: key -> (default, help)
-VERL_KEYS = {"enable": ("false", "turn HiLoRe on (true) or run verl unchanged (false)"),
-             "fsdp": ("fsdp2", "FSDP version under HiLoRe's engine: fsdp2 or fsdp; "
-                      "actor_rollout_ref.actor.strategy=fsdp|fsdp2 says the same")}
+VERL_KEYS = {
+    "enable": ("false", "turn HiLoRe on (true) or run verl unchanged (false)"),
+    "fsdp": (
+        "fsdp2",
+        "FSDP version under HiLoRe's engine: fsdp2 or fsdp; actor_rollout_ref.actor.strategy=fsdp|fsdp2 says the same",
+    ),
+}
 
 
 def split_overrides(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
@@ -32,7 +37,7 @@ def split_overrides(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     for arg in argv:
         bare = arg.lstrip("+")
         if bare.startswith(PREFIX) and "=" in bare:
-            key, value = bare[len(PREFIX):].split("=", 1)
+            key, value = bare[len(PREFIX) :].split("=", 1)
             ours[key] = value
         else:
             rest.append(arg)

@@ -12,6 +12,7 @@ left-aligned (padded), the layout of the units' token norms (Eq. 7).
 
 Imports torch only; the verl helper is imported where used.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -59,7 +60,9 @@ def flat_mask(data, nnz: int) -> torch.Tensor:
     return mask
 
 
-def to_input_layout(flat: torch.Tensor, offsets: torch.Tensor, packed: bool, width: Optional[int] = None) -> torch.Tensor:
+def to_input_layout(
+    flat: torch.Tensor, offsets: torch.Tensor, packed: bool, width: Optional[int] = None
+) -> torch.Tensor:
     """``flat`` [nnz] as the model's input saw the tokens: ``[1, nnz]`` when packed, else
     ``[bsz, width]`` with sequence i at row i from column 0 (zeros after it)."""
     if packed:
@@ -69,5 +72,5 @@ def to_input_layout(flat: torch.Tensor, offsets: torch.Tensor, packed: bool, wid
     width = int(width if width is not None else lens.max())
     out = flat.new_zeros(len(lens), width)
     for i, (a, n) in enumerate(zip(offsets[:-1].tolist(), lens.tolist())):
-        out[i, :n] = flat[a:a + n]
+        out[i, :n] = flat[a : a + n]
     return out

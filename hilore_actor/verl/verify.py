@@ -14,6 +14,7 @@ as an HF directory; 8 sequences of 2048 tokens per batch, micro-batches of 4, re
 ``flash_attention_2``, bf16 autocast over float32 master weights as verl trains. Exit status 1
 on any failure. The CPU tests drive the same builders on a tiny model (``tests/test_verl.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,19 @@ import torch
 KINDS = ("verl", "hilore-hr", "hilore")
 
 
-def build_engine(kind: str, path: str, seed: int, *, remove_padding: bool = True, micro_batch: int = 2,
-                 attn: str = "sdpa", mixed: bool = False, settings: Dict = None, job: Dict = None,
-                 param_offload: bool = False):
+def build_engine(
+    kind: str,
+    path: str,
+    seed: int,
+    *,
+    remove_padding: bool = True,
+    micro_batch: int = 2,
+    attn: str = "sdpa",
+    mixed: bool = False,
+    settings: Dict = None,
+    job: Dict = None,
+    param_offload: bool = False,
+):
     """``kind`` ``verl`` (verl's engine, its gradient checkpointing on) or a HiLoRe mode (HiLoRe's
     engine under that mode), on the HF model at ``path`` with LoRA r16 (B drawn not zero)."""
     from verl.trainer.config import CheckpointConfig
@@ -40,11 +51,25 @@ def build_engine(kind: str, path: str, seed: int, *, remove_padding: bool = True
     from .settings import CONFIG_ENV, to_env
 
     prec = {"param_dtype": "bf16" if mixed else "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    mc = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": attn},
-                       lora_rank=16, lora_alpha=32, enable_gradient_checkpointing=True, use_remove_padding=remove_padding)
-    ec = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", mixed_precision=prec, use_torch_compile=False,
-                          micro_batch_size_per_gpu=micro_batch, seed=seed, param_offload=param_offload,
-                          optimizer_offload=param_offload)
+    mc = HFModelConfig(
+        path=path,
+        load_tokenizer=False,
+        override_config={"attn_implementation": attn},
+        lora_rank=16,
+        lora_alpha=32,
+        enable_gradient_checkpointing=True,
+        use_remove_padding=remove_padding,
+    )
+    ec = FSDPEngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision=prec,
+        use_torch_compile=False,
+        micro_batch_size_per_gpu=micro_batch,
+        seed=seed,
+        param_offload=param_offload,
+        optimizer_offload=param_offload,
+    )
     cls = FSDPEngineWithLMHead
     if kind != "verl":
         cls = HiLoReFSDPEngine
@@ -62,8 +87,18 @@ def build_engine(kind: str, path: str, seed: int, *, remove_padding: bool = True
     return engine
 
 
-def grpo_batch(seed: int, *, vocab: int, remove_padding: bool = True, B: int = 4, P: int = 8, R: int = 24,
-               full: bool = False, entropy: bool = False, micro_batch: int = 2):
+def grpo_batch(
+    seed: int,
+    *,
+    vocab: int,
+    remove_padding: bool = True,
+    B: int = 4,
+    P: int = 8,
+    R: int = 24,
+    full: bool = False,
+    entropy: bool = False,
+    micro_batch: int = 2,
+):
     """A left/right-padded GRPO batch as verl's trainer hands it to the actor, made no-padding
     by verl's ``left_right_2_no_padding``, with the non-tensor keys its worker adds;
     ``full``: every prompt P and every response R tokens."""
@@ -77,16 +112,34 @@ def grpo_batch(seed: int, *, vocab: int, remove_padding: bool = True, B: int = 4
     ids = torch.randint(1, vocab, (B, P + R), generator=g)
     am = torch.zeros(B, P + R, dtype=torch.long)
     for i in range(B):
-        am[i, P - plen[i]:P] = 1
-        am[i, P:P + rlen[i]] = 1
-    td = TensorDict({"input_ids": ids, "attention_mask": am, "position_ids": (am.cumsum(-1) - 1).clamp(min=0),
-                     "response_mask": am[:, P:].clone(), "prompts": ids[:, :P], "responses": ids[:, P:],
-                     "old_log_probs": -3 * torch.rand(B, R, generator=g), "ref_log_prob": -3 * torch.rand(B, R, generator=g),
-                     "advantages": torch.randn(B, R, generator=g)}, batch_size=B)
+        am[i, P - plen[i] : P] = 1
+        am[i, P : P + rlen[i]] = 1
+    td = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": am,
+            "position_ids": (am.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": am[:, P:].clone(),
+            "prompts": ids[:, :P],
+            "responses": ids[:, P:],
+            "old_log_probs": -3 * torch.rand(B, R, generator=g),
+            "ref_log_prob": -3 * torch.rand(B, R, generator=g),
+            "advantages": torch.randn(B, R, generator=g),
+        },
+        batch_size=B,
+    )
     td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=1.0, use_remove_padding=remove_padding, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=micro_batch, global_batch_size=B, calculate_entropy=entropy,
-                         use_fused_kernels=False, max_token_len_per_gpu=B * (P + R))
+    tu.assign_non_tensor(
+        td,
+        temperature=1.0,
+        use_remove_padding=remove_padding,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch,
+        global_batch_size=B,
+        calculate_entropy=entropy,
+        use_fused_kernels=False,
+        max_token_len_per_gpu=B * (P + R),
+    )
     return td
 
 
@@ -96,8 +149,14 @@ def ppo_loss_fn(batch_size: int = 4, micro_batch: int = 2, **actor):
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    cfg = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=batch_size, rollout_n=1,
-                          ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False, **actor)
+    cfg = FSDPActorConfig(
+        strategy="fsdp2",
+        ppo_mini_batch_size=batch_size,
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=micro_batch,
+        use_dynamic_bsz=False,
+        **actor,
+    )
     return partial(ppo_loss, config=cfg)
 
 
@@ -107,12 +166,23 @@ def batch_gradient(engine, td, loss_fn) -> torch.Tensor:
     engine.optimizer_zero_grad()
     with engine.train_mode():
         engine.forward_backward_batch(td, loss_fn)
-        return torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten().float().cpu()
-                          for p in engine.module.parameters() if p.requires_grad and p.grad is not None])
+        return torch.cat(
+            [
+                (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten().float().cpu()
+                for p in engine.module.parameters()
+                if p.requires_grad and p.grad is not None
+            ]
+        )
 
 
-def check(build: Callable[[str], object], batch, loss_fn, modes: Sequence[str] = ("hilore-hr", "hilore"),
-          steps: int = 2, log=print) -> Dict:
+def check(
+    build: Callable[[str], object],
+    batch,
+    loss_fn,
+    modes: Sequence[str] = ("hilore-hr", "hilore"),
+    steps: int = 2,
+    log=print,
+) -> Dict:
     """See the module docstring. ``build(kind)``: a fresh engine of that kind."""
     grads, times, peaks = {}, {}, {}
     engines = {}
@@ -121,8 +191,10 @@ def check(build: Callable[[str], object], batch, loss_fn, modes: Sequence[str] =
         grads[kind] = batch_gradient(engines[kind], batch.clone(), loss_fn)
         mb = getattr(engines[kind], "hilore", None)
         peaks[kind] = None if mb is None else max(mb.batch_peaks)
-        log(f"[verify] {kind}: gradient norm {float(grads[kind].norm()):.4g}" + (
-            f", peak/B {peaks[kind]:.3f}, actions {mb.last.get('counts')}" if mb is not None else ""))
+        log(
+            f"[verify] {kind}: gradient norm {float(grads[kind].norm()):.4g}"
+            + (f", peak/B {peaks[kind]:.3f}, actions {mb.last.get('counts')}" if mb is not None else "")
+        )
     ref = grads["verl"]
     floor = float((grads["verl-repeat"] - ref).norm() / ref.norm())
     for _ in range(steps):
@@ -133,8 +205,14 @@ def check(build: Callable[[str], object], batch, loss_fn, modes: Sequence[str] =
                 torch.cuda.synchronize()
             times.setdefault(kind, []).append(time.perf_counter() - t0)
     tol_hr = max(1e-3, 4 * floor)
-    result = {"noise_floor": floor, "tolerance": {"hilore-hr": tol_hr, "hilore": tol_hr + 0.015},
-              "relative_error": {}, "peak_over_budget": peaks, "seconds": times, "failures": []}
+    result = {
+        "noise_floor": floor,
+        "tolerance": {"hilore-hr": tol_hr, "hilore": tol_hr + 0.015},
+        "relative_error": {},
+        "peak_over_budget": peaks,
+        "seconds": times,
+        "failures": [],
+    }
     for mode in modes:
         rel = float((grads[mode] - ref).norm() / ref.norm())
         result["relative_error"][mode] = rel
@@ -173,7 +251,9 @@ def one_gpu_process_group(prog: str, port: str) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hilore_actor.verl.verify", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="HF model directory (default: the bundled SmolLM2, written to --workdir)")
+    p.add_argument(
+        "--model", default=None, help="HF model directory (default: the bundled SmolLM2, written to --workdir)"
+    )
     p.add_argument("--workdir", default="/tmp/hilore-verl-verify")
     p.add_argument("--budget", default="1.10")
     p.add_argument("--steps", type=int, default=2)
@@ -190,8 +270,14 @@ def main(argv=None) -> int:
     loss_fn = ppo_loss_fn(batch_size=8, micro_batch=4)
     settings = {"budget": args.budget, "calibration_batches": 4}
     job = {"plan_tokens": 4 * 2048, "seqs_per_microbatch": 4, "group_size": 8, "fsdp": "fsdp2"}
-    result = check(lambda kind: build_engine(kind, path, args.seed, micro_batch=4, attn="flash_attention_2", mixed=True,
-                                             settings=settings, job=job), batch, loss_fn, steps=args.steps)
+    result = check(
+        lambda kind: build_engine(
+            kind, path, args.seed, micro_batch=4, attn="flash_attention_2", mixed=True, settings=settings, job=job
+        ),
+        batch,
+        loss_fn,
+        steps=args.steps,
+    )
     result.update(model=path, budget=args.budget, torch=torch.__version__, device=torch.cuda.get_device_name(0))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
