@@ -56,7 +56,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   if "$0" -m pip --version > /dev/null 2>&1; then
     "$0" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl || exit 1
   else  # no pip in this environment: a wheel is a zip archive
-    "$0" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]" "$SITE" .whl/*.whl || exit 1
+    "$0" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]" \
+      "$SITE" .whl/*.whl || exit 1
   fi
   export PYTHONPATH="$SITE:$PYTHONPATH"
 else
@@ -102,7 +103,8 @@ for mod, dist in (("accelerate", None), ("safetensors", None), ("verl", None), (
         found = False
     line("ok" if found else "absent", mod, version(mod, dist) if found else "not installed (optional)")
 wheels = sorted(f for f in os.listdir(".whl") if f.endswith(".whl")) if os.path.isdir(".whl") else []
-line("ok" if wheels else "absent", ".whl", " ".join(wheels) or "no carried wheels (the verl stage needs verl importable)")
+line("ok" if wheels else "absent", ".whl",
+     " ".join(wheels) or "no carried wheels (the verl stage needs verl importable)")
 for path in ("/tmp", os.environ["OUT"]):
     line("ok", "free disk", f"{shutil.disk_usage(path).free / 2**30:.1f} GiB at {path}")
 line("ok", "OUT", os.environ["OUT"] + " (writable)")
@@ -114,7 +116,7 @@ sys.exit(1 if bad else 0)
 plan() {
   echo "plan ($([[ $DRY == 1 ]] && echo dry run || echo run); OUT=$OUT; PYTHON=$PY):"
   printf '  %-11s %4ss  %s\n' selfcheck "${LIMIT[selfcheck]}" "python, torch, CUDA, GPU, imports, .whl, disk, \$OUT" \
-    gpu-ref "${LIMIT[gpu-ref]}" "$PY -m hilore_actor.bench ${BENCH[*]}" \
+    gpu-ref "${LIMIT[gpu-ref]}" "$PY -m benchmarks.bench ${BENCH[*]}" \
     verl "${LIMIT[verl]}" "[.whl -> $SITE] $PY -m hilore_actor.verl.gpu_check ${VERL[*]}" \
     cuda-tests "${LIMIT[cuda-tests]}" "$PY -m pytest ${PYTEST_OPTS[*]} ${TESTS[*]}"
   echo "  total       ${TOTAL}s of timeouts (at most 540s)"
@@ -144,13 +146,13 @@ run_stage() {
 
 BENCH_PARSE='
 import sys
-from hilore_actor.bench.cli import _methods, build_parser
-from hilore_actor.bench.workloads import WORKLOADS
+from benchmarks.bench.cli import build_parser, method_names
+from benchmarks.bench.workloads import WORKLOADS
 args = build_parser().parse_args(sys.argv[1:])
 try:
-    _methods(args)
+    method_names(args)
 except ValueError as e:
-    sys.exit(f"python -m hilore_actor.bench: error: {e}")
+    sys.exit(f"python -m benchmarks.bench: error: {e}")
 print("[gpu-ref] arguments ok:", args.workload, "-", WORKLOADS[args.workload].note, "; methods", args.methods)
 '
 
@@ -177,7 +179,7 @@ for s in gpu-ref verl cuda-tests; do
     esac
   else
     case $s in
-      gpu-ref) run_stage "$s" "$PY" -m hilore_actor.bench "${BENCH[@]}" ;;
+      gpu-ref) run_stage "$s" "$PY" -m benchmarks.bench "${BENCH[@]}" ;;
       verl) run_stage "$s" env SITE="$SITE" bash -c "$VERL_STAGE" "$PY" -m hilore_actor.verl.gpu_check "${VERL[@]}" ;;
       cuda-tests) run_stage "$s" "$PY" -m pytest "${PYTEST_OPTS[@]}" "${TESTS[@]}" ;;
     esac
@@ -191,7 +193,9 @@ for s in "${STAGES[@]}"; do
   }{\"name\": \"$s\", \"status\": \"${STATUS[$s]}\", \"seconds\": ${SECS[$s]}, \"estimate_s\": ${ESTIMATE[$s]},\
  \"timeout_s\": ${LIMIT[$s]}, \"log\": \"${LOG[$s]}\"}"
 done
-printf '{"mode": "%s", "out": "%s", "python": "%s", "planned_timeout_s": %d, "exit_status": %d,\n "stages": [\n  %s\n ]}\n' \
+SUMMARY='{"mode": "%s", "out": "%s", "python": "%s", "planned_timeout_s": %d, "exit_status": %d,\n'
+SUMMARY+=' "stages": [\n  %s\n ]}\n'
+printf "$SUMMARY" \
   "$([[ $DRY == 1 ]] && echo dry-run || echo run)" "$OUT" "$PY" "$TOTAL" "$RC" "$ENTRIES" > "$OUT/summary.json"
 echo "summary ($OUT/summary.json):"
 for s in "${STAGES[@]}"; do

@@ -9,7 +9,7 @@ Estimates (docs/benchmark.md, "One GPU check"):
 - ``selfcheck``, ``cuda-tests`` and the CPU side of ``verl``: measured on a CPU (2 cores,
   loaded), plus CUDA's start-up.
 - ``gpu-ref``: counted from the benchmark's code (``gpu_ref_passes``: every forward and
-  backward pass of ``python -m hilore_actor.bench`` with the stage's arguments), each pass
+  backward pass of ``python -m benchmarks.bench`` with the stage's arguments), each pass
   costed from its FLOPs at a conservative achieved rate, plus fixed costs. The count follows
   the arguments, so ``GPU_CHECK_BENCH_ARGS="--repeats 5"`` moves the estimate too.
 
@@ -28,8 +28,8 @@ from typing import List, NamedTuple, Tuple
 MAX_TOTAL = 540  # seconds of timeouts, all stages together
 MIN_HEADROOM = 2.0  # timeout / estimate, every stage
 
-# the gpu-ref workload (hilore_actor/bench/workloads.py) and the benchmark's defaults of the counted arguments
-# (hilore_actor/bench/cli.py); tests/test_gpu_check.py keeps both equal to the benchmark's own
+# the gpu-ref workload (benchmarks/bench/workloads.py) and the benchmark's defaults of the counted arguments
+# (benchmarks/bench/cli.py); tests/test_gpu_check.py keeps both equal to the benchmark's own
 GPU_REF = dict(
     num_layers=36,
     hidden_size=2048,
@@ -56,14 +56,14 @@ TFLOPS = 150.0  # achieved bf16 TFLOP/s of an eager HF model on an H100: the low
 PASS_OVERHEAD_S = 0.1  # per pass: hooks on 72 units, peak-meter resets and synchronisations, gradient copies
 START_S = 15.0  # python, torch, transformers and peft imports, the CUDA context, cuBLAS
 MODEL_S = 30.0  # the 3B model's random init on the CPU (~25 s), LoRA, 6.2 GB copied to the GPU
-# ---- how many passes (the loops of hilore_actor/allocation/schedule.py and profiling.py) ----
-PROFILE_REPEATS = 3  # HiLoRe(profile_repeats=3)
+# ---- how many passes (the loops of hilore_actor/allocation/planner.py and profiling.py) ----
+PROFILE_REPEATS = 3  # bench.methods.PROFILE_REPEATS (the benchmark's Planner.Config.profile_repeats)
 PROBES = 4  # prefix probes: probe_bytes stops at three of one bundle structure; one more if the structure changes
-FIT_ATTEMPTS = 5  # HiLoRe._fit(attempts=5), per risk scale
-VALIDATIONS = 2  # HiLoRe._validate: the first check and one re-plan (six failing ones end the run)
-LOO_UNITS, LOO_REPEATS = 4, 3  # HiLoRe(loo_units=4)._drop_useless(repeats=3)
+FIT_ATTEMPTS = 5  # Planner._fit(attempts=5), per risk scale
+VALIDATIONS = 2  # Planner._validate: the first check and one re-plan (six failing ones end the run)
+LOO_UNITS, LOO_REPEATS = 4, 3  # Planner.Config.loo_units, Planner._drop_useless(repeats=3)
 P_LEVELS, UNIT_KINDS = 2, 2  # profiling.P_LABELS ("P", "P:core"); attention and MLP units
-RISK_SCALES = {"hilore": 4, "hilore-static": 2, "hilore-hr": 1}  # len(HiLoRe.scales) per mode
+RISK_SCALES = {"hilore": 4, "hilore-static": 2, "hilore-hr": 1}  # len(Planner.scales) per mode
 HILORE = {
     "hilore-hr": ("hilore-hr", False),
     "hilore-static": ("hilore-static", False),
@@ -118,7 +118,7 @@ def pass_seconds(kind: str, tokens: int, w=GPU_REF) -> float:
 
 
 def bench_args(argv: List[str]) -> argparse.Namespace:
-    """The counted arguments of ``python -m hilore_actor.bench`` (others are ignored)."""
+    """The counted arguments of ``python -m benchmarks.bench`` (others are ignored)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--workload", default="cpu-small")
     p.add_argument("--methods", default=BENCH_DEFAULTS["methods"])
@@ -141,7 +141,7 @@ def gpu_ref_passes(argv: List[str], w=GPU_REF) -> List[Passes]:
     if other:
         raise ValueError(f"not modelled (compiled, SAC or +full methods): {', '.join(other)}")
     if "gc" in names and "gc-aa" not in names and a.repeats > 1 and not a.no_aa:
-        names.insert(names.index("gc") + 1, "gc-aa")  # cli._methods
+        names.insert(names.index("gc") + 1, "gc-aa")  # cli.method_names
     n_budgets = len([b for b in a.budgets.split(",") if b.strip()])
     levels = len([c for c in a.codec.split(",") if c.strip()])
     units, T, mbs = 2 * w["num_layers"], w["tokens"], w["microbatches"]
@@ -161,7 +161,7 @@ def gpu_ref_passes(argv: List[str], w=GPU_REF) -> List[Passes]:
                 "train",
             )
         )
-    profiled = None  # (L levels, P) the cached unit costs cover: HiLoRe.prepare profiles again for more
+    profiled = None  # (L levels, P) the cached unit costs cover: Planner.prepare profiles again for more
     entries = 0
     for n in names:
         if n not in HILORE:

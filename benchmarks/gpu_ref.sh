@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUTDIR=${1:-${OUT:-benchmarks/results}}
 mkdir -p "$OUTDIR"
 PY=${PYTHON:-python3}
-PYTHONUNBUFFERED=1 "$PY" -m hilore_actor.bench --workload gpu-ref --device cuda \
+PYTHONUNBUFFERED=1 "$PY" -m benchmarks.bench --workload gpu-ref --device cuda \
   --methods gc,no-gc,hilore --budgets 1.10 --repeats 5 --updates 1 \
   --calib 2 --calib-tokens 1024 --no-loo \
   --json "$OUTDIR/gpu-ref.json" --plot "$OUTDIR/gpu-ref.png" --markdown "$OUTDIR/gpu-ref.md" \

@@ -27,7 +27,7 @@
 # every method (ALL).
 # A run too long for one sitting goes in pieces: RUN:1 .. RUN:5 each time some of the methods
 # beside their own gc (sharing one calibration file), then RUN:merge combines the pieces that
-# exist (python -m hilore_actor.bench.merge; it refuses pieces that measured different inputs).
+# exist (python -m benchmarks.bench.merge; it refuses pieces that measured different inputs).
 # Every view (a) and (b) run runs HiLoRe without the leave-one-out check (--no-loo): three paired updates cannot
 # resolve a unit's 1-3% saving on this CPU, and each run's plan is then what the allocation chose.
 # Usage: bash benchmarks/v2.sh RUN [RUN ...]   (writes benchmarks/results/RUN.{json,png,md,log})
@@ -81,12 +81,12 @@ for spec in "$@"; do
     *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ "$piece" = pool ]; then  # pieces that are repeats of one run
-    "$PY" -m hilore_actor.bench.merge --pool "$OUTDIR/$run".[0-9]*.json \
+    "$PY" -m benchmarks.bench.merge --pool "$OUTDIR/$run".[0-9]*.json \
       --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
     continue
   fi
   if [ "$piece" = merge ]; then
-    "$PY" -m hilore_actor.bench.merge "$OUTDIR/$run".[0-9].json \
+    "$PY" -m benchmarks.bench.merge "$OUTDIR/$run".[0-9].json \
       --json "$OUTDIR/$run.json" --plot "$OUTDIR/$run.png" --markdown "$OUTDIR/$run.md"
     continue
   fi
@@ -101,7 +101,7 @@ for spec in "$@"; do
     case "$run" in *-b) calib=${run%-b}-a ;; esac
     a+=(--calibration "$OUTDIR/$calib.calibration.json")
   fi
-  "$PY" -m hilore_actor.bench "${a[@]}" --methods "$methods" --repeats "$repeats" --updates "$updates" \
+  "$PY" -m benchmarks.bench "${a[@]}" --methods "$methods" --repeats "$repeats" --updates "$updates" \
     --json "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" --markdown "$OUTDIR/$name.md" 2>&1 \
     | grep --line-buffered -v '^USDT' | tee "$OUTDIR/$name.log"
 done

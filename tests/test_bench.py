@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hilore_actor.bench.cli import main
-from hilore_actor.bench.report import FIELDS
+from benchmarks.bench.cli import main
+from benchmarks.bench.outputs import FIELDS
 from hilore_actor.models import tiny_config
 
 
@@ -88,8 +88,8 @@ def test_methods_help_names_every_known_method():
     it must not drift from the names the command accepts."""
     import re
 
-    from hilore_actor.bench.cli import build_parser
-    from hilore_actor.bench.methods import OURS, PEERS
+    from benchmarks.bench.cli import build_parser
+    from benchmarks.bench.methods import OURS, PEERS
     from hilore_actor.recovery.policies import ENGINE_POLICIES
 
     action = next(a for a in build_parser()._actions if a.dest == "methods")

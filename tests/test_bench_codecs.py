@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hilore_actor.bench import codecs as bench_codecs
+from benchmarks.bench import codecs as bench_codecs
 
 
 def test_codec_benchmark_reports_bytes_kinds_and_gradient_errors(tmp_path, capsys):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hilore_actor.bench.merge import main, merge
+from benchmarks.bench.merge import main, merge
 
 
 def piece(methods, base=1000, budgets=(1.1,)):
@@ -90,7 +90,7 @@ def test_hilore_over_coarse_pairs_repeats_of_one_piece_only(fresh_seed):
     import random
     import statistics
 
-    from hilore_actor.bench.report import versus
+    from benchmarks.bench.outputs import versus
 
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)
@@ -114,8 +114,8 @@ def test_a_paired_ratio_stands_beside_the_floor_of_its_own_phases(fresh_seed):
     import random
     import statistics
 
-    from hilore_actor.bench.report import reading, versus
-    from hilore_actor.bench.stats import bootstrap_ci
+    from benchmarks.bench.outputs import reading, versus
+    from benchmarks.bench.stats import bootstrap_ci
 
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)
@@ -180,8 +180,8 @@ def test_pool_keeps_every_ratio_paired_and_every_piece_s_plan(fresh_seed):
     import random
     import statistics
 
-    from hilore_actor.bench.merge import pool
-    from hilore_actor.bench.report import paired
+    from benchmarks.bench.merge import pool
+    from benchmarks.bench.outputs import paired
 
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)

@@ -1,4 +1,4 @@
-"""The benchmark's ``--json`` file while the run goes (``hilore_actor.bench.partial``): a run
+"""The benchmark's ``--json`` file while the run goes (``benchmarks.bench.partial``): a run
 stopped midway, as ``timeout`` stops a stage of ``benchmarks/gpu_check.sh`` (SIGTERM, then
 SIGKILL), keeps every piece it finished."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hilore_actor.bench.partial import Progress, write_atomic
-from hilore_actor.bench.report import FIELDS
+from benchmarks.bench.partial import Progress, write_atomic
+from benchmarks.bench.outputs import FIELDS
 from hilore_actor.models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # method's record is written and the second one's is not
 HOLD_SECOND_RECORD = """
 import sys, time
-from hilore_actor.bench import cli, records
+from benchmarks.bench import cli, records
 made = []
 real = records.method_record
 def method_record(*a, **k):
@@ -97,7 +97,7 @@ def test_a_run_stopped_by_sigterm_keeps_what_it_finished(tmp_path):
 
 def test_progress_keeps_the_file_whole_and_current(tmp_path):
     path = tmp_path / "r.json"
-    p = Progress(str(path), "python -m hilore_actor.bench", "cpu-small")
+    p = Progress(str(path), "python -m benchmarks.bench", "cpu-small")
     assert json.loads(path.read_text())["partial"]["stage"] == "starting"
     p.stage("preparing methods", done="B measured", budget_base_bytes=7)
     p.prepared({"method": "gc", "budget_ratio": None})

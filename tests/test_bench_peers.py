@@ -4,8 +4,8 @@ runner's head (tiny random models: mechanism checks, not performance)."""
 import pytest
 from conftest import bench_setup
 
-from hilore_actor.bench.methods import Budget, MethodContext, make_method
-from hilore_actor.bench.peers import compiled_peak, every_kth, tune_sac_layers
+from benchmarks.bench.methods import Budget, MethodContext, make_method
+from benchmarks.bench.peers import compiled_peak, every_kth, tune_sac_layers
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_compiled_peer_on_the_chunked_head_runs_the_decoder_it_compiled(setup, m
     gradient exactly (it once fell through to calling the wrapper as a model)."""
     import torch
 
-    from hilore_actor.bench.peers import compiled_runner
+    from benchmarks.bench.peers import compiled_runner
 
     runners, dev = setup
     compiled = []
@@ -77,7 +77,7 @@ def test_compiled_peer_on_the_chunked_head_runs_the_decoder_it_compiled(setup, m
 def test_tune_compile_budget_scans_down_then_bisects(monkeypatch):
     """The grid from the top down to the first value that fits, then the interval above it
     bisected; when no grid value fits (0 peaks highest here, as on CPU inductor), a clear error."""
-    import hilore_actor.bench.peers as peers
+    import benchmarks.bench.peers as peers
 
     peak = lambda b: 300 if b == 0.0 else int(100 + 100 * b)  # noqa: E731 - 0 recomputes up front
     monkeypatch.setattr(peers, "compiled_peak", lambda runner, b, head, dev: (None, peak(b)))

@@ -3,7 +3,7 @@
 import random
 import re
 
-from hilore_actor.bench.report import plans
+from benchmarks.bench.outputs import plans
 
 LABELS = (
     "exact",

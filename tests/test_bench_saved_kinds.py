@@ -5,7 +5,7 @@ changes the gradient only when that kind was saved."""
 import torch
 
 from conftest import packed_microbatch
-from hilore_actor.bench.saved_kinds import KINDS, SavedKinds, kind_grad_errors
+from benchmarks.bench.saved_kinds import KINDS, SavedKinds, kind_grad_errors
 from hilore_actor.grpo.microbatch import Microbatch, microbatch_loss
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import get_codec

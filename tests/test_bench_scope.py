@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import bench_setup
 
-from hilore_actor.bench.cli import measure_budget
-from hilore_actor.bench.inputs import BenchInputs
-from hilore_actor.bench.methods import Budget, MethodContext, make_method
-from hilore_actor.bench.scope import make_optimizer, optimizer_tensors, resident_bytes
+from benchmarks.bench.cli import measure_budget
+from benchmarks.bench.inputs import BenchInputs
+from benchmarks.bench.methods import Budget, MethodContext, make_method
+from benchmarks.bench.scope import make_optimizer, optimizer_tensors, resident_bytes
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,12 @@ def test_device_scope_includes_the_optimizer_state(setup):
     ctx = MethodContext(runners, "chunked", Budget("device", "gc", 1, 0), None, inputs.dev)
     gc = make_method("gc", None, ctx)
     peaks = gc.peaks(inputs.updates[0])
-    state = sum(t.numel() * t.element_size() for t in optimizer_tensors(gc._optimizer))
+    state = sum(t.numel() * t.element_size() for t in optimizer_tensors(gc.optimizer))
     trainable = sum(p.numel() * p.element_size() for p in runners["chunked"].params)
     assert state >= 2 * trainable  # AdamW: exp_avg and exp_avg_sq
     assert peaks.device_peak - max(peaks.activations) >= state
     weights = sum(p.numel() * p.element_size() for p in inputs.model.parameters())
-    assert resident_bytes(inputs.model, gc._optimizer) >= weights + state
+    assert resident_bytes(inputs.model, gc.optimizer) >= weights + state
 
 
 def test_update_peaks_restores_weights_and_state(setup):
@@ -54,7 +54,7 @@ def test_update_peaks_restores_weights_and_state(setup):
     before = [p.detach().clone() for p in params]
     ctx = MethodContext(runners, "full", Budget("device", "gc", 1, 0), None, inputs.dev)
     m = make_method("all-r", None, ctx)
-    m._optimizer, m._optimizer_model = opt, inputs.model
+    m.optimizer = opt
     m.peaks(inputs.updates[0])
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     assert all(p.grad is None for p in params)

@@ -5,7 +5,7 @@ import statistics
 
 import torch
 
-from hilore_actor.bench.stats import bimodal, bootstrap_ci, speed_summary
+from benchmarks.bench.stats import bimodal, bootstrap_ci, speed_summary
 
 
 def test_paired_ratio_median_and_interval():
@@ -56,7 +56,7 @@ def test_repeats_to_resolve_gives_the_power_it_promises(fresh_seed):
     about 80% of the time (simulated: 2,000 runs; binomial SE 0.009)."""
     import math
 
-    from hilore_actor.bench.stats import repeats_to_resolve
+    from benchmarks.bench.stats import repeats_to_resolve
 
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)
@@ -77,7 +77,7 @@ def test_resolvable_difference_inverts_repeats_to_resolve(fresh_seed):
     sample deviation of the log ratios."""
     import math
 
-    from hilore_actor.bench.stats import log_spread, repeats_to_resolve, resolvable_difference
+    from benchmarks.bench.stats import log_spread, repeats_to_resolve, resolvable_difference
 
     print("seed", fresh_seed)
     rng = random.Random(fresh_seed)

@@ -3,7 +3,7 @@ phase) hilore at the peer's budget; each method gets the gc and gc-aa times of i
 
 import random
 
-from hilore_actor.bench.timing import AA, key, time_methods
+from benchmarks.bench.timing import AA, key, time_methods
 
 
 class FakeMethod:

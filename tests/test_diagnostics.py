@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from hilore_actor.allocation.diagnostics import auroc, spearman, top_recall
-from hilore_actor.diagnostics import main
+from benchmarks.diagnostics.analysis import auroc, spearman, top_recall
+from benchmarks.diagnostics.cli import main
 
 
 def test_auroc_is_pairwise_probability():

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from hilore_actor.fidelity.evaluate import heldout_examples, response_kl
-from hilore_actor.fidelity.report import exact_match, summarize
-from hilore_actor.fidelity.runs import Run
+from benchmarks.fidelity.evaluate import heldout_examples, response_kl
+from benchmarks.fidelity.report import exact_match, summarize
+from benchmarks.fidelity.runs import Run
 
 
 def test_run_state_and_command(tmp_path):
@@ -37,7 +37,7 @@ def test_run_state_and_command(tmp_path):
 def test_a_run_recorded_in_the_results_needs_no_weights(tmp_path):
     """A fresh machine loses the runs' folder: runs whose metrics, evaluation and every KL they
     are part of are in the results are skipped; one whose KL is missing must train again."""
-    from hilore_actor.fidelity.cli import _eval_key, _recorded, _runs, build_parser
+    from benchmarks.fidelity.cli import _eval_key, _recorded, _runs, build_parser
 
     out = tmp_path / "out"
     args = build_parser().parse_args(["--seeds", "0,1", "--steps", "2", "--runs", str(tmp_path / "runs")])
@@ -64,9 +64,9 @@ def test_a_run_recorded_in_the_results_needs_no_weights(tmp_path):
 
 
 def test_every_piece_of_a_study_writes_the_same_command():
-    from hilore_actor.fidelity.cli import _study_command
+    from benchmarks.fidelity.cli import _study_command
 
-    want = "python -m hilore_actor.fidelity --seeds 0,1\n"
+    want = "python -m benchmarks.fidelity --seeds 0,1\n"
     assert _study_command(["--seeds", "0,1"]) == want
     assert _study_command(["--max-runs", "3", "--seeds", "0,1", "--report-only"]) == want
     assert _study_command(["--max-runs=2", "--seeds", "0,1"]) == want
@@ -110,7 +110,7 @@ def test_response_kl_matches_a_direct_computation(fresh_seed):
 
 
 def test_exact_match_finds_the_first_difference():
-    from hilore_actor.fidelity.report import EXACT_KEYS
+    from benchmarks.fidelity.report import EXACT_KEYS
 
     a = [dict(dict.fromkeys(EXACT_KEYS, 0.5), step=i, loss=0.1 * i, kl=0.0) for i in (1, 2, 3)]
     assert exact_match(a, [dict(r) for r in a])["identical"]
@@ -183,7 +183,7 @@ def test_a_tiny_study_resumes_and_hilore_hr_reproduces_gc(tmp_path):
     base = [
         sys.executable,
         "-m",
-        "hilore_actor.fidelity",
+        "benchmarks.fidelity",
         "--model",
         "tiny:qwen2",
         "--seeds",

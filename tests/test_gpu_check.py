@@ -105,13 +105,13 @@ def _planner():
 
 def test_the_plans_pass_count_follows_the_benchmarks_code():
     """What ``gpu_check_plan`` counts passes from must be what the benchmark runs: the workload's
-    shape, the benchmark's defaults, HiLoRe's loop bounds and modes."""
+    shape, the benchmark's defaults, the planner's loop bounds and modes."""
     import inspect
 
-    from hilore_actor.allocation.schedule import HiLoRe
-    from hilore_actor.bench import methods
-    from hilore_actor.bench.cli import build_parser
-    from hilore_actor.bench.workloads import WORKLOADS
+    from hilore_actor.allocation.planner import Planner
+    from benchmarks.bench import methods
+    from benchmarks.bench.cli import build_parser
+    from benchmarks.bench.workloads import WORKLOADS
     from hilore_actor.recovery.policies import ENGINE_POLICIES
 
     plan = _planner()
@@ -127,11 +127,11 @@ def test_the_plans_pass_count_follows_the_benchmarks_code():
     assert {k: getattr(d, k) for k in plan.BENCH_DEFAULTS} == plan.BENCH_DEFAULTS
     assert {n: (m, p) for n, (m, p, _) in methods.VARIANTS.items()} == plan.HILORE
     assert plan.PLAIN == {"no-gc", "gc", "gc-aa", *ENGINE_POLICIES}
-    init = inspect.signature(HiLoRe.__init__).parameters
-    assert init["profile_repeats"].default == plan.PROFILE_REPEATS and init["loo_units"].default == plan.LOO_UNITS
-    assert len(init["plan_risk_scales"].default) == plan.RISK_SCALES["hilore"]
-    assert inspect.signature(HiLoRe._fit).parameters["attempts"].default == plan.FIT_ATTEMPTS
-    assert inspect.signature(HiLoRe._drop_useless).parameters["repeats"].default == plan.LOO_REPEATS
+    config = Planner.Config()
+    assert methods.PROFILE_REPEATS == plan.PROFILE_REPEATS and config.loo_units == plan.LOO_UNITS
+    assert len(config.plan_risk_scales) == plan.RISK_SCALES["hilore"]
+    assert inspect.signature(Planner._fit).parameters["attempts"].default == plan.FIT_ATTEMPTS
+    assert inspect.signature(Planner._drop_useless).parameters["repeats"].default == plan.LOO_REPEATS
     assert abs(plan.params() - 3.09e9) < 0.01e9  # Qwen2.5-3B
 
 

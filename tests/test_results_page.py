@@ -8,7 +8,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from hilore_actor.bench import results_page as rp
+from benchmarks.bench import results_page as rp
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -17,7 +17,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 def test_committed_results_page_and_readme_match_their_json():
     stale = rp.write(RESULTS, ROOT / "benchmarks" / "RESULTS.md", ROOT / "README.md", check=True)
     assert not stale, (
-        f"{stale} differ from what the JSON gives: run python -m hilore_actor.bench.report "
+        f"{stale} differ from what the JSON gives: run python -m benchmarks.bench.report "
         "--results benchmarks/results --out benchmarks/RESULTS.md --readme README.md"
     )
 
@@ -27,6 +27,7 @@ def test_a_changed_figure_makes_the_check_fail(tmp_path):
     res = tmp_path / "results"
     res.mkdir()
     shutil.copy(RESULTS / "cpu-real-b.json", res / "cpu-real-b.json")
+    shutil.copy(RESULTS / "page.yaml", res / "page.yaml")  # which results the page shows, and their notes
     page = tmp_path / "RESULTS.md"
     assert rp.write(res, page) == [str(page)]  # written the first time
     assert rp.write(res, page, check=True) == []
@@ -139,7 +140,7 @@ def test_a_pooled_run_says_what_its_repeats_resolve(fresh_seed):
 def test_the_fidelity_section_says_when_its_per_step_metrics_are_absent(tmp_path):
     """Figures drawn from per-step metrics that are not in the repository are flagged as not
     recomputable; once every finished run's metrics are there, the flag goes."""
-    from hilore_actor.bench import results_studies
+    from benchmarks.bench import results_studies
 
     shutil.copytree(RESULTS / "fidelity", tmp_path / "fidelity", ignore=shutil.ignore_patterns("runs"))
     runs = json.loads((tmp_path / "fidelity" / "fidelity.json").read_text())["finished_runs"]

@@ -1,0 +1,276 @@
+"""The studies on ``benchmarks/RESULTS.md`` beside the speed benchmark: codecs, training fidelity,
+risk diagnostics, the knapsack's solve time and the demo job's runs, each rendered from its
+committed JSON (or JSONL) by ``results_page``."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Dict, List
+
+from .outputs import fmt
+from .results_runs import CodecRun, DemoRun, Page
+
+
+def _mean_max(g: Dict) -> str:
+    return f"{g['mean']:.4f} [{g['max']:.4f}]" if g else "-"
+
+
+def codecs(results: Path, runs: List[CodecRun]) -> str:
+    out = [
+        "## L codecs",
+        "",
+        "Per codec: the compression of the bytes L stores, and the relative error of one update's gradient "
+        "against no-gc with every unit L, only attention units L or only MLP units L (the rest R), mean "
+        "[max] over disjoint sets of microbatches. L keeps the attention core exact "
+        "(`hilore_actor/recovery/rules.py`, `KEEP_EXACT`).",
+        "",
+    ]
+    for run in runs:
+        name, title, stale = run.name, run.title, run.stale
+        p = Path(results) / f"{name}.json"
+        if not p.exists():
+            continue
+        d = json.loads(p.read_text())
+        out += [
+            f"### {title} (`{name}`)",
+            "",
+            f"`{d['command']}` at commit {d['git_commit'][:7]}, torch {d['torch']}, "
+            f"{d['sets']} sets of {d['microbatches_per_set']} x {d['tokens']} tokens, LoRA B init "
+            f"{d['inputs'].get('lora_b_init')}.",
+            "",
+        ] + ([stale, ""] if stale else [])
+        out += [
+            "| codec | bytes ratio | encode+decode s/MiB | all L | attention L | MLP L |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c, v in sorted(d["codecs"].items(), key=lambda kv: kv[1]["grad_rel_err"]["all"]["mean"]):
+            g = v["grad_rel_err"]
+            out.append(
+                f"| `{c}` | {v['compression']:.2f} | {v['seconds_per_mib']:.5f} | {_mean_max(g.get('all'))} | "
+                f"{_mean_max(g.get('attn'))} | {_mean_max(g.get('mlp'))} |"
+            )
+        kinds = {c: v["kind_grad_rel_err"] for c, v in d["codecs"].items() if v.get("kind_grad_rel_err")}
+        if kinds:
+            names = sorted({k for v in kinds.values() for k in v})
+            out += [
+                "",
+                "Gradient error of compressing one kind of saved tensor alone (every layer, the rule off; "
+                "kinds named by `benchmarks/bench/saved_kinds.py`):",
+                "",
+                "| kind | " + " | ".join(f"`{c}`" for c in kinds) + " |",
+                "|---" * (len(kinds) + 1) + "|",
+            ]
+            out += [f"| {k} | " + " | ".join(fmt(kinds[c].get(k), ".4f") for c in kinds) + " |" for k in names]
+        out.append("")
+    return "\n".join(out)
+
+
+def fidelity(results: Path) -> str:
+    p = Path(results) / "fidelity" / "fidelity.json"
+    if not p.exists():
+        return ""
+    d = json.loads(p.read_text())
+    acc, diff, ge, kl = d["heldout_accuracy"], d["paired_accuracy_difference_pp"], d["gradient_error"], d["kl_gc_to"]
+    seeds = [str(s) for s in diff.get("seeds", range(len(diff["values"])))]
+    row = lambda label, vals, tail: f"| {label} | " + " | ".join(vals) + f" | {tail} |"  # noqa: E731
+    out = [
+        "## Training fidelity on SmolLM2 (`python -m benchmarks.fidelity`)",
+        "",
+        f"Paired {d['steps']}-step GRPO runs of the training job per seed (gc and hilore; hilore-hr once), held-out "
+        "greedy accuracy on problems no run trained on, KL(gc || hilore) per response token on gc's held-out "
+        "responses beside KL(gc || base model) as the yardstick. Flags: `benchmarks/results/fidelity/study.yaml`; "
+        f"report: `fidelity.{{md,json,png}}`. Complete: {d['complete']}.",
+        "",
+        "| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean (SD) |",
+        "|---" * (len(seeds) + 2) + "|",
+        row(
+            "held-out accuracy, gc",
+            [f"{v:.3f}" for v in acc["gc"]["values"]],
+            f"{acc['gc']['mean']:.3f} ({acc['gc']['sd']:.3f})",
+        ),
+        row(
+            "held-out accuracy, hilore",
+            [f"{v:.3f}" for v in acc["hilore"]["values"]],
+            f"{acc['hilore']['mean']:.3f} ({acc['hilore']['sd']:.3f})",
+        ),
+        row("paired difference, pp", [f"{v:+.2f}" for v in diff["values"]], f"{diff['mean']:+.2f} ({diff['sd']:.2f})"),
+        row(
+            "problems answered by gc only / hilore only",
+            [f"{d['discordant_problems'][s]['gc_only']} / {d['discordant_problems'][s]['other_only']}" for s in seeds],
+            "-",
+        ),
+        row("KL(gc \\|\\| hilore)", [f"{kl.get(f'hilore-seed{s}', float('nan')):.3g}" for s in seeds], "-"),
+        row("KL(gc \\|\\| base)", [f"{kl.get(f'base-seed{s}', float('nan')):.3g}" for s in seeds], "-"),
+        "",
+        "Held-out accuracy: greedy decoding, exact answers only, on "
+        f"{d['discordant_problems'][seeds[0]]['n']} problems. "
+        f"Base model's held-out accuracy {d['base_heldout_accuracy']:.3f}. "
+        + "".join(
+            f"KL(gc || {k.rsplit('-seed', 1)[0]}) on seed {k.rsplit('-seed', 1)[1]}: {v:.3g}. "
+            for k, v in kl.items()
+            if not k.startswith(("hilore-seed", "base-seed"))
+        )
+        + f"hilore's per-step gradient error: mean "
+        f"{ge['mean']:.4f}, max {ge['max']:.4f} over {ge['steps_measured']} steps "
+        f"({ge['mean_over_steps_with_a_gradient']:.4f} "
+        f"over the {ge['steps_with_a_gradient']} with a nonzero gradient), lowest cosine {ge['cosine_min']:.5f}, "
+        f"{ge['fraction_L_mean']:.0%} of unit actions L.",
+    ]
+    for run, ex in d.get("exact_check", {}).items():
+        out.append(f"`{run}` against gc: {ex['steps_compared']} steps compared, identical: {ex['identical']}.")
+    out.append("Aims: " + "; ".join(f"{k}: {v}" for k, v in d.get("aims", {}).items()) + ".")
+    finished = d.get("finished_runs", [])
+    missing = [r for r in finished if not (p.parent / "runs" / f"{r}.metrics.jsonl").exists()]
+    if missing:
+        out.append(
+            f"Not recomputable here: the per-step metrics of {len(missing)} of {len(finished)} "
+            "runs (`runs/`) were not committed, so the gradient error, the rewards and the exact check above "
+            "stand only as the report recorded them; the held-out accuracy and KL figures recompute from "
+            "`eval/` and `kl/`. A re-run of the study commits `runs/`."
+        )
+    return "\n".join(out) + "\n"
+
+
+def diagnostics(results: Path, page: Page) -> str:
+    p = Path(results) / "fidelity" / "diagnostics-smollm2.json"
+    if not p.exists():
+        return ""
+    d = json.loads(p.read_text())
+    c = d["coefficients"]
+    aims, paper = page.diagnostics_aims, page.paper_psi
+    out = [
+        "## Risk diagnostics on SmolLM2 (`python -m benchmarks.diagnostics --model smollm2`)",
+        "",
+        f"Real rollouts, {d['calibration_microbatches']} calibration and {d['heldout_microbatches']} held-out "
+        f"microbatches of {d['tokens']} tokens, codec `{d['codec']}`; each predictor scored against the measured "
+        f"gradient error of putting one unit under L ({d['n_samples']} unit x held-out microbatch samples). "
+        f"{c['zero_pg_coefficient_fraction']:.1%} of response tokens have a zero policy-gradient coefficient; the "
+        f"top 10% of tokens carry {c['top10_omega_mass']:.1%} of |omega|.",
+        "",
+        "| predictor | Spearman | top-10% recall | AUROC (top 10%) |",
+        "|---|---|---|---|",
+    ]
+    for name, v in d["predictors"].items():
+        out.append(f"| {name} | {v['spearman']:.3f} | {v['top10_recall']:.3f} | {v['auroc_top10']:.3f} |")
+    out.append(
+        f"| paper (psi_u) | {paper['spearman']:.2f} | {paper['top10_recall']:.2f} | {paper['auroc_top10']:.2f} |"
+    )
+    psi = d["predictors"].get("psi")
+    if psi:
+        out += [
+            "",
+            f"psi_u against the aims: Spearman >= {aims['spearman']}: {psi['spearman'] >= aims['spearman']}; "
+            f"AUROC >= {aims['auroc_top10']}: {psi['auroc_top10'] >= aims['auroc_top10']}; top-10% recall "
+            f"{'at or above' if psi['top10_recall'] >= paper['top10_recall'] else 'below'} the paper's. "
+            f"Inputs: {d['inputs'].get('groups')} groups, clip fraction {d['inputs'].get('clip_frac_last_row')}; "
+            f"top 10% = the {round(d['n_samples'] * 0.1)} largest errors.",
+            "",
+            page.diagnostics_note,
+        ]
+    return "\n".join(out) + "\n"
+
+
+def knapsack(results: Path) -> str:
+    p = Path(results) / "knapsack.json"
+    if not p.exists():
+        return ""
+    d = json.loads(p.read_text())
+    return (
+        "## Knapsack solve time (`python -m benchmarks.bench.knapsack`)\n\n"
+        f"U = {d['units']} units on a {d['grid'][0]} x {d['grid'][1]} grid: median {d['median_ms']:.2f} ms "
+        f"(min {d['min_ms']:.2f}, max {d['max_ms']:.2f}) over {d['repeats']} solves on 2 CPU cores.\n"
+    )
+
+
+def demo(results: Path, runs: List[DemoRun]) -> str:
+    out: List[str] = [
+        "## The demo job (`bash scripts/demo.sh`)",
+        "",
+        "Five GRPO steps on SmolLM2-135M-Instruct + LoRA r16 (mode `hilore-hr`: gradients exact); "
+        "after each update gc and hilore are timed on the same microbatches (`gc s`, `hilore s`). "
+        "B = 1.10 x gc's peak in the named scope; peak/B is the update's highest microbatch.",
+        "",
+    ]
+    for run in runs:
+        name, title, commit, note = run.name, run.title, run.commit, run.note
+        p = Path(results) / f"{name}.metrics.jsonl"
+        if not p.exists():
+            continue
+        rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+        out += [
+            f"### {title}",
+            "",
+            f"From a fresh clone at commit {commit}, nothing else running. {note}",
+            "",
+            "| step | reward | accuracy | resp. len | loss | update s | peak / B | gc s | hilore s | speed |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            out.append(
+                f"| {r['step']} | {r['reward_mean']:.3f} | {r['accuracy']:.3f} | {r['response_length']:.1f} | "
+                f"{r['loss']:+.5f} | "
+                f"{r['update_seconds']:.2f} | {r['peak_over_budget_max']:.3f} | {r['compare_gc_seconds']:.2f} | "
+                f"{r['compare_hilore_seconds']:.2f} | x{r['compare_speedup_vs_gc']:.3f} |"
+            )
+        peaks = [x for r in rows for c in r.get("coordinator", {}).values() for x in c.get("peaks_over_budget", [])]
+        pred = [
+            p / q
+            for r in rows
+            for c in r.get("coordinator", {}).values()
+            for p, q in zip(c.get("peaks_over_budget", []), c.get("predicted_over_budget", []))
+            if q
+        ]
+        gc = sum(r["compare_gc_seconds"] for r in rows)
+        hl = sum(r["compare_hilore_seconds"] for r in rows)
+        out += [
+            "",
+            f"All steps: gc {gc:.1f} s, hilore {hl:.1f} s (x{gc / hl:.3f}); planning's highest pass "
+            f"{max(r.get('plan_peak_over_budget') or 0 for r in rows):.3f} B. "
+            + (
+                f"The {len(peaks)} microbatches peaked at {min(peaks):.3f}-{max(peaks):.3f} of B (median "
+                f"{statistics.median(peaks):.3f}; {sum(x > 1 for x in peaks)} over B), measured/predicted "
+                f"{min(pred):.2f}-{max(pred):.2f}. "
+                if peaks and pred
+                else ""
+            )
+            + f"Raw: `benchmarks/results/{name}.metrics.jsonl`"
+            f" and `.log`.",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def architectures(results: Path) -> str:
+    """``benchmarks/architectures.sh``: the benchmark's exactness check per architecture."""
+    files = sorted((Path(results) / "architectures").glob("*.json"))
+    if not files:
+        return ""
+    out = [
+        "## Architectures through the benchmark (`bash benchmarks/architectures.sh`)",
+        "",
+        "Per architecture: a tiny random config (`tests/arch_sweep.py`), then `python -m benchmarks.bench --workload "
+        "cpu-small --model-config <config.json> --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1`; "
+        "gradient error relative to no-gc on one update of 2 microbatches of 1024 tokens (random weights: L's error "
+        "shows that L acts, not its cost on a real model). The sweep over every architecture: "
+        "[`docs/architectures.md`](../docs/architectures.md). *stale*: a JSON that does not record its config "
+        "(`workload.model.model_type`) was measured before the sweep built configs through the config class and "
+        "before the chunked head was checked to be the model's own logits (soft-capped, scaled and prediction-head "
+        "logits now use the model's); its figures may differ from a re-run's. Peaks (in the JSON, not here) are by the "
+        "profiler's allocation log, or by live tensor storages where the CPU meter column says `storage` (state-space "
+        "models, whose reference scans made the profiler's log too large: `runtime/storage_meter.py`).",
+        "",
+        "| architecture | gc | all-H | all-R | all-L | CPU meter | commit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in files:
+        d = json.loads(f.read_text())
+        err = {r["method"]: r.get("grad_rel_err_mean") for r in d["records"]}
+        cell = lambda m: "-" if err.get(m) is None else ("0 (exact)" if err[m] == 0 else f"{err[m]:.4f}")  # noqa: E731
+        stale = "" if d["workload"].get("model", {}).get("model_type") else " *stale*"
+        out.append(
+            f"| `{f.stem}`{stale} | {cell('gc')} | {cell('all-h')} | {cell('all-r')} | {cell('all-l')} | "
+            f"{d.get('cpu_meter') or 'profiler'} | {d['git_commit'][:7]} |"
+        )
+    return "\n".join(out) + "\n"

@@ -1,2 +1,0 @@
-"""``python -m hilore_actor.bench``: the memory-throughput-fidelity frontier, every method on
-the same replayed GRPO microbatches, interleaved."""
