@@ -228,14 +228,14 @@ def test_the_online_choice_keeps_h_regions_and_fits_the_rest_into_what_they_leav
     force over their H/R choices picks."""
     import itertools
 
-    from hilore_actor.allocation import HiLoRe, Runner
+    from hilore_actor.allocation import Planner, Runner
     from hilore_actor.allocation.profiling import UnitCosts
 
     print("seed", fresh_seed)
     gen = torch.Generator().manual_seed(fresh_seed)
     model, engine = regions_tiny(fresh_seed, layers=3)
     names = engine.unit_names
-    hl = HiLoRe(Runner(model, engine), 10**12, None, mode="hilore-hr", loo=False, log=lambda *a: None)
+    hl = Planner(Runner(model, engine), 10**12, None, Planner.Config(mode="hilore-hr", loo=False), log=lambda *a: None)
     dm = {n: int(torch.randint(1000, 5000, (1,), generator=gen)) for n in names}
     dtau = {n: float(torch.rand(1, generator=gen)) for n in names}
     costs = UnitCosts("t", 1.0, 0, dtau={n: {"H": dtau[n]} for n in names}, dm={n: {"H": dm[n]} for n in names})

@@ -1,10 +1,11 @@
 """The recovery engine: graph-valid units whose saved activations are stored (H), compressed
-(L) or recomputed (R). Imports torch only."""
+(L) or recomputed (R). Imports torch only; ``engine.py``'s docstring is the map."""
 
 from .codecs import CODECS, Codec, get_codec, reconstruction_error, register
 from .engine import RecoveryEngine, Step
+from .labels import ACTIONS, ALLOWED, PLANS
 from .policies import BASELINES, ENGINE_POLICIES, apply_baseline
-from .state import ACTIONS, ALLOWED, PLANS
+from .state import storage_key
 from .units import discover_units
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "get_codec",
     "reconstruction_error",
     "register",
+    "storage_key",
 ]

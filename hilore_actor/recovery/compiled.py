@@ -16,7 +16,7 @@ norms, the attention, the MLP) by ``torch.compile`` of it, in place (regional co
   costs like H and the planner, which measures bytes per option, does not take it. MLP units
   compress as in eager.
 - L, layout: the compiled backward asserts each saved tensor's strides; a decoded copy is
-  contiguous, so a strided one is copied back into its strides (``saved.unpack``; a tensor
+  contiguous, so a strided one is copied back into its strides (``hooks.unpack``; a tensor
   whose elements overlap, e.g. expanded, stays exact).
 - P keeps what the selective-checkpoint mode sees: inductor's fallback kernels (SDPA's) but
   no fused op; P on an MLP unit keeps nothing and costs like R (measured, like every option).
@@ -61,7 +61,8 @@ from typing import Dict, Optional, Set
 
 import torch
 
-from .state import H, R, active_step, region_kind
+from .hooks import active_step
+from .labels import H, R, region_kind
 
 MARK = "_hilore_compiled"
 REGION = "_hilore_region"  # a decoder layer's dispatching forward (its compiled region's owner)
@@ -102,7 +103,7 @@ def compile_units(engine, activation_budget: float = 1.0, layer_regions: bool = 
     if layer_regions:
         own = engine.own_hooks()
         for layer in engine.layer_specs:
-            if REGION in layer.module.__dict__:
+            if has_region(layer.module):
                 continue
             foreign = _foreign_hooks(layer.module, own)
             if foreign or "forward" in vars(layer.module):
@@ -116,7 +117,7 @@ def compile_units(engine, activation_budget: float = 1.0, layer_regions: bool = 
                 continue
             _install_region(layer.module, activation_budget, options)
             n += 1
-    engine.region_layers = {id(layer.module) for layer in engine.layer_specs if REGION in layer.module.__dict__}
+    engine.region_layers = {id(layer.module) for layer in engine.layer_specs if has_region(layer.module)}
     return n
 
 
@@ -126,7 +127,7 @@ def uncompile_units(engine) -> None:
         if getattr(m.__dict__.get("forward"), MARK, False):
             del m.forward
     for layer in engine.layer_specs:
-        if REGION in layer.module.__dict__:
+        if has_region(layer.module):
             del layer.module.forward
             del layer.module.__dict__[REGION]
     engine.compiled, engine.region_layers = False, set()
@@ -141,6 +142,11 @@ def region_units(engine, plan: Dict[str, str]) -> Set[str]:
         if id(layer.module) in engine.region_layers and region_kind(plan.get(n) for n in names) == H:
             out.update(names)
     return out
+
+
+def has_region(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` has a compiled layer region (its forward dispatches to it)."""
+    return REGION in vars(layer)
 
 
 def _foreign_hooks(layer: torch.nn.Module, own: Dict[int, set]) -> Optional[str]:
@@ -200,11 +206,11 @@ def _install_region(mod: torch.nn.Module, activation_budget: float, options) -> 
                 return eager(*args, **kwargs)  # a mixed layer: its units' own regions, under the engine
             if kind == R:
                 return checkpoint(region, *args, use_reentrant=False, **kwargs)
-            st.in_region = True  # pack: masks shared between layers, the rest untouched
+            st.frame.in_region = True  # pack: masks shared between layers, the rest untouched
             try:
                 return region(*args, **kwargs)
             finally:
-                st.in_region = False
+                st.frame.in_region = False
         if (
             getattr(mod, "gradient_checkpointing", False) and mod.training and torch.is_grad_enabled()
         ):  # HF's or policies

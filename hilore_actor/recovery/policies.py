@@ -1,8 +1,8 @@
 """Named policies and how they map to pre-forward plans and post-forward actions.
 
 ``no-gc`` (store everything, no engine) and ``gc`` (HF decoder-layer checkpointing, what
-OpenRLHF runs; torch's per layer where HF has none) are baselines applied to the model itself; ``all-h``, ``all-l``, ``all-r`` and
-explicit maps run through the engine.
+OpenRLHF runs; torch's per layer where HF has none) are baselines applied to the model itself;
+``all-h``, ``all-l``, ``all-r`` and explicit maps run through the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Tuple, Union
 
-from .state import (
+from .labels import (
     ACTIONS,
     CHECKPOINT,
     COMPRESSED,
@@ -23,6 +23,7 @@ from .state import (
     P,
     R,
     action_for_plan,
+    check_labels,
     plan_for_label,
     split_label,
 )
@@ -52,7 +53,8 @@ def resolve_plan(
     if isinstance(plan, str):
         if plan in BASELINES:
             raise ValueError(
-                f"{plan!r} is a baseline applied to the model (see hilore_actor.recovery.apply_baseline), not an engine policy"
+                f"{plan!r} is a baseline applied to the model (see hilore_actor.recovery.apply_baseline), "
+                "not an engine policy"
             )
         if plan not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {plan!r}; engine policies: {sorted(ENGINE_POLICIES)}")
@@ -61,7 +63,7 @@ def resolve_plan(
     _check_names(plan, unit_names)
     values = set(plan.values())
     bases = {split_label(v)[0] for v in values}
-    _check_codecs(values)
+    check_labels(values)
     if bases <= set(PLANS):
         return {n: plan.get(n, EXACT) for n in unit_names}, None
     if bases <= set(ACTIONS):
@@ -70,33 +72,6 @@ def resolve_plan(
         f"a plan maps units to one of {PLANS} (or actions {ACTIONS}; L and compressed may name a codec, "
         f"e.g. L:bf16), got {sorted(values)}"
     )
-
-
-def _check_codecs(labels) -> None:
-    from .codecs import CODECS
-    from .rules import PARTIAL_LEVELS
-    from .state import row_share
-
-    for label in labels:
-        try:
-            share = row_share(label)
-        except ValueError:
-            raise ValueError(f"{label!r}: a row share after '@' is a number in [0, 1]") from None
-        if share is not None and (split_label(label)[0] not in (L, COMPRESSED) or not 0.0 <= share <= 1.0):
-            raise ValueError(f"{label!r}: only L and compressed keep a share in [0, 1] of token rows exact")
-    named = [(b, c) for b, c in map(split_label, labels) if c is not None]
-    levels = sorted({f"{b}:{c}" for b, c in named if b in (P, PARTIAL) and c not in PARTIAL_LEVELS})
-    if levels:
-        raise ValueError(
-            f"unknown P level in {levels}; P and partial may name {sorted(k for k in PARTIAL_LEVELS if k)}"
-        )
-    named = [(b, c) for b, c in named if b not in (P, PARTIAL)]
-    misplaced = sorted({f"{b}:{c}" for b, c in named if b not in (L, COMPRESSED)})
-    if misplaced:
-        raise ValueError(f"only L and compressed name a codec (and P and partial a level), got {misplaced}")
-    bad = sorted({c for _, c in named if c not in CODECS})
-    if bad:
-        raise ValueError(f"unknown codec(s) {bad} in a plan or actions; available: {sorted(CODECS)}")
 
 
 def resolve_actions(actions: Union[str, Dict[str, str], None], plans: Dict[str, str]) -> Dict[str, str]:
@@ -111,7 +86,7 @@ def resolve_actions(actions: Union[str, Dict[str, str], None], plans: Dict[str, 
     bad = {a for a in actions.values() if split_label(a)[0] not in ACTIONS}
     if bad:
         raise ValueError(f"actions must be one of {ACTIONS} (L may name a codec, e.g. L:bf16), got {sorted(bad)}")
-    _check_codecs(actions.values())
+    check_labels(actions.values())
     return {n: actions.get(n, action_for_plan(p)) for n, p in plans.items()}
 
 
@@ -148,10 +123,10 @@ def _checkpoint_layers(model, on: bool) -> None:
     found = find_decoder_layers(model)
     if found is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to checkpoint")
-    from .compiled import REGION
+    from .compiled import has_region
 
     for layer in found[1]:
-        if REGION in vars(layer):  # a compiled layer region: its forward checkpoints the region itself
+        if has_region(layer):  # a compiled layer region: its forward checkpoints the region itself
             layer.gradient_checkpointing = on
             layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
         elif on and "forward" not in vars(layer):

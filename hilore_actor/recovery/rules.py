@@ -3,7 +3,7 @@ unit (P) keeps at each P level (``partial_saves``).
 
 L compresses a unit's saved tensors, except the kinds below. Measured per kind on SmolLM2-135M
 with its real weights (``benchmarks/results/codecs-smollm2.md``, kinds as in
-``bench/saved_kinds.py``; relative error of one update's gradient when only that kind is
+``benchmarks/bench/saved_kinds.py``; relative error of one update's gradient when only that kind is
 compressed in every layer): the rotated queries alone move it by 1.3% in bf16 and 7.3% in
 int8, the keys by 1.3% / 7.0%, the softmax log-sum-exp by 1.5% / 3.3%, while the
 projections' inputs stay at or below 0.13% in int8. Errors in queries and keys shift the

@@ -1,8 +1,8 @@
 """One microbatch under the recovery engine: plans in, actions set, memory and timings out.
 
-``Step`` owns the per-step state (``state.py``) and the decisions: compressing for L,
-dropping for R, and accounting. The hooks that fill and drain it are ``saved.py``; the
-recording and replay of units is ``engine.py``.
+``Step`` owns the step's records (``state.py``) and the decisions: compressing for L,
+dropping for R, and accounting. For its block it opens the engine's ``Frame`` and installs the
+saved-tensor hooks (``hooks.py``) that fill and drain the records.
 """
 
 from __future__ import annotations
@@ -15,34 +15,52 @@ from typing import Dict, Optional, Set, Union
 import torch
 
 from .codecs import RowSplit, decode, get_codec, has_rows
-from .rules import exact_reason
-from .saved import pack, unpack
-from .state import (
+from .hooks import pack, set_active_step, unpack
+from .labels import (
     ALLOWED,
     CHECKPOINT,
     COMPRESSED,
     EXACT,
+    RECOMPUTED,
     H,
     L,
     R,
-    RECOMPUTED,
-    LayerState,
-    Replay,
-    UnitState,
     allows,
     partial_level,
     region_kind,
     row_share,
-    set_active_step,
     split_label,
-    storage_key,
-    unit_bytes,
 )
+from .rules import exact_reason
+from .state import Choice, LayerState, Replay, UnitState, storage_key, unit_bytes
 
 
 class Step:
-    """One microbatch under the engine: ``with engine.step(...) as step:`` forward, loss,
-    ``step.set_actions(...)``, ``loss.backward()`` (backward must run inside the block)."""
+    """One microbatch under the engine: its records, and the saved-tensor hooks that fill them
+    while its block is open (backward must run inside the block). Made by ``engine.step``.
+
+    Args:
+        engine: the ``RecoveryEngine`` this step runs under; its ``Frame`` is this step's while open.
+        plans: unit -> plan label (``labels.py``), fixed before forward.
+        actions: a policy name or unit -> action label, applied before backward unless
+            ``set_actions`` chooses them after forward; None: each plan's default action.
+        track_error: measure each L unit's reconstruction error (one extra decode per payload).
+        track_tokens: per-token input norms per unit (exposure weights, Eq. 7).
+        profile: per-unit recompute and encode/decode seconds (utility, Eq. 9).
+        token_scores: a pre-forward weight per token (``[B, T]`` or shorter; e.g. |advantage| on
+            response tokens) that token L multiplies with each row's norm to choose its exact
+            rows; None: the norms alone.
+        regions: a layer with a compiled layer region (``compiled.py``) whose units are all
+            planned exact (then H only) or all checkpoint runs as that one region.
+
+    Example::
+
+        with engine.step({"model.layers.0.mlp": "exact"}) as step:
+            loss = model(ids).logits.sum()
+            step.set_actions({"model.layers.0.mlp": "L:bf16"})  # compresses now
+            loss.backward()
+        step.bytes_by_unit(), step.reconstruction_errors()
+    """
 
     def __init__(
         self,
@@ -55,16 +73,12 @@ class Step:
         token_scores: Optional[torch.Tensor] = None,
         regions: bool = False,
     ):
-        """``token_scores``: a pre-forward weight per token (``[B, T]`` or shorter; e.g. |advantage|
-        on response tokens) that token L multiplies with each row's norm to choose its exact rows;
-        None: the norms alone. ``engine``: the ``RecoveryEngine`` this step runs under.
-        ``regions``: a layer with a compiled layer region (``compiled.py``) whose units are all
-        planned exact (then H only) or all checkpoint runs as that one region."""
         self.engine = engine
+        self.frame = engine.frame  # where the engine is; open while this step's block runs
         self.token_scores = token_scores
         self.track_error = track_error
-        self.track_tokens = track_tokens  # per-token input norms per unit (exposure weights, Eq. 7)
-        self.profile = profile  # per-unit recompute and encode/decode seconds (utility, Eq. 9)
+        self.track_tokens = track_tokens
+        self.profile = profile
         self._device = next((p.device for p in engine.model.parameters()), torch.device("cpu"))
         self.plans = plans  # labels: a compressed plan may name its codec ("compressed:bf16")
         self._pending_actions = actions
@@ -74,10 +88,12 @@ class Step:
                 [
                     UnitState(
                         u,
-                        plan=split_label(plans[u.name])[0],
-                        codec=self._codec(plans[u.name]),
-                        row_share=row_share(plans[u.name]),
-                        partial_level=partial_level(plans[u.name]),
+                        Choice(
+                            plan=split_label(plans[u.name])[0],
+                            codec=self._codec(plans[u.name]),
+                            row_share=row_share(plans[u.name]),
+                            partial_level=partial_level(plans[u.name]),
+                        ),
                     )
                     for u in spec.units
                 ],
@@ -85,22 +101,16 @@ class Step:
             for spec in engine.layer_specs
         ]
         self.units = [u for ls in self.layers for u in ls.units]
-        bad = [u.name for u in self.units if u.row_share is not None and not u.spec.token_wise]
+        bad = [u.name for u in self.units if u.choice.row_share is not None and not u.spec.token_wise]
         if bad:
             raise ValueError(f"token L (a row share, '@') is for token-wise units (MLP) only, not {bad[:3]}")
         self.layer_of = {u.name: ls for ls in self.layers for u in ls.units}
-        self.layer_joint_plan = [all(u.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
+        self.layer_joint_plan = [all(u.choice.plan == CHECKPOINT for u in ls.units) for ls in self.layers]
         with_regions = getattr(engine, "region_layers", set()) if regions and not profile else set()
-        self.region = {
-            id(ls.spec.module): region_kind(u.plan for u in ls.units) if id(ls.spec.module) in with_regions else None
-            for ls in self.layers
-        }  # layer module -> H | R (one compiled region) | None
-        self.in_region = False  # an H region runs now (saved.pack)
-        self.mode = "forward"
-        self.current: Optional[UnitState] = None
-        self.capture: Optional[UnitState] = None
-        self.targets: set = set()
-        self.cached: Optional[UnitState] = None  # replay: the P unit whose cached mode is on now
+        self.region = {}  # id of a layer module -> H | R (one compiled region) | None
+        for ls in self.layers:
+            key = id(ls.spec.module)
+            self.region[key] = region_kind(u.choice.plan for u in ls.units) if key in with_regions else None
         self.actions_set = False
         self._compressed: Dict[tuple, tuple] = {}
         self._masks: Dict[tuple, torch.Tensor] = {}
@@ -111,11 +121,9 @@ class Step:
         """Token L: mark the unit's exact rows from its input ``x`` (``[.., rows, hidden]``) as
         the unit starts: the ``row_share`` of rows with the largest ``norm x score`` (Eq. 7's
         terms with the pre-forward score for |omega|); rows scored 0 stay compressed."""
-        norms = (
-            unit.token_norms
-            if unit.token_norms is not None
-            else torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
-        )
+        norms = unit.stats.token_norms
+        if norms is None:
+            norms = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32)
         weight = norms.reshape(-1)
         if self.token_scores is not None:
             s = self.token_scores.detach().float().to(weight.device)
@@ -126,16 +134,16 @@ class Step:
                 )
             s = torch.nn.functional.pad(s, (0, x.shape[-2] - s.shape[-1]))  # the last position predicts nothing
             weight = weight * s.reshape(-1)
-        k = min(round(unit.row_share * weight.numel()), int((weight > 0).sum()))  # the one device sync
+        k = min(round(unit.choice.row_share * weight.numel()), int((weight > 0).sum()))  # the one device sync
         order = torch.argsort(weight, descending=True, stable=True)
-        unit.row_index = (order[:k], order[k:])
+        unit.saved.row_index = (order[:k], order[k:])
 
     def kept_rows(self) -> Dict[str, torch.Tensor]:
         """Token L: each such unit's exact rows (bool per token row), for the rest's exposure."""
         out = {}
         for u in self.units:
-            if u.row_index is not None:
-                kept, rest = u.row_index
+            if u.saved.row_index is not None:
+                kept, rest = u.saved.row_index
                 out[u.name] = torch.zeros(kept.numel() + rest.numel(), dtype=torch.bool, device=kept.device)
                 out[u.name][kept] = True
         return out
@@ -146,7 +154,7 @@ class Step:
         return get_codec(name) if name and base in (L, COMPRESSED) else self.engine.codec
 
     def __enter__(self) -> "Step":
-        if self.engine._step is not None:
+        if self.frame.step is not None:
             raise RuntimeError("hilore: an engine step is already active; steps do not nest")
         # FSDP2 parameters are DTensors between forwards: their local shard has the storage.
         # ZeRO-3's (``ds_id``) are left out: a weight still gathered now is released during the
@@ -157,10 +165,7 @@ class Step:
             for p in self.engine.model.parameters()
             if p.numel() > 0 and not hasattr(p, "ds_id")
         }
-        self.engine._core_depth = self.engine._child_depth = self.engine._sign_depth = (
-            0  # a failed forward may have left them set
-        )
-        self.engine._step = self
+        self.frame.open(self)
         self._outer = set_active_step(self)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(partial(pack, self), partial(unpack, self))
         self._hooks_ctx.__enter__()
@@ -168,15 +173,10 @@ class Step:
 
     def __exit__(self, *exc) -> None:
         self._hooks_ctx.__exit__(*exc)
-        self.engine._step = None
+        self.frame.close()
         set_active_step(self._outer)
-        self.in_region = False
         for u in self.units:  # release whatever backward did not consume
-            u.entries.clear()
-            u.row_index = None
-            u.recomputed.clear()
-            u.replay = Replay()
-            u.sac = None
+            u.release()
         for ls in self.layers:
             ls.replay = Replay()
         self._masks.clear()
@@ -217,12 +217,9 @@ class Step:
         # that each projection's matmul makes of one input (q/k/v, gate/up) share one payload.
         # A weak reference to the base proves it is still the same live tensor (addresses and
         # ids are reused once a tensor is freed).
-        codec = unit.codec or self.engine.codec
-        keep = (
-            unit.row_index
-            if unit.row_index is not None and has_rows(t, sum(i.numel() for i in unit.row_index))
-            else None
-        )
+        codec = unit.choice.codec or self.engine.codec
+        rows = unit.saved.row_index
+        keep = rows if rows is not None and has_rows(t, sum(i.numel() for i in rows)) else None
         base = t._base if t._base is not None else t
         key = (id(base), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, codec.name, id(keep))
         hit = self._compressed.get(key)
@@ -231,19 +228,19 @@ class Step:
         t0 = self.clock() if self.profile else 0.0
         p = codec.encode(t, keep_sign) if keep is None else RowSplit.encode(codec, t, *keep, keep_sign)
         if self.profile:
-            unit.codec_seconds += self.clock() - t0
+            unit.stats.codec_seconds += self.clock() - t0
         # masks with -inf (SDPA's additive mask) or NaNs cannot be scaled: keep them exact
         out = p if p.finite() else self.canonical(t)
         self._compressed[key] = (weakref.ref(base), out)
         if self.track_error and out is p:
             x = t.detach().float()
-            unit.err_sq += float((decode(codec, p).float() - x).pow(2).sum())
-            unit.norm_sq += float(x.pow(2).sum())
+            unit.stats.err_sq += float((decode(codec, p).float() - x).pow(2).sum())
+            unit.stats.norm_sq += float(x.pow(2).sum())
         return out
 
     def reconstruction_errors(self) -> Dict[str, float]:
         """``||z^ - z|| / (||z|| + eps)`` over each compressed unit's bundle (section 4's e_u)."""
-        return {u.name: u.err_sq**0.5 / (u.norm_sq**0.5 + 1e-12) for u in self.units if u.norm_sq > 0}
+        return {u.name: u.stats.err_sq**0.5 / (u.stats.norm_sq**0.5 + 1e-12) for u in self.units if u.stats.norm_sq > 0}
 
     def set_actions(self, actions: Union[str, Dict[str, str], None] = None) -> None:
         """Choose H/L/R per unit after forward (a policy name or ``{unit: action}``; units not
@@ -258,7 +255,7 @@ class Step:
             if not allows(self.plans[u.name], label):
                 raise ValueError(
                     f"{u.name}: action {label} is not available for a {self.plans[u.name]!r} bundle "
-                    f"(allowed: {ALLOWED[u.plan]}; a compressed copy keeps the codec it was made with)"
+                    f"(allowed: {ALLOWED[u.choice.plan]}; a compressed copy keeps the codec it was made with)"
                 )
             a = split_label(label)[0]
             if a != H and self.region[id(self.layer_of[u.name].spec.module)] == H:
@@ -267,25 +264,26 @@ class Step:
                     f"engine.step(regions=True)) and keeps its units H, not {label}; choose actions "
                     "that keep compiled.region_units H, or run the step without regions"
                 )
-            u.action, u.label = a, label
+            u.choice.action, u.choice.label = a, label
+            s = u.saved
             if a == R:
-                u.entries.clear()
-                u.sac = None  # a partial unit sent to R drops its kept op outputs
-            elif a == L and u.plan == EXACT:
-                u.codec = self._codec(label)
-                for idx, v in list(u.entries.items()):
-                    if isinstance(v, torch.Tensor) and idx not in u.external and idx not in u.kept:
-                        u.entries[idx] = self.compress(v, u, keep_sign=idx in u.signed)
+                s.entries.clear()
+                s.sac = None  # a partial unit sent to R drops its kept op outputs
+            elif a == L and u.choice.plan == EXACT:
+                u.choice.codec = self._codec(label)
+                for idx, v in list(s.entries.items()):
+                    if isinstance(v, torch.Tensor) and idx not in s.external and idx not in s.kept:
+                        s.entries[idx] = self.compress(v, u, keep_sign=idx in s.signed)
         for ls in self.layers:
-            ls.joint = all(u.action in RECOMPUTED for u in ls.units)  # P units too, under their cached modes
+            ls.joint = all(u.choice.action in RECOMPUTED for u in ls.units)  # P units too, under their cached modes
             if ls.joint:
                 for u in ls.units:
-                    u.replay = Replay()  # the layer replay rebuilds every unit: drop their own inputs
+                    u.rebuild.replay = Replay()  # the layer replay rebuilds every unit: drop their own inputs
             else:
                 ls.replay = Replay()
                 for u in ls.units:
-                    if u.action not in RECOMPUTED:
-                        u.replay = Replay()
+                    if u.choice.action not in RECOMPUTED:
+                        u.rebuild.replay = Replay()
         self._compressed.clear()
         self.actions_set = True
 
@@ -298,17 +296,17 @@ class Step:
     def unit_seconds(self) -> Dict[str, Dict[str, float]]:
         """Measured per unit (``profile=True``): ``recompute`` (forward replay in backward) and
         ``codec`` (L encode + decode) seconds."""
-        return {u.name: {"recompute": u.replay_seconds, "codec": u.codec_seconds} for u in self.units}
+        return {u.name: {"recompute": u.stats.replay_seconds, "codec": u.stats.codec_seconds} for u in self.units}
 
     def saved_counts(self) -> Dict[str, int]:
         """How many tensors each unit saved in forward: the structure of its bundle (attention
         saves a mask only for a packed microbatch of several sequences, for instance)."""
-        return {u.name: u.n_saved for u in self.units}
+        return {u.name: u.saved.count for u in self.units}
 
     def token_norms(self) -> Dict[str, torch.Tensor]:
         """Per-token L2 norm of each unit's input hidden state (``track_tokens=True``), for the
         units whose plan admits L (a ``checkpoint`` unit can only be R: no exposure needed)."""
-        return {u.name: u.token_norms for u in self.units if u.token_norms is not None}
+        return {u.name: u.stats.token_norms for u in self.units if u.stats.token_norms is not None}
 
     def ensure_actions(self) -> None:
         if not self.actions_set:
@@ -322,7 +320,7 @@ class Step:
 
     def actions(self, labels: bool = False) -> Dict[str, str]:
         """H/L/R per unit; ``labels``: as chosen, L with its codec when one was named (``L:bf16``)."""
-        return {u.name: (u.label if labels else u.action) for u in self.units}
+        return {u.name: (u.choice.label if labels else u.choice.action) for u in self.units}
 
 
 def _one_head(t: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ Post-norm layers (OLMo 2: attention, then its norm) and sandwich norms (Gemma 3:
 and after each block) put each norm in the unit of the block it belongs to. A layer whose
 attention and MLP share one residual add (GPT-J, GPT-NeoX, Cohere) is one unit (kind
 ``block``). A unit with a sequence mixer that is not softmax attention (linear attention, state
-space, convolution: hybrid models) is kind ``mixer``. An MLP unit whose block routes tokens to experts is kind ``moe``: its saved tensors
-are gathered expert rows, not token rows, so token L is not offered on it.
+space, convolution: hybrid models) is kind ``mixer``. An MLP unit whose block routes tokens to
+experts is kind ``moe``: its saved tensors are gathered expert rows, not token rows, so token L
+is not offered on it.
 
 A unit's bundle is every tensor autograd saves while its modules run. When a model cannot be
 traced (no HF config), the attribute-name table below finds the two Llama-family units; a layer
@@ -72,7 +73,7 @@ class UnitSpec:
     @property
     def token_wise(self) -> bool:
         """Each token's output depends on that token alone (norm + MLP): its saved tensors are
-        token rows, so token L may keep some rows exact (``state.ROWS``)."""
+        token rows, so token L may keep some rows exact (``labels.ROWS``)."""
         return self.kind == "mlp"
 
 
@@ -257,8 +258,9 @@ def discover_units(model: nn.Module) -> List[LayerSpec]:
         specs.append(LayerSpec(i, name, layer, units))
     if fallback:
         warnings.warn(
-            f"hilore: {type(inner).__name__} decoder layers {fallback[:8]} ({type(layers[fallback[0]]).__name__}) cannot "
-            "be cut at their residual adds; falling back to whole-layer units (plain decoder-layer checkpointing)",
+            f"hilore: {type(inner).__name__} decoder layers {fallback[:8]} ({type(layers[fallback[0]]).__name__}) "
+            "cannot be cut at their residual adds; falling back to whole-layer units "
+            "(plain decoder-layer checkpointing)",
             stacklevel=2,
         )
     return specs
