@@ -214,7 +214,7 @@ def test_one_preparation_serves_loss_and_coefficients():
     """``microbatch_loss`` validates its inputs once; loss, stats and omega equal the separate
     ``policy_loss`` and ``token_coefficients`` calls bitwise."""
     from hilore_actor.grpo.coefficients import coefficients_from
-    from hilore_actor.grpo.inputs import prepare_loss_inputs
+    from hilore_actor.grpo.inputs import prepare
     from hilore_actor.grpo.loss import loss_from
 
     seed = torch.seed() % 2**31
@@ -230,9 +230,14 @@ def test_one_preparation_serves_loss_and_coefficients():
     opts = dict(
         clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="k3", loss_agg_mode="seq-mean-token-mean"
     )
-    inp = prepare_loss_inputs(logp, old, adv, mask, ref, **opts)
+    inp = prepare(logp, old, adv, mask, ref, **opts)
     loss, stats = loss_from(inp)
     ref_loss, ref_stats = policy_loss(logp, old, adv, mask, ref, **opts)
     assert torch.equal(loss, ref_loss) and all(torch.equal(stats[k], ref_stats[k]) for k in ref_stats)
     assert torch.equal(coefficients_from(inp), token_coefficients(logp, old, adv, mask, ref, **opts))
     assert loss.requires_grad and not coefficients_from(inp).requires_grad
+    from hilore_actor.grpo import LossConfig  # one options object, or its fields as keywords: the same
+
+    cfg = LossConfig(**opts)
+    assert torch.equal(policy_loss(logp, old, adv, mask, ref, cfg)[0], ref_loss)
+    assert torch.equal(token_coefficients(logp, old, adv, mask, ref, cfg, kl_coef=0.05), coefficients_from(inp))

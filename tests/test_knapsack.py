@@ -95,11 +95,11 @@ def test_item_without_free_option_is_refused():
 
 @pytest.mark.parametrize("trial", range(12))
 def test_dp_matches_brute_force_with_partial_and_token_l_options(trial):
-    """The options HiLoRe builds per unit with P and token L offered (``HiLoRe.options``: R,
+    """The options the planner builds per unit with P and token L offered (``Planner.options``: R,
     H, P, two L levels, and per MLP unit each L level at two row shares, whose bytes and risk
-    come from ``profiling.option_cost`` and ``HiLoRe.risks``): the knapsack's choice equals
+    come from ``profiling.option_cost`` and ``Planner.risks``): the knapsack's choice equals
     brute force on the same grid; a unit planned ``compressed@f`` is offered only R and L@f."""
-    from hilore_actor.allocation import HiLoRe, Runner
+    from hilore_actor.allocation import Planner, Runner
     from hilore_actor.allocation.calibration import Calibration
     from hilore_actor.allocation.profiling import UnitCosts
     from hilore_actor.models import build_model, tiny_config
@@ -121,7 +121,7 @@ def test_dp_matches_brute_force_with_partial_and_token_l_options(trial):
         )
         for a, c in (("L", "int8-g64"), ("L:bf16", "bf16"))
     }
-    h = HiLoRe(runner, 10**9, cal, partial=True, token_rows=(0.1, 0.25), log=lambda *_: None)
+    h = Planner(runner, 10**9, cal, Planner.Config(partial=True, token_rows=(0.1, 0.25)), log=lambda *_: None)
     costs = UnitCosts("1x256", 1.0, 0)
     for n in names:
         hb = rng.uniform(10, 60)

@@ -71,7 +71,7 @@ def test_reports_the_error_of_the_update_under_the_plan(fresh_seed):
     assert abs(got["grad_cosine"] - cos) < 1e-9 and got["grad_cosine"] < 1.0
     assert torch.equal(torch.random.get_rng_state(), before)  # the update that follows draws the same numbers
     assert all(p.grad is None for p in model.parameters())  # nothing for the optimizer to pick up
-    assert plan.hl.entered == 1  # the online chooser's state is kept
+    assert plan.planner.entered == 1  # the online chooser's state is kept
 
 
 def test_an_exact_plan_reports_zero(fresh_seed):

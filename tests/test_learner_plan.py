@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hilore_actor.allocation import HiLoRe, Runner
+from hilore_actor.allocation import Planner, Runner
 from hilore_actor.grpo.microbatch import microbatch_loss
 from hilore_actor.learner.plan import plan_before_wrapping
 from hilore_actor.learner.settings import hilore_settings
@@ -89,7 +89,7 @@ def test_a_shorter_microbatch_gets_a_plan_sized_to_it(fresh_seed):
     assert sized is not plan.sp and sized.costs.tokens == 512 and plan.for_tokens(1017) is plan.sp
     as_planned = {n: ("H" if q == "exact" else "R") for n, q in plan.sp.plan.items()}
     as_sized = {n: ("H" if q == "exact" else "R") for n, q in sized.plan.items()}
-    gain, base = HiLoRe.saved_seconds(sized.costs, as_sized), HiLoRe.saved_seconds(sized.costs, as_planned)
+    gain, base = Planner.saved_seconds(sized.costs, as_sized), Planner.saved_seconds(sized.costs, as_planned)
     print(
         f"stored units {sum(a == 'H' for a in as_planned.values())} -> {sum(a == 'H' for a in as_sized.values())}; "
         f"saved {base:.4f}s -> {gain:.4f}s by the scaled costs"
@@ -107,7 +107,7 @@ def test_measured_peaks_size_the_next_plans_towards_fill_within_b(fresh_seed):
     against their predictions, later plans are sized to fill x B; the peaks rise and stay
     within B, and each prediction times the observed ratio is at most fill x B."""
     from hilore_actor.learner.coordinator import BudgetCoordinator
-    from hilore_actor.learner.step import MicrobatchRecord, report
+    from hilore_actor.learner.microbatch_run import MicrobatchRecord, report
 
     print("seed", fresh_seed)
     model = _model(fresh_seed)
@@ -177,7 +177,7 @@ def test_budget_counts_the_resident_bytes_in_the_device_scope(fresh_seed, scope)
         log=lambda *_: None,
     )
     resident = estimate_resident(model, world=1, zero_stage=0) if scope == "device" else 0
-    assert plan.offset == resident and plan.budget == int(1.10 * (plan.info["gc_peak_bytes"] + resident))
+    assert plan.resident_bytes == resident and plan.budget == int(1.10 * (plan.info["gc_peak_bytes"] + resident))
 
 
 def _calibrate_rank(rank, world, port, seed, out_dir):

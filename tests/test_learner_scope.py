@@ -4,8 +4,8 @@ resident bytes, ``auto`` on CPU, and a plan rebased on measured resident bytes."
 import pytest
 import torch
 
-from hilore_actor.bench.scope import grad_bytes, make_optimizer, resident_bytes
-from hilore_actor.learner.plan import RankPlan
+from benchmarks.bench.scope import grad_bytes, make_optimizer, resident_bytes
+from hilore_actor.learner.plan import RankPlanner
 from hilore_actor.learner.scope import CPU_AUTO_RATIO, auto_budget, estimate_resident, resident_now
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 
@@ -35,15 +35,16 @@ def test_estimate_and_measure_match_adamw_state(fresh_seed, lora):
 def test_auto_on_cpu_falls_back_to_a_ratio_and_rebase_follows_measured_bytes():
     assert auto_budget("cpu") is None and CPU_AUTO_RATIO > 1
     info = {"budget_scope": "device", "budget_spec": "1.10", "gc_peak_bytes": 1000, "resident_bytes": 500}
-    plan = RankPlan(int(1.1 * 1500), dict(info), log=lambda *_: None)
-    assert plan.offset == 500
-    assert plan.rebase(700) and plan.budget == int(1.1 * 1700) and plan.offset == 700
+    plan = RankPlanner(int(1.1 * 1500), dict(info), log=lambda *_: None)
+    assert plan.resident_bytes == 500
+    assert plan.rebase(700) and plan.budget == int(1.1 * 1700) and plan.resident_bytes == 700
     assert plan.info["resident_estimate_bytes"] == 500
-    fixed = RankPlan(4000, dict(info, budget_spec="4000"), log=lambda *_: None)
-    assert not fixed.rebase(900) and fixed.budget == 4000 and fixed.offset == 900
-    assert not fixed.rebase(100) and fixed.offset == 900  # never below the estimate: state may come at the first step
-    act = RankPlan(1100, dict(info, budget_scope="activations"), log=lambda *_: None)
-    assert act.offset == 0 and not act.rebase(900) and act.budget == 1100
+    fixed = RankPlanner(4000, dict(info, budget_spec="4000"), log=lambda *_: None)
+    assert not fixed.rebase(900) and fixed.budget == 4000 and fixed.resident_bytes == 900
+    # never below the estimate: optimizer state may come at the first step
+    assert not fixed.rebase(100) and fixed.resident_bytes == 900
+    act = RankPlanner(1100, dict(info, budget_scope="activations"), log=lambda *_: None)
+    assert act.resident_bytes == 0 and not act.rebase(900) and act.budget == 1100
 
 
 def test_auto_budget_in_both_scopes_on_cpu():

@@ -35,3 +35,24 @@ def test_bad_values_name_the_flag(raw, match):
 def test_unknown_setting_is_refused():
     with pytest.raises(ValueError, match="unknown HiLoRe settings"):
         hilore_settings(lo=False)
+
+
+def test_flags_come_from_the_config_dataclasses():
+    """Every --hilore.* flag is a field of ``Settings``; the planner's take their defaults and help
+    from ``Planner.Config`` (one default for each, e.g. profile repeats), and ``planner_config``
+    hands the flags' values back to the planner."""
+    from dataclasses import fields
+
+    from hilore_actor.allocation import Planner
+    from hilore_actor.learner.settings import HILORE_FLAGS, PLANNER_SETTINGS, Settings, planner_config
+
+    assert [name for name, *_ in HILORE_FLAGS] == ["hilore." + f.name for f in fields(Settings)]
+    config, meta = Planner.Config(), {f.name: f.metadata["help"] for f in fields(Planner.Config)}
+    assert {"mode", "delta", "profile_repeats", "loo", "token_rows"} <= set(PLANNER_SETTINGS)
+    for name, _, default, help_ in HILORE_FLAGS:
+        key = name[len("hilore.") :]
+        if key in PLANNER_SETTINGS:
+            assert help_ == meta[key] and (default == getattr(config, key) or key == "token_rows"), key
+    assert DEFAULTS["profile_repeats"] == config.profile_repeats == 2
+    got = planner_config(hilore_settings(token_rows="0.1,0.25", loo=False), mode="hilore-hr")
+    assert got == Planner.Config(mode="hilore-hr", token_rows=(0.1, 0.25), loo=False)

@@ -4,7 +4,7 @@ the peak the meter measures, and the coordinator's tighten reaching the plan."""
 import torch
 
 from hilore_actor.learner.coordinator import BudgetCoordinator
-from hilore_actor.learner.step import MicrobatchRecord, report, run_microbatch
+from hilore_actor.learner.microbatch_run import MicrobatchRecord, report, run_microbatch
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine
 from hilore_actor.runtime import MemoryMeter

@@ -340,7 +340,7 @@ def test_free_space_trapped_in_segments_counts_against_b(fake_cuda, reused):
     from types import SimpleNamespace as NS
 
     from hilore_actor.learner.coordinator import BudgetCoordinator
-    from hilore_actor.learner.step import report, run_microbatch
+    from hilore_actor.learner.microbatch_run import report, run_microbatch
 
     a, B = fake_cuda, 150 * MB
     a.alloc(100 * MB)  # weights and optimizer state

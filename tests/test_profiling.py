@@ -1,5 +1,5 @@
 """Unit costs within a budget: bytes measured on prefixes and scaled to the whole microbatch
-agree with bytes measured on the whole one, and no profiling pass peaks above the cap."""
+agree with bytes measured on the whole one, and no profiling pass peaks above the room."""
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ def test_prefix_probes_match_the_whole_microbatch(setup):
     whole = profile_units(runner, mb, repeats=1)
     assert runner.run(mb, "all-h", measure_peak=True).peak_bytes > budget  # all-H itself would not fit
     with runner.watching() as peaks:
-        capped = profile_units(runner, mb, repeats=1, cap=budget)
+        capped = profile_units(runner, mb, repeats=1, room=budget)
     print(
         f"probes {capped.probe_tokens}; bytes off a line by {capped.bytes_linear_error:.4f}; "
         f"peaks/B {[round(p / budget, 3) for p in peaks]}"
@@ -60,7 +60,7 @@ def test_partial_costs_and_a_plan_that_takes_p(setup):
     H bytes, the knapsack takes a partial option (P or P:core) somewhere, and that plan's
     gradients equal all-R's bitwise. Which one depends on the measured times: an attention
     unit's H plus P:core can beat the MLP units' P on a noisy machine."""
-    from hilore_actor.allocation import HiLoRe
+    from hilore_actor.allocation import Planner
 
     runner, mb, budget = setup
     costs = profile_units(runner, mb, repeats=1, partial=True)
@@ -80,7 +80,7 @@ def test_partial_costs_and_a_plan_that_takes_p(setup):
                 0 < costs.dm[n]["P:core"] < costs.dm[n]["P"]
                 and 0.0 <= costs.dtau[n]["P:core"] <= costs.dtau[n]["H"] * 1.5
             )
-    hl = HiLoRe(runner, 10**12, None, mode="hilore-hr", partial=True, loo=False, log=lambda *a: None)
+    hl = Planner(runner, 10**12, None, Planner.Config(mode="hilore-hr", partial=True, loo=False), log=lambda *a: None)
     room = sum(costs.dm[n]["P"] for n in costs.dm if n.endswith("mlp")) * 1.01
     actions = hl.allocate(costs, {}, room, 0.0)
     print(actions)
@@ -96,7 +96,7 @@ def test_partial_savings_within_a_cap_are_measured_on_the_whole_microbatch(setup
     unit's P saving is its kind's measured share of its own R replay time."""
     runner, mb, budget = setup
     with runner.watching() as peaks:
-        costs = profile_units(runner, mb, repeats=1, cap=budget, partial=True)
+        costs = profile_units(runner, mb, repeats=1, room=budget, partial=True)
     print("probes", costs.probe_tokens, "shares", costs.partial_share, "peaks/B", [round(p / budget, 3) for p in peaks])
     assert max(costs.probe_tokens) < mb.num_tokens and max(peaks) <= budget
     assert set(costs.partial_share) == {"P", "P:core"} and "attn" in costs.partial_share["P:core"]

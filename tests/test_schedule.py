@@ -4,7 +4,7 @@ within B, accumulated gradient error within tolerance, and at least one unit kep
 import pytest
 import torch
 
-from hilore_actor.allocation import HiLoRe, Runner, calibrate, resolve_budget
+from hilore_actor.allocation import Planner, Runner, calibrate, resolve_budget
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.workloads import replayed_microbatches
 
@@ -52,7 +52,9 @@ def replay(h, runner, mbs, budget, reference):
 )  # 50 s each on 2 cores
 def test_replay_within_budget_and_tolerance(setup, mode):
     runner, cal, mbs, budget = setup
-    h = HiLoRe(runner, budget, cal, mode=mode, loo=False, log=lambda *_: None)  # ms-level LOO is noise here
+    h = Planner(
+        runner, budget, cal, Planner.Config(mode=mode, loo=False), log=lambda *_: None
+    )  # ms-level LOO is noise here
     sp = h.prepare(mbs[4:6])
     assert any(q != "checkpoint" for q in sp.plan.values()), "nothing stored: the budget was not used"
     err, _ = replay(h, runner, mbs[6:26], budget, "all-h")
@@ -67,7 +69,7 @@ def test_prepare_keeps_the_candidate_that_saves_most(setup):
     run; the kept plan's risk scale is the one whose logged saving is largest among those in B."""
     runner, cal, mbs, budget = setup
     lines = []
-    h = HiLoRe(runner, budget, cal, mode="hilore", loo=False, log=lines.append)
+    h = Planner(runner, budget, cal, Planner.Config(mode="hilore", loo=False), log=lines.append)
     sp = h.prepare(mbs[4:6])
     cands = {}
     for line in lines:
@@ -92,7 +94,7 @@ def test_two_l_levels_replay_within_budget_and_tolerance(setup):
     runner, cal, mbs, budget = setup
     cals = {"L": cal, "L:bf16": calibrate(runner, mbs[:4], level="L:bf16")}
     assert cals["L:bf16"].codec == "bf16" and cal.codec == runner.engine.codec.name == "int8-g64"
-    h = HiLoRe(runner, budget, cals, mode="hilore", loo=False, log=lambda *_: None)
+    h = Planner(runner, budget, cals, Planner.Config(mode="hilore", loo=False), log=lambda *_: None)
     sp = h.prepare(mbs[4:6])
     unit = next(iter(sp.costs.dm))
     assert set(sp.costs.dm[unit]) == {"H", "L", "L:bf16"} and sp.costs.dm[unit]["L"] < sp.costs.dm[unit]["L:bf16"]
@@ -106,22 +108,28 @@ def test_token_l_replay_within_budget_and_tolerance(setup):
     """P and token L offered (MLP units may keep 10% or 25% of their rows exact): the plan is
     profiled, fitted and validated as before; the replay stays within B and the tolerance."""
     runner, cal, mbs, budget = setup
-    h = HiLoRe(runner, budget, cal, mode="hilore", loo=False, partial=True, token_rows=(0.1, 0.25), log=lambda *_: None)
+    h = Planner(
+        runner,
+        budget,
+        cal,
+        Planner.Config(mode="hilore", loo=False, partial=True, token_rows=(0.1, 0.25)),
+        log=lambda *_: None,
+    )
     sp = h.prepare(mbs[4:6])
     err, chosen = replay(h, runner, mbs[6:16], budget, "all-r")
     print(f"plan {sp.plan}; actions over the replay: {chosen}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
-    from hilore_actor.bench.records import plan_evidence  # the benchmark's unit table shows every option
+    from benchmarks.bench.records import plan_evidence  # the benchmark's unit table shows every option
 
     units = plan_evidence(h, {})["units"]
     assert all("P" in u["options"] and ("L@0.1" in u["options"]) == n.endswith("mlp") for n, u in units.items())
 
 
 def test_side_pass_leaves_the_online_chooser_as_it_was():
-    """``HiLoRe.side_pass`` (``--measure_grad_error``'s passes beside training): the chooser's
+    """``Planner.side_pass`` (``--measure_grad_error``'s passes beside training): the chooser's
     refresh count and last actions come back, so the update that follows decides as it would have."""
     model = build_model(tiny_config("llama", hidden_size=32, num_layers=2, vocab_size=64), seed=torch.seed() % 2**31)
-    h = HiLoRe(Runner(model), 10**9, None, mode="hilore-hr", log=lambda *_: None)
+    h = Planner(Runner(model), 10**9, None, Planner.Config(mode="hilore-hr"), log=lambda *_: None)
     h._calls, h._last = 3, {"model.layers.0.mlp": "H"}
     with h.side_pass():
         h._calls, h._last = 9, None
@@ -135,8 +143,8 @@ def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
     saving) stays, as does a useful one."""
     from types import SimpleNamespace
 
-    from hilore_actor.allocation.schedule import ShapePlan
-    from hilore_actor.recovery.state import CHECKPOINT, EXACT
+    from hilore_actor.allocation.planner import ShapePlan
+    from hilore_actor.recovery.labels import CHECKPOINT, EXACT
 
     seed = torch.seed() % 2**31
     print("seed", seed)
@@ -157,8 +165,8 @@ def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
         pair[n] += 1
         return SimpleNamespace(seconds=1.0 + paired[n][pair[n] - 1])
 
-    hl = HiLoRe.__new__(HiLoRe)
-    hl.runner, hl.loo_units, hl.log, hl._run = SimpleNamespace(watch=None), 4, print, run
+    hl = Planner.__new__(Planner)
+    hl.runner, hl.config, hl.log, hl._run = SimpleNamespace(watch=None), Planner.Config(loo_units=4), print, run
     hl._drop_useless(sp, None)
     assert pair == {n: 3 for n in paired}  # every stored unit checked, three pairs each
     assert sp.plan == {"costly": CHECKPOINT, "noisy": EXACT, "useful": EXACT, "other": CHECKPOINT}

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..recovery.state import plan_for_label, split_label
+from ..recovery.labels import plan_for_label, split_label
 from .exposure import unit_exposure
 
 EPS_NUM = 1e-12
@@ -93,7 +93,7 @@ def check_levels(calibrations: Dict[str, "Calibration"], codecs: str, path="the 
     """Refuse a saved calibration that does not describe ``codecs`` (a comma list: the engine's
     codec first, one more L level per further codec): the same levels, each calibrated with
     its own codec. Risks of one codec applied to another's copies would be silently wrong."""
-    from ..recovery.state import codec_levels, split_label
+    from ..recovery.labels import codec_levels, split_label
 
     default, levels = codec_levels(codecs)
     want = {a: split_label(a)[1] or default for a in levels}
@@ -116,12 +116,13 @@ def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
     return {g: (sxy[g] / sxx[g] if sxx[g] > 0 else 0.0) for g in sxy}
 
 
-def calibration_prefix(runner, mb, level: str, cap: int, margin: float = 1.15):
+def calibration_prefix(runner, mb, level: str, room: int, margin: float = 1.15):
     """The longest prefix of ``mb`` (a multiple of 64 tokens, or ``mb`` itself) whose all-L pass
-    fits ``cap``, found from up to three measured prefixes and a polynomial through their peaks
-    (times ``margin``): every single-unit intervention holds less than all-L. Exposure is a
-    sum of |omega| normalised by the microbatch's tokens, so it does not grow with the
-    prefix; recon and gradient errors are relative."""
+    fits the ``room`` (the in-microbatch peak allowed), found from up to three measured
+    prefixes and a polynomial through their peaks (times ``margin``): every single-unit
+    intervention holds less than all-L. Exposure is a sum of |omega| normalised by the
+    microbatch's tokens, so it does not grow with the prefix; recon and gradient errors are
+    relative."""
     from .profiling import _poly_at
 
     names = runner.engine.unit_names
@@ -131,36 +132,36 @@ def calibration_prefix(runner, mb, level: str, cap: int, margin: float = 1.15):
     for _ in range(3):
         part = mb.prefix(t) if t < T else mb
         peak = runner.run(part, plan, measure_peak=True).peak_bytes
-        if peak > cap:
+        if peak > room:
             break
         best = part
         if t == T:
             return mb
         xs.append(part.num_tokens)
         ys.append(peak)
-        fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= cap]
+        fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= room]
         if not fits:
             break
         t = max(fits)
     if best is None:
         raise ValueError(
             f"even a {min(T, max(64, T // 8))}-token prefix of a calibration microbatch holds more than "
-            f"{cap} B under L: give a larger budget or use hilore-hr"
+            f"{room} B under L: give a larger budget or use hilore-hr"
         )
     return best
 
 
 def calibrate(
-    runner, batches, units: Optional[Sequence[str]] = None, progress=None, level: str = "L", cap: Optional[int] = None
+    runner, batches, units: Optional[Sequence[str]] = None, progress=None, level: str = "L", room: Optional[int] = None
 ) -> Calibration:
     """Single-unit L interventions on ``batches`` (see module docstring). ``runner`` is an
     ``allocation.runner.Runner``; ``progress`` an optional callable(done, total); ``level``
-    the L action label (``"L"``: the engine's codec; ``"L:bf16"``: that codec); ``cap``: no
+    the L action label (``"L"``: the engine's codec; ``"L:bf16"``: that codec); ``room``: no
     pass may peak above it (each batch is cut to ``calibration_prefix``)."""
     engine = runner.engine
     codec = split_label(level)[1] or engine.codec.name
-    if cap is not None:
-        batches = [calibration_prefix(runner, mb, level, cap) for mb in batches]
+    if room is not None:
+        batches = [calibration_prefix(runner, mb, level, room) for mb in batches]
     names = list(units or engine.unit_names)
     specs = {u.name: u for layer in engine.layer_specs for u in layer.units}
     n_layers = len(engine.layer_specs)
@@ -195,10 +196,10 @@ def calibrate(
 
 
 def calibrate_levels(
-    runner, batches, levels: Sequence[str], progress=None, cap: Optional[int] = None
+    runner, batches, levels: Sequence[str], progress=None, room: Optional[int] = None
 ) -> Dict[str, Calibration]:
     """``{level: calibration}`` for several L levels (every enabled codec's single-unit error)."""
-    return {a: calibrate(runner, batches, progress=progress, level=a, cap=cap) for a in levels}
+    return {a: calibrate(runner, batches, progress=progress, level=a, room=room) for a in levels}
 
 
 def from_samples(codec: str, groups: Dict[str, str], samples: List[dict]) -> Calibration:

@@ -1,4 +1,9 @@
-"""HiLoRe's schedule: a pre-forward plan per shape class, validated, and online actions.
+"""The planner: a pre-forward plan per shape class, validated, and online actions.
+
+Vocabulary as in docs/DESIGN.md's glossary: a *plan* maps each unit to its forward
+representation; a ``ShapePlan`` is a shape class's plan with the costs and budgets it was
+solved for; the planner works inside the *room* (B less the resident bytes: the
+in-microbatch peak a microbatch may reach).
 
 ``prepare`` (once per shape class, on development microbatches):
   1. profile utility and memory (Eq. 9) and the all-R base peak;
@@ -7,12 +12,12 @@
      more units compressed, which the online step may send back to R when a microbatch's
      exposure is high;
   3. run every candidate's complete update (plan + online choice) and keep, among those whose
-     measured peak is within B, the one whose actions save the most profiled time (the sum of
-     dtau over the units it did not recompute). One timed run cannot rank them: on a busy CPU
-     two runs of the same plan differ by 10-15%, more than candidates differ;
-  4. validate it: the measured peak on every development microbatch <= B (else shrink the
-     memory budget by the overshoot and re-plan), the accumulated relative gradient error over
-     them <= ``tolerance`` (else halve the risk budget), and drop each non-R action that
+     measured peak is within the room, the one whose actions save the most profiled time (the
+     sum of dtau over the units it did not recompute). One timed run cannot rank them: on a
+     busy CPU two runs of the same plan differ by 10-15%, more than candidates differ;
+  4. validate it: the measured peak on every development microbatch <= the room (else shrink
+     the memory budget by the overshoot and re-plan), the accumulated relative gradient error
+     over them <= ``tolerance`` (else halve the risk budget), and drop each non-R action that
      made the update slower in every leave-one-out pair (time without it minus time with it
      <= 0 in all of them).
 Online (``choose``), per microbatch or every ``refresh_every``: omega -> exposure (Eq. 7) ->
@@ -26,20 +31,20 @@ from __future__ import annotations
 import contextlib
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..recovery.policies import stores_nothing
-from ..recovery.state import (
+from ..recovery.labels import (
     CHECKPOINT,
     COMPRESSED,
     EXACT,
     PARTIAL,
-    ROWS,
     action_for_plan,
     allows,
     plan_for_label,
     row_share,
     split_label,
+    with_share,
 )
 from . import fitting
 from .calibration import Calibration
@@ -50,12 +55,19 @@ from .profiling import P_LABELS, UnitCosts, costs_at, option_cost, profile_units
 MODES = ("hilore", "hilore-hr", "hilore-static")
 
 
+def _help(text: str) -> Dict[str, str]:
+    return {"help": text}
+
+
 @dataclass
 class ShapePlan:
+    """A shape class's plan (unit -> forward representation) with the unit costs and the
+    budgets it was solved for."""
+
     shape: str
     costs: UnitCosts
     plan: Dict[str, str]
-    memory_budget: float  # bytes above the all-R peak the actions may add
+    memory_budget: float  # bytes above the all-R peak the stored units may add (the knapsack's capacity)
     risk_budget: float  # online, per microbatch (delta)
     plan_risk_budget: float  # what the plan was solved with (scale x delta)
     report: Dict = field(default_factory=dict)
@@ -69,67 +81,122 @@ class ShapePlan:
         return cls(**dict(d, costs=UnitCosts(**d["costs"])))
 
 
-class HiLoRe:
+class Planner:
+    """Plans per shape class within ``room`` bytes and chooses the online actions.
+
+    ``calibration``: L's calibrated risk, or ``{L level: calibration}`` for several L levels
+    (action labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another; each level is one more
+    option per unit in the knapsack, with its own bytes, time and risk); None for
+    ``hilore-hr``. ``config``: ``Planner.Config`` (its defaults when None). ``costs_cache``:
+    shape class -> ``UnitCosts``, shared by planners of one model (across budgets)."""
+
+    @dataclass(frozen=True)
+    class Config:
+        """The planner's settings: the one source of their defaults. The ``--hilore.*`` flags
+        of the same names take their defaults and help from here (``learner/settings.py``)."""
+
+        mode: str = field(
+            default="hilore",
+            metadata=_help("hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
+        )
+        delta: float = field(
+            default=0.015, metadata=_help("risk budget per microbatch (relative gradient error) for L")
+        )
+        tolerance: float = field(
+            default=0.015, metadata=_help("accumulated gradient error the schedule is validated against")
+        )
+        grid: int = field(default=128, metadata=_help("knapsack grid cells per constraint (memory and risk)"))
+        refresh_every: int = field(default=1, metadata=_help("recompute online actions every N microbatches"))
+        plan_risk_scales: Tuple[float, ...] = field(
+            default=(0.0, 1.0, 2.0, 4.0),
+            metadata=_help(
+                "candidate plans are solved at these multiples of delta (0: H/R only); hilore-static keeps those "
+                "<= 1 (it has no online trimming), hilore-hr 0 alone"
+            ),
+        )
+        profile_repeats: int = field(default=2, metadata=_help("timing repeats when profiling units"))
+        loo: bool = field(
+            default=True,
+            metadata=_help(
+                "leave-one-out check of the plan: the four stored units with the least profiled "
+                "utility per byte are timed in pairs with and without them and recomputed when they were slower in "
+                "every pair (false skips it: faster start-up)"
+            ),
+        )
+        loo_units: int = field(
+            default=4, metadata=_help("stored units the leave-one-out check times (least profiled utility per byte)")
+        )
+        within_budget: bool = field(
+            default=True,
+            metadata=_help(
+                "no planning pass may peak above the room (profiling measures what would not fit on prefixes, "
+                "profiling.probe_bytes; the exact reference is all-R)"
+            ),
+        )
+        first_fit: float = field(
+            default=0.9,
+            metadata=_help(
+                "share of the memory budget the first candidate plan may use (the real peak per predicted byte is "
+                "not known before one plan has run)"
+            ),
+        )
+        partial: bool = field(
+            default=False,
+            metadata=_help(
+                "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
+                "and attention kernels (P), or of its attention kernel alone (P:core), and replay the rest from "
+                "them in backward (exact gradients; torch's selective checkpointing, chosen per unit by the "
+                "knapsack); off until benchmarked"
+            ),
+        )
+        token_rows: Tuple[float, ...] = field(
+            default=(),
+            metadata=_help(
+                "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
+                "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others "
+                "compressed, each share one more option per L level for the knapsack (empty: off until "
+                "benchmarked; modes with L)"
+            ),
+        )
+
     def __init__(
         self,
         runner,
-        budget_bytes: int,
+        room: int,
         calibration: Union[Calibration, Dict[str, Calibration], None],
-        mode: str = "hilore",
-        delta: float = 0.015,
-        tolerance: float = 0.015,
-        grid: int = 128,
-        refresh_every: int = 1,
-        plan_risk_scales: Sequence[float] = (0.0, 1.0, 2.0, 4.0),
-        profile_repeats: int = 3,
-        loo: bool = True,
-        loo_units: int = 4,
+        config: Optional["Planner.Config"] = None,
+        *,
         costs_cache: Optional[Dict[str, UnitCosts]] = None,
-        within_budget: bool = True,
-        first_fit: float = 0.9,
-        partial: bool = False,
-        token_rows: Sequence[float] = (),
         log=print,
     ):
-        """``calibration``: L's calibrated risk, or ``{L level: calibration}`` for several L
-        levels (action labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another; each level
-        is one more option per unit in the knapsack, with its own bytes, time and risk).
-        ``within_budget``: no planning pass may peak above B (profiling measures what
-        would not fit on prefixes, ``profiling.probe_bytes``; the exact reference is all-R);
-        ``first_fit``: the share of the memory room the first candidate plan may use (the
-        real peak per predicted byte is not known before one plan has run). ``partial``:
-        offer P beside H, L, R at each P level (``profiling.P_LABELS``: keep a unit's matmul and
-        attention-kernel outputs, or the attention kernel's alone, and replay the rest).
-        ``token_rows``: shares of token rows token L may keep exact (``"L@0.1"``, MLP units only;
-        risk: Eq. 11 at the exposure of the compressed rows, ``exposure.rest_exposures``)."""
+        config = config if config is not None else Planner.Config()
+        mode = config.mode
         if mode not in MODES:
-            raise ValueError(f"unknown HiLoRe mode {mode!r}; choose one of {MODES}")
+            raise ValueError(f"unknown planner mode {mode!r}; choose one of {MODES}")
         if mode != "hilore-hr" and calibration is None:
             raise ValueError(f"{mode} needs a calibration (risk of L); hilore-hr does not")
+        self.config = config
         self.runner, self.engine = runner, runner.engine
-        self.budget = int(budget_bytes)
+        self.room = int(room)
         self.calibrations: Dict[str, Calibration] = (
             {} if calibration is None else dict(calibration) if isinstance(calibration, dict) else {"L": calibration}
         )
         self.calibration = self.calibrations.get("L") or next(iter(self.calibrations.values()), None)
         self.mode = mode
-        self.delta = 0.0 if mode == "hilore-hr" else delta
+        self.delta = 0.0 if mode == "hilore-hr" else config.delta
         self.levels = tuple(sorted(self.calibrations, key=lambda a: (a != "L", a))) if self.delta > 0 else ()
-        self.partial = bool(partial)
+        self.partial = bool(config.partial)
         self.kinds = ("H", *(P_LABELS if self.partial else ()), *self.levels)  # the non-R options per unit
-        self.shares = tuple(float(f) for f in token_rows) if self.levels else ()
+        self.shares = tuple(float(f) for f in config.token_rows) if self.levels else ()
         self.token_wise = {u.name for layer in self.engine.layer_specs for u in layer.units if u.token_wise}
-        self.tolerance, self.grid, self.refresh_every = tolerance, grid, refresh_every
         # static has no online trimming, so its plan may not take more risk than delta
-        self.scales = {"hilore-hr": (0.0,), "hilore-static": tuple(s for s in plan_risk_scales if s <= 1.0)}.get(
-            mode, tuple(plan_risk_scales)
-        )
-        self.profile_repeats, self.loo, self.loo_units, self.log = profile_repeats, loo, loo_units, log
-        self.within_budget, self.first_fit = within_budget, first_fit
+        self.scales = {
+            "hilore-hr": (0.0,),
+            "hilore-static": tuple(s for s in config.plan_risk_scales if s <= 1.0),
+        }.get(mode, tuple(config.plan_risk_scales))
+        self.log = log
         self.plans: Dict[str, ShapePlan] = {}
-        self.costs_cache = (
-            costs_cache if costs_cache is not None else {}
-        )  # shape class -> UnitCosts (share across budgets)
+        self.costs_cache = costs_cache if costs_cache is not None else {}  # shape class -> UnitCosts
         self._calls = 0
         self._last: Optional[Dict[str, str]] = None
         self._ratio: Optional[float] = None  # the largest real / predicted bytes a candidate measured (``_fit``)
@@ -142,7 +209,7 @@ class HiLoRe:
         opts = [Option("R", 0.0, 0.0, 0.0)]
         labels = [a for a in self.kinds if a in sp_costs.dm[unit]]
         if unit in self.token_wise:
-            labels += [f"{a}{ROWS}{f}" for a in self.levels if a in sp_costs.dm[unit] for f in self.shares]
+            labels += [with_share(a, f) for a in self.levels if a in sp_costs.dm[unit] for f in self.shares]
         for a in labels:
             if plan is None or allows(plan, a):
                 opts.append(Option(a, *option_cost(sp_costs, unit, a), risks.get(a, 0.0)))
@@ -167,7 +234,7 @@ class HiLoRe:
         free = [n for n in names if n not in fixed]
         held = sum(option_cost(costs, n, "H")[1] for n in fixed)
         items = [self.options(costs, n, plan.get(n) if plan else None, risks.get(n, {})) for n in free]
-        picks = solve(items, memory_budget - held, risk_budget, self.grid, self.grid) if items else []
+        picks = solve(items, memory_budget - held, risk_budget, self.config.grid, self.config.grid) if items else []
         chosen = {n: items[i][picks[i]].action for i, n in enumerate(free)}
         return {n: chosen.get(n, "H") for n in names}
 
@@ -189,7 +256,7 @@ class HiLoRe:
             if n in self.token_wise:
                 for a in list(r):
                     for f in self.shares:
-                        r[f"{a}{ROWS}{f}"] = (
+                        r[with_share(a, f)] = (
                             self.calibrations[a].risk(n, rest[n]) if rest and n in rest else r[a] * (1.0 - f)
                         )
             out[n] = r
@@ -208,35 +275,35 @@ class HiLoRe:
                 self.costs_cache[shape] = profile_units(
                     self.runner,
                     dev[0],
-                    self.profile_repeats,
-                    cap=self.budget if self.within_budget else None,
+                    self.config.profile_repeats,
+                    room=self.room if self.config.within_budget else None,
                     levels=self.levels,
                     partial=self.partial,
                 )
         costs = self.costs_cache[shape]
-        mem = float(self.budget - costs.base_peak)
-        if mem < 0:
-            raise ValueError(f"budget {self.budget} B is below the all-R peak {costs.base_peak} B of shape {shape}")
+        headroom = float(self.room - costs.base_peak)
+        if headroom < 0:
+            raise ValueError(f"room {self.room} B is below the all-R peak {costs.base_peak} B of shape {shape}")
         best, self._ratio, self._candidates, self._measured = None, None, [], {}
         for scale in self.scales:
             with self.runner.phase(f"fit at risk scale {scale}"):
                 sp, t, peak, actions = self._fit(
-                    ShapePlan(shape, costs, {}, mem, self.delta, self.delta * scale), dev[0]
+                    ShapePlan(shape, costs, {}, headroom, self.delta, self.delta * scale), dev[0]
                 )
             n = _kind_counts(sp)
             rows = sum(row_share(v) is not None for v in sp.plan.values())
             saved = self.saved_seconds(costs, actions)
             self.log(
-                f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, {n[COMPRESSED]} compressed "
-                f"({rows} by token rows); "
-                f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.budget:.3f} B"
+                f"[hilore] plan at risk scale {scale}: {n[EXACT]} exact, {n[PARTIAL]} partial, "
+                f"{n[COMPRESSED]} compressed ({rows} by token rows); "
+                f"saves {saved:.3f}s by profile ({t:.3f}s measured), peak {peak / self.room:.3f} B"
             )
-            if peak <= self.budget and (best is None or saved > best[0]):
+            if peak <= self.room and (best is None or saved > best[0]):
                 best = (saved, sp, scale)
         if best is None:  # nothing fitted: start from all-R and let validation grow nothing
             best = (
                 0.0,
-                ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, mem, self.delta, 0.0),
+                ShapePlan(shape, costs, {n: CHECKPOINT for n in self.engine.unit_names}, headroom, self.delta, 0.0),
                 0.0,
             )
         with self.runner.phase("validation"):
@@ -259,11 +326,11 @@ class HiLoRe:
         R. Milliseconds: the knapsack only, no pass."""
         costs = costs_at(sp.costs, tokens)
         if peak_target is None:
-            room = self.budget - sp.costs.base_peak
-            factor = sp.memory_budget / room if room > 0 else 0.0
-            memory = (self.budget - costs.base_peak) * factor
+            headroom = self.room - sp.costs.base_peak
+            factor = sp.memory_budget / headroom if headroom > 0 else 0.0
+            memory = (self.room - costs.base_peak) * factor
         else:
-            memory = min(peak_target, self.budget) - costs.base_peak
+            memory = min(peak_target, self.room) - costs.base_peak
         out = ShapePlan(
             costs.shape,
             costs,
@@ -291,9 +358,9 @@ class HiLoRe:
         overshoots B, up by half the gap when it leaves room (``fitting``: every candidate
         is a planning pass, so it is sized cautiously); keep the largest plan that fits."""
         base = sp.costs.base_peak
-        room = self.budget - base
+        headroom = self.room - base
         best = None
-        sp.memory_budget = fitting.first_candidate(sp.memory_budget, self.first_fit, self._ratio)
+        sp.memory_budget = fitting.first_candidate(sp.memory_budget, self.config.first_fit, self._ratio)
         for _ in range(attempts):
             self.replan(sp)
             key = tuple(sorted(sp.plan.items()))  # fits at larger risk scales often re-find a plan
@@ -301,7 +368,7 @@ class HiLoRe:
             if not seen:
                 self._measured[key] = self._measure(sp, [mb])
             t, peak, actions = self._measured[key]
-            fits = peak <= self.budget
+            fits = peak <= self.room
             if fits and (best is None or sp.memory_budget > best[0].memory_budget):
                 best = (
                     ShapePlan(sp.shape, sp.costs, dict(sp.plan), sp.memory_budget, sp.risk_budget, sp.plan_risk_budget),
@@ -317,7 +384,7 @@ class HiLoRe:
                         _kind_counts(sp),
                         sp.memory_budget,
                         predicted,
-                        peak / self.budget,
+                        peak / self.room,
                         ratio,
                         sp.plan_risk_budget / (self.delta or 1.0),
                     )
@@ -326,7 +393,7 @@ class HiLoRe:
             if predicted == 0 or (fits and sp.memory_budget >= self.costs_total(sp.costs)):
                 break
             self._ratio = max(self._ratio or 0.0, ratio)  # the next fit's first candidate starts from the largest
-            nxt = fitting.next_candidate(room, sp.memory_budget, ratio, fits)
+            nxt = fitting.next_candidate(headroom, sp.memory_budget, ratio, fits)
             if nxt is None:
                 break
             sp.memory_budget = nxt
@@ -358,19 +425,19 @@ class HiLoRe:
         for _ in range(6):
             peak = max(self._run(sp, mb, measure_peak=True).peak_bytes for mb in dev)
             err = self.accumulated_error(sp, dev, accumulate)
-            sp.report.update(peak_over_budget=peak / self.budget, grad_err=err)
-            if peak <= self.budget and err <= self.tolerance:
+            sp.report.update(peak_over_budget=peak / self.room, grad_err=err)
+            if peak <= self.room and err <= self.config.tolerance:
                 break
-            self.log(f"[hilore] validation: peak {peak / self.budget:.3f} B, gradient error {err:.4f}; re-planning")
-            if peak > self.budget:
-                sp.memory_budget = max(0.0, sp.memory_budget - (peak - self.budget) * 1.05)
-            if err > self.tolerance:
+            self.log(f"[hilore] validation: peak {peak / self.room:.3f} B, gradient error {err:.4f}; re-planning")
+            if peak > self.room:
+                sp.memory_budget = max(0.0, sp.memory_budget - (peak - self.room) * 1.05)
+            if err > self.config.tolerance:
                 sp.risk_budget /= 2
                 sp.plan_risk_budget /= 2
             self.replan(sp)
         else:
-            raise RuntimeError(f"hilore: could not validate a schedule within B and tolerance: {sp.report}")
-        if self.loo:
+            raise RuntimeError(f"hilore: could not validate a plan within the room and tolerance: {sp.report}")
+        if self.config.loo:
             self._drop_useless(sp, dev[0])
         return sp
 
@@ -396,11 +463,11 @@ class HiLoRe:
         check is there to catch a unit that costs time when stored (e.g. its codec is slower
         than its replay), not to re-estimate a saving of 1-3% of an update that a busy CPU's
         10-15% run-to-run noise cannot resolve in three pairs. With the median, a unit whose
-        saving is small beside the noise went to R about half the time (cpu-small sweep,
-        commit de65e2e: 18 units recomputed on medians of -1.8 to -33 ms on 0.6-1.4 s
-        updates); a unit with no effect at all now goes to R with probability 1/8.
+        saving is small beside the noise went to R about half the time (a cpu-small sweep:
+        18 units recomputed on medians of -1.8 to -33 ms on 0.6-1.4 s updates); a unit with no
+        effect at all now goes to R with probability 1/8.
         Checking every stored unit costs 2 x repeats updates each (30 minutes for the CPU
-        demo's 27 units), so only the ``loo_units`` stored units with the least profiled
+        demo's 27 units), so only the ``Config.loo_units`` stored units with the least profiled
         utility per byte are checked: those are where a measured utility of zero is likely."""
         stored = [n for n, q in sp.plan.items() if q != CHECKPOINT]
         label = {n: action_for_plan(sp.plan[n]) for n in stored}
@@ -410,7 +477,7 @@ class HiLoRe:
             return dt / max(dm, 1)
 
         stored.sort(key=per_byte)
-        for n in stored[: self.loo_units]:
+        for n in stored[: self.config.loo_units]:
             without = dict(sp.plan, **{n: CHECKPOINT})
             diffs = []
             alt = ShapePlan(sp.shape, sp.costs, without, sp.memory_budget, sp.risk_budget, sp.plan_risk_budget)
@@ -444,7 +511,7 @@ class HiLoRe:
 
         def choose(step, out) -> Dict[str, str]:
             self._calls += 1
-            if self._last is not None and (self._calls - 1) % self.refresh_every:
+            if self._last is not None and (self._calls - 1) % self.config.refresh_every:
                 return {n: a if allows(sp.plan[n], a) else "R" for n, a in self._last.items()}
             norms = step.token_norms()
             E = exposures(out.omega, norms, out.mask)
@@ -493,7 +560,7 @@ class HiLoRe:
         )
 
     def run(self, mb, **kw):
-        """One microbatch under HiLoRe (the plan for its shape class + online actions)."""
+        """One microbatch under the planner (the plan for its shape class + online actions)."""
         return self._run(self.plan_for(mb), mb, **kw)
 
 

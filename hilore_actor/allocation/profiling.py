@@ -10,14 +10,15 @@ from the engine's allocator-level accounting, counted as if the unit were the on
 (a storage shared by several units, such as an attention mask, is charged to each), plus,
 for an attention unit kept H or L, the MLP input that must then be kept for the MLP's own
 replay (a P unit joins its layer's replay, which rebuilds that input).
-Schedule validation (``schedule.py``) measures the joint effect: real peak, and
+The planner's validation (``planner.py``) measures the joint effect: real peak, and
 leave-one-out utility.
 
-Within a budget (``cap``): all-H holds every unit's bundle, several times B, so bytes and
-codec times are measured on prefixes of the microbatch that fit and scaled to its tokens
-(``scaled``). A unit's saved tensors grow linearly with tokens when attention keeps no
-tokens x tokens matrix (SDPA, flash-attention), except a packed microbatch's attention mask;
-``bytes_linear_error`` says how far from a line the probes are.
+Within the room (``room``: B less the resident bytes, docs/DESIGN.md's glossary): all-H holds
+every unit's bundle, several times B, so bytes and codec times are measured on prefixes of
+the microbatch that fit and scaled to its tokens (``scaled``). A unit's saved tensors grow
+linearly with tokens when attention keeps no tokens x tokens matrix (SDPA, flash-attention),
+except a packed microbatch's attention mask; ``bytes_linear_error`` says how far from a line
+the probes are.
 """
 
 from __future__ import annotations
@@ -29,11 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..grpo.microbatch import Microbatch
-from ..recovery.rules import PARTIAL_LEVELS
-from ..recovery.state import P, ROWS, SEP, plan_for_label, row_share
-
-# P's levels as action labels: "P" (matmul and attention-kernel outputs), "P:core" (the kernel's alone)
-P_LABELS = tuple(P if k is None else P + SEP + k for k in PARTIAL_LEVELS)
+from ..recovery.labels import P_LABELS, plan_for_label, row_share, without_share
 
 
 def shape_class(mb: Microbatch, bucket: int = 256) -> str:
@@ -64,16 +61,17 @@ class UnitCosts:
 def profile_units(
     runner,
     mb: Microbatch,
-    repeats: int = 3,
-    cap: Optional[int] = None,
+    repeats: int,
+    room: Optional[int] = None,
     levels: Sequence[str] = ("L",),
     partial: bool = False,
 ) -> UnitCosts:
     """Eq. 9's costs of every unit on ``mb``, for H and each L level in ``levels`` (action
-    labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another one). ``cap``: no profiling pass
-    may peak above it (the budget B): the all-R passes run on ``mb`` (they are the plan's
-    floor), the all-H and all-L passes, which hold far more, on prefixes of ``mb`` that fit,
-    and their bytes and codec times are scaled to ``mb``'s tokens (``probe_bytes``).
+    labels: ``"L"`` is the engine's codec, ``"L:bf16"`` another one). ``repeats``: timing
+    repeats (``Planner.Config.profile_repeats``). ``room``: no profiling pass may peak above
+    it: the all-R passes run on ``mb`` (they are the plan's floor), the all-H and all-L passes,
+    which hold far more, on prefixes of ``mb`` that fit, and their bytes and codec times are
+    scaled to ``mb``'s tokens (``probe_bytes``).
     ``partial``: also each P level (``P_LABELS``), whose utility is the unit's R replay time
     less its replay time with the kept op outputs (on the probes, scaled like codec times,
     then measured on ``mb`` itself: ``_partial_shares``). A P level that keeps nothing of a
@@ -88,9 +86,9 @@ def profile_units(
         for n in names:
             rec[n].append(r.unit_seconds[n]["recompute"])
     peak = runner.run(mb, "all-r", measure_peak=True).peak_bytes
-    if cap is not None and peak > cap:
-        raise ValueError(f"budget {cap} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
-    probes = probe_bytes(runner, mb, repeats, cap, levels, partial=partial)
+    if room is not None and peak > room:
+        raise ValueError(f"room {room} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
+    probes = probe_bytes(runner, mb, repeats, room, levels, partial=partial)
     costs = UnitCosts(
         shape_class(mb),
         statistics.median(base),
@@ -114,11 +112,11 @@ def profile_units(
                 t / max(est[REPLAY + "R"][n], 1e-12)
             )
     if partial and mb.num_tokens not in probes:
-        room = (cap - peak) / 2 if cap is not None else float("inf")
+        spare = (room - peak) / 2 if room is not None else float("inf")
         kinds = {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}
         for a in P_LABELS:
             share = _partial_shares(
-                runner, mb, repeats, kinds, a, {n: costs.dm[n][a] for n in names if a in costs.dm[n]}, room
+                runner, mb, repeats, kinds, a, {n: costs.dm[n][a] for n in names if a in costs.dm[n]}, spare
             )
             costs.partial_share[a] = share
             for n in names:
@@ -158,7 +156,7 @@ def option_cost(costs: UnitCosts, unit: str, label: str) -> Tuple[float, float]:
     share = row_share(label)
     if share is None:
         return costs.dtau[unit][label], costs.dm[unit][label]
-    level = label.partition(ROWS)[0]
+    level = without_share(label)
     return costs.dtau[unit][level], share * costs.dm[unit]["H"] + (1 - share) * costs.dm[unit][level]
 
 
@@ -255,19 +253,19 @@ def probe_bytes(
     runner,
     mb: Microbatch,
     repeats: int,
-    cap: Optional[int],
+    room: Optional[int],
     levels: Sequence[str] = ("L",),
     margin: float = 1.15,
     partial: bool = False,
 ):
-    """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``cap`` is None, else up to three
+    """``{tokens: _bytes_at(prefix)}``: ``mb`` itself when ``room`` is None, else up to three
     prefixes (a sixteenth of ``mb``, then halfway to, then at the longest prefix whose all-H
     peak, extrapolated from the probes so far by a polynomial of degree up to 2 (a packed
-    microbatch's mask grows with tokens squared) times ``margin``, fits ``cap``), ending at
+    microbatch's mask grows with tokens squared) times ``margin``, fits ``room``), ending at
     ``mb`` itself when it fits."""
     T = mb.input_ids.shape[1]
     rows = mb.input_ids.shape[0]
-    if cap is None:
+    if room is None:
         return {mb.num_tokens: _bytes_at(runner, mb, repeats, levels, partial)}
     t = min(T, max(64, T // 16))
     probes = {}
@@ -281,7 +279,7 @@ def probe_bytes(
         valid = {x: v for x, v in probes.items() if v["structure"] == last["structure"]}
         xs = sorted(valid)
         ys = [valid[x]["peak"]["all-h"] for x in xs]
-        fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= cap]
+        fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= room]
         nxt = max(fits, default=t)
         if nxt <= t or len(valid) == 3:
             return valid  # fewer than three: a line, or proportional to tokens
@@ -321,14 +319,14 @@ def _poly_at(xs: List[int], ys: List[float], degree: int, x: float) -> float:
 
 
 def _partial_shares(
-    runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], label: str, p_bytes: Dict[str, float], room: float
+    runner, mb: Microbatch, repeats: int, kinds: Dict[str, str], label: str, p_bytes: Dict[str, float], spare: float
 ) -> Dict[str, float]:
     """``{unit kind: share of the unit's R replay time that P level ``label`` saves}``, measured on ``mb``
     itself. Within B the probes are short (on SmolLM2 at 1.10 B_GC, all-H of 30 layers fits
     a few hundred tokens), where a replay's per-op overhead hides what P keeps: scaled from
     them, an attention unit's P saved 7-17 ms of a 139 ms replay, while on 2048 tokens it
     saves 135-154 ms of 160-181. So per kind, up to two units (first and middle) whose P
-    bytes fit ``room`` go P on ``mb`` with every other unit R, and their replay times are
+    bytes fit ``spare`` go P on ``mb`` with every other unit R, and their replay times are
     set against the same units' under R. Kinds with no unit that fits keep the probes' value;
     units missing from ``p_bytes`` (the level keeps nothing of them) are not measured."""
     shares: Dict[str, float] = {}
@@ -338,7 +336,7 @@ def _partial_shares(
             continue
         picked, used = [], 0.0
         for n in dict.fromkeys([members[0], members[len(members) // 2]]):
-            if used + p_bytes[n] <= room:
+            if used + p_bytes[n] <= spare:
                 picked.append(n)
                 used += p_bytes[n]
         if not picked:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .inputs import K3_LOG_RATIO_MIN, KL_VALUE_CLAMP, LOG_RATIO_CLAMP, LossInputs, prepare
+from .inputs import K3_LOG_RATIO_MIN, KL_VALUE_CLAMP, LOG_RATIO_CLAMP, LossConfig, LossInputs, prepare
 
 
 def _tie_weight(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -35,14 +35,14 @@ def _in_range(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
 def aggregation_weights(inp: LossInputs) -> torch.Tensor:
     """``dL/d(per-token loss)`` for the aggregation mode: the ``m_t / N`` factor of Eq. 4."""
     mask = inp.mask
-    if inp.loss_agg_mode == "token-mean":
-        denom = inp.num_tokens if inp.num_tokens is not None else mask.sum().clamp(min=1)
+    if inp.config.loss_agg_mode == "token-mean":
+        denom = inp.config.num_tokens if inp.config.num_tokens is not None else mask.sum().clamp(min=1)
         return mask / denom
     counts = mask.sum(dim=-1, keepdim=True)
     seq_mask = (counts > 0).to(mask.dtype)
-    denom = inp.num_sequences if inp.num_sequences is not None else seq_mask.sum().clamp(min=1)
+    denom = inp.config.num_sequences if inp.config.num_sequences is not None else seq_mask.sum().clamp(min=1)
     w = mask * seq_mask / denom
-    if inp.loss_agg_mode == "seq-mean-token-mean":
+    if inp.config.loss_agg_mode == "seq-mean-token-mean":
         w = w / counts.clamp(min=1)
     return w
 
@@ -52,14 +52,14 @@ def policy_term_derivative(inp: LossInputs) -> torch.Tensor:
     log_ratio = inp.log_probs - inp.old_log_probs
     ratio = log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()
     adv = inp.advantages
-    lo, hi = 1 - inp.clip_low, 1 + inp.clip_high
+    lo, hi = 1 - inp.config.clip_eps_low, 1 + inp.config.clip_eps_high
     surr1 = ratio * adv
     surr2 = ratio.clamp(lo, hi) * adv
     w1 = _tie_weight(surr1, surr2)
     d_clipped = adv * (w1 + (1 - w1) * _in_range(ratio, lo, hi))  # d min(surr1, surr2) / d ratio
-    if inp.dual_clip is not None:
+    if inp.config.dual_clip is not None:
         # max(clip1, c A): clip1 keeps the gradient where c A < clip1 (half on a tie)
-        w_keep = _tie_weight(inp.dual_clip * adv, torch.min(surr1, surr2))
+        w_keep = _tie_weight(inp.config.dual_clip * adv, torch.min(surr1, surr2))
         d_clipped = torch.where(adv < 0, d_clipped * w_keep, d_clipped)
     return -d_clipped * ratio * _in_range(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
@@ -67,9 +67,9 @@ def policy_term_derivative(inp: LossInputs) -> torch.Tensor:
 def kl_derivative(inp: LossInputs) -> torch.Tensor:
     """``dKL_t/ds_t`` for the estimator, including OpenRLHF's clamps (zero where they bind)."""
     x = inp.log_probs - inp.ref_log_probs
-    if inp.kl_estimator == "k1":
+    if inp.config.kl_estimator == "k1":
         value, d = x, torch.ones_like(x)
-    elif inp.kl_estimator == "k2":
+    elif inp.config.kl_estimator == "k2":
         value, d = x**2 / 2.0, x
     else:
         xc = x.clamp(min=K3_LOG_RATIO_MIN)
@@ -84,34 +84,13 @@ def token_coefficients(
     advantages: torch.Tensor,
     action_mask: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    loss_agg_mode: str = "token-mean",
-    num_tokens: Optional[float] = None,
-    num_sequences: Optional[float] = None,
+    config: Optional[LossConfig] = None,
+    **options,
 ) -> torch.Tensor:
     """``omega = dL/d log_probs`` of ``policy_loss`` with the same arguments, as a detached
     ``[B, T]`` tensor (masked tokens are exactly 0). See ``policy_loss`` for the arguments."""
     with torch.no_grad():
-        inp = prepare(
-            log_probs.detach(),
-            old_log_probs,
-            advantages,
-            action_mask,
-            ref_log_probs,
-            clip_eps_low,
-            clip_eps_high,
-            dual_clip,
-            kl_coef,
-            kl_estimator,
-            loss_agg_mode,
-            num_tokens,
-            num_sequences,
-        )
+        inp = prepare(log_probs.detach(), old_log_probs, advantages, action_mask, ref_log_probs, config, **options)
     return coefficients_from(inp)
 
 
@@ -121,5 +100,5 @@ def coefficients_from(inp: LossInputs) -> torch.Tensor:
         inp = dataclasses.replace(inp, log_probs=inp.log_probs.detach())
         per_token = policy_term_derivative(inp)
         if inp.ref_log_probs is not None:
-            per_token = per_token + inp.kl_coef * kl_derivative(inp)
+            per_token = per_token + inp.config.kl_coef * kl_derivative(inp)
         return aggregation_weights(inp) * per_token

@@ -1,4 +1,5 @@
-"""Validation and broadcasting shared by ``policy_loss`` and ``token_coefficients``.
+"""The loss's options (``LossConfig``) and the validation and broadcasting shared by
+``policy_loss`` and ``token_coefficients``.
 
 Both functions take the same arguments; checking them in one place keeps their semantics
 identical and turns user mistakes into clear errors instead of broadcasting surprises deep
@@ -7,7 +8,8 @@ inside torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -21,40 +23,62 @@ K3_LOG_RATIO_MIN = -10.0  # k3 bounds log(pi/pi_ref) below at -10 before exp
 KL_VALUE_CLAMP = 10.0  # every KL estimate is clamped to [-10, 10]
 
 
+@dataclass(frozen=True)
+class LossConfig:
+    """The loss's options: one definition for ``policy_loss``, ``token_coefficients`` and a
+    microbatch's ``loss_options`` (these fields as a dict, ``grpo.microbatch.Microbatch``).
+    OpenRLHF 0.11.2's names and defaults."""
+
+    clip_eps_low: float = field(default=0.2, metadata={"help": "the ratio is clipped to [1 - low, 1 + high]"})
+    clip_eps_high: Optional[float] = field(default=None, metadata={"help": "high end of the clip range (None: low)"})
+    dual_clip: Optional[float] = field(
+        default=None, metadata={"help": "dual-clip constant c > 1 bounding the loss of negative advantages"}
+    )
+    kl_coef: float = field(default=0.0, metadata={"help": "beta: the KL term is kl_coef x agg(KL)"})
+    kl_estimator: str = field(default="k3", metadata={"help": "Schulman's KL estimator: k1, k2 or k3"})
+    loss_agg_mode: str = field(
+        default="token-mean", metadata={"help": "token-mean, seq-mean-token-mean or seq-mean-token-sum"}
+    )
+    num_tokens: Optional[float] = field(
+        default=None, metadata={"help": "global token count replacing the local one (token-mean)"}
+    )
+    num_sequences: Optional[float] = field(
+        default=None, metadata={"help": "global sequence count replacing the local one (seq-mean modes)"}
+    )
+
+    @classmethod
+    def of(cls, config: Optional["LossConfig"] = None, **options) -> "LossConfig":
+        """``config`` (default: the defaults) with ``options`` (LossConfig's fields) replacing its values."""
+        if config is None:
+            return cls(**options)
+        return dataclasses.replace(config, **options) if options else config
+
+
 @dataclass
 class LossInputs:
-    """Validated inputs, all ``[B, T]`` in one floating dtype (at least float32)."""
+    """Validated inputs, all ``[B, T]`` in one floating dtype (at least float32), and the
+    validated options (``clip_eps_high`` resolved, the scalars as floats)."""
 
     log_probs: torch.Tensor
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
     ref_log_probs: Optional[torch.Tensor]
-    clip_low: float
-    clip_high: float
-    dual_clip: Optional[float]
-    kl_coef: float
-    kl_estimator: str
-    loss_agg_mode: str
-    num_tokens: Optional[float]
-    num_sequences: Optional[float]
+    config: LossConfig
 
 
 def prepare(
     log_probs,
     old_log_probs,
     advantages,
-    action_mask,
-    ref_log_probs,
-    clip_eps_low,
-    clip_eps_high,
-    dual_clip,
-    kl_coef,
-    kl_estimator,
-    loss_agg_mode,
-    num_tokens,
-    num_sequences,
+    action_mask=None,
+    ref_log_probs=None,
+    config: Optional[LossConfig] = None,
+    **options,
 ) -> LossInputs:
+    """Validate once, then call ``loss.loss_from`` and ``coefficients.coefficients_from`` on
+    the result; the arguments are ``policy_loss``'s (``options``: ``LossConfig``'s fields)."""
+    cfg = LossConfig.of(config, **options)
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 2:
         raise ValueError("log_probs must be a [batch, response_len] tensor of per-token log-probabilities")
     shape = tuple(log_probs.shape)
@@ -78,23 +102,22 @@ def prepare(
         if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("action_mask must hold only 0 and 1")
         mask = mask.to(dtype)
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; choose one of {KL_ESTIMATORS}")
+    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {cfg.loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
     ref = None
-    if kl_coef != 0.0:
+    if cfg.kl_coef != 0.0:
         if ref_log_probs is None:
             raise ValueError("kl_coef != 0 needs ref_log_probs (the reference policy's log-probs)")
         ref = same_shape("ref_log_probs", ref_log_probs).to(dtype)
-    clip_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    if not (0.0 <= clip_eps_low < 1.0) or clip_high < 0.0:
-        raise ValueError(
-            f"clip range must satisfy 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_high}"
-        )
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
-    for name, v in (("num_tokens", num_tokens), ("num_sequences", num_sequences)):
+    low = cfg.clip_eps_low
+    high = low if cfg.clip_eps_high is None else cfg.clip_eps_high
+    if not (0.0 <= low < 1.0) or high < 0.0:
+        raise ValueError(f"clip range must satisfy 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {low}, {high}")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1.0, got {cfg.dual_clip}")
+    for name, v in (("num_tokens", cfg.num_tokens), ("num_sequences", cfg.num_sequences)):
         if v is not None and not v > 0:
             raise ValueError(f"{name} must be positive when given, got {v}")
     return LossInputs(
@@ -103,49 +126,7 @@ def prepare(
         advantages=adv,
         mask=mask,
         ref_log_probs=ref,
-        clip_low=float(clip_eps_low),
-        clip_high=float(clip_high),
-        dual_clip=dual_clip,
-        kl_coef=float(kl_coef),
-        kl_estimator=kl_estimator,
-        loss_agg_mode=loss_agg_mode,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
-
-
-def prepare_loss_inputs(
-    log_probs,
-    old_log_probs,
-    advantages,
-    action_mask=None,
-    ref_log_probs=None,
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    loss_agg_mode: str = "token-mean",
-    num_tokens: Optional[float] = None,
-    num_sequences: Optional[float] = None,
-) -> LossInputs:
-    """``prepare`` with ``policy_loss``'s signature and defaults: validate once, then call
-    ``loss.loss_from`` and ``coefficients.coefficients_from`` on the result."""
-    return prepare(
-        log_probs,
-        old_log_probs,
-        advantages,
-        action_mask,
-        ref_log_probs,
-        clip_eps_low,
-        clip_eps_high,
-        dual_clip,
-        kl_coef,
-        kl_estimator,
-        loss_agg_mode,
-        num_tokens,
-        num_sequences,
+        config=dataclasses.replace(cfg, clip_eps_low=float(low), clip_eps_high=float(high), kl_coef=float(cfg.kl_coef)),
     )
 
 

@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .inputs import K3_LOG_RATIO_MIN, KL_VALUE_CLAMP, LOG_RATIO_CLAMP, LossInputs, masked_mean, prepare
+from .inputs import K3_LOG_RATIO_MIN, KL_VALUE_CLAMP, LOG_RATIO_CLAMP, LossConfig, LossInputs, masked_mean, prepare
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -29,21 +29,21 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
 
 
 def aggregate(per_token: torch.Tensor, inp: LossInputs) -> torch.Tensor:
-    """Reduce a ``[B, T]`` per-token loss to a scalar with ``inp.loss_agg_mode``.
+    """Reduce a ``[B, T]`` per-token loss to a scalar with ``inp.config.loss_agg_mode``.
 
     ``num_tokens`` / ``num_sequences`` replace the local denominators (e.g. the global
     counts over all microbatches of an optimizer step, for exact gradient accumulation).
     """
     mask = inp.mask
-    if inp.loss_agg_mode == "token-mean":
-        denom = inp.num_tokens if inp.num_tokens is not None else mask.sum().clamp(min=1)
+    if inp.config.loss_agg_mode == "token-mean":
+        denom = inp.config.num_tokens if inp.config.num_tokens is not None else mask.sum().clamp(min=1)
         return (per_token * mask).sum() / denom
     counts = mask.sum(dim=-1)
     seq = (per_token * mask).sum(dim=-1)
-    if inp.loss_agg_mode == "seq-mean-token-mean":
+    if inp.config.loss_agg_mode == "seq-mean-token-mean":
         seq = seq / counts.clamp(min=1)
     seq_mask = (counts > 0).to(per_token.dtype)  # fully masked responses do not count
-    denom = inp.num_sequences if inp.num_sequences is not None else seq_mask.sum().clamp(min=1)
+    denom = inp.config.num_sequences if inp.config.num_sequences is not None else seq_mask.sum().clamp(min=1)
     return (seq * seq_mask).sum() / denom
 
 
@@ -53,15 +53,8 @@ def policy_loss(
     advantages: torch.Tensor,
     action_mask: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    loss_agg_mode: str = "token-mean",
-    num_tokens: Optional[float] = None,
-    num_sequences: Optional[float] = None,
+    config: Optional[LossConfig] = None,
+    **options,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """GRPO/PPO-clip loss and its statistics.
 
@@ -72,33 +65,16 @@ def policy_loss(
         advantages: ``[B]`` (one per response) or ``[B, T]``.
         action_mask: ``[B, T]`` of 0/1, 1 on response tokens that train. ``None``: all.
         ref_log_probs: ``[B, T]`` reference-policy log-probs; needed when ``kl_coef != 0``.
-        clip_eps_low, clip_eps_high: ratio clipped to ``[1-low, 1+high]``; high defaults to low.
-        dual_clip: optional dual-clip constant ``c > 1`` bounding the loss of negative advantages.
-        kl_coef: beta; the KL term is ``kl_coef * agg(KL)`` with ``kl_estimator`` in k1/k2/k3.
-        loss_agg_mode: ``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum``.
-        num_tokens, num_sequences: global denominators overriding the local ones.
+        config: the options (``inputs.LossConfig``: clip range, dual clip, KL coefficient and
+            estimator, aggregation mode, global denominators); its defaults when None.
+        **options: ``LossConfig`` fields replacing ``config``'s, e.g. ``kl_coef=0.01``.
 
     Returns:
         ``(loss, stats)`` with detached scalar stats ``policy_loss``, ``kl_loss``,
         ``clip_fraction`` (share of masked tokens whose clipped surrogate is active, as
         OpenRLHF's ``ppo_clip_ratio``), ``kl_mean`` and ``ppo_kl`` (mean of ``old - new``).
     """
-    inp = prepare(
-        log_probs,
-        old_log_probs,
-        advantages,
-        action_mask,
-        ref_log_probs,
-        clip_eps_low,
-        clip_eps_high,
-        dual_clip,
-        kl_coef,
-        kl_estimator,
-        loss_agg_mode,
-        num_tokens,
-        num_sequences,
-    )
-    return loss_from(inp)
+    return loss_from(prepare(log_probs, old_log_probs, advantages, action_mask, ref_log_probs, config, **options))
 
 
 def loss_from(inp: LossInputs) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -108,19 +84,19 @@ def loss_from(inp: LossInputs) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     ratio = raw_log_ratio.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP).exp()
     adv = inp.advantages
     surr1 = ratio * adv
-    surr2 = ratio.clamp(1 - inp.clip_low, 1 + inp.clip_high) * adv
+    surr2 = ratio.clamp(1 - inp.config.clip_eps_low, 1 + inp.config.clip_eps_high) * adv
     clipped = torch.min(surr1, surr2)
-    if inp.dual_clip is not None:
-        clipped = torch.where(adv < 0, torch.max(clipped, inp.dual_clip * adv), clipped)
+    if inp.config.dual_clip is not None:
+        clipped = torch.where(adv < 0, torch.max(clipped, inp.config.dual_clip * adv), clipped)
     pg_loss = aggregate(-clipped, inp)
     loss = pg_loss
     zero = pg_loss.new_zeros(())
     kl_loss, kl_mean = zero, zero
     if inp.ref_log_probs is not None:
-        kl = kl_estimate(inp.log_probs, inp.ref_log_probs, inp.kl_estimator)
+        kl = kl_estimate(inp.log_probs, inp.ref_log_probs, inp.config.kl_estimator)
         kl_loss = aggregate(kl, inp)
         kl_mean = masked_mean(kl.detach(), inp.mask)
-        loss = pg_loss + inp.kl_coef * kl_loss
+        loss = pg_loss + inp.config.kl_coef * kl_loss
     stats = {
         "policy_loss": pg_loss.detach(),
         "kl_loss": kl_loss.detach(),

@@ -14,7 +14,7 @@ from typing import Any, Dict
 import torch
 
 from .coefficients import coefficients_from
-from .inputs import masked_mean, prepare_loss_inputs
+from .inputs import masked_mean, prepare
 from .loss import loss_from
 
 
@@ -26,7 +26,7 @@ class Microbatch:
     ref_log_probs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B, T-1] (each response's advantage on its tokens)
     action_mask: torch.Tensor  # [B, T-1]
-    loss_options: Dict[str, Any] = field(default_factory=dict)  # policy_loss keyword options
+    loss_options: Dict[str, Any] = field(default_factory=dict)  # ``inputs.LossConfig``'s fields
 
     @property
     def num_tokens(self) -> int:
@@ -86,9 +86,7 @@ def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False, entropy: 
         logp = output_log_probs(out, mb.input_ids)
         if entropy and getattr(out, "logits", None) is not None:  # a fused head without logits: no entropy
             ent = token_entropy(out.logits[:, :-1].detach())
-    inp = prepare_loss_inputs(
-        logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options
-    )
+    inp = prepare(logp, mb.old_log_probs, mb.advantages, mb.action_mask, mb.ref_log_probs, **mb.loss_options)
     loss, stats = loss_from(inp)  # Eq. 1
     if ent is not None:
         stats["entropy"] = masked_mean(ent, mb.action_mask.to(ent.dtype))

@@ -3,8 +3,8 @@
 Each rank measures its peak memory per microbatch (above the memory held when the microbatch
 starts; ``runtime.memory``) and reports it. The coordinator holds every rank's budget B and
 answers each report: ``ok``, or ``tighten`` with the overshoot in bytes, after which the rank
-shrinks its own allocation budget by that much (plus a margin) and re-plans before its next
-microbatch (ranks also size their plans by their own measured peaks, ``RankPlan.observe``;
+shrinks its own memory budget by that much (plus a margin) and re-plans before its next
+microbatch (ranks also size their plans by their own measured peaks, ``RankPlanner.observe``;
 ``tighten`` is the guard). It keeps a per-step record (per rank: max peak / B, each
 microbatch's peak, tokens and predicted peak, tightenings) that the driver puts into the
 metrics. Plain Python: ``ray.remote(BudgetCoordinator)`` makes the actor, and tests use the
@@ -24,7 +24,7 @@ import os
 import time
 from typing import Dict, List, Optional
 
-from .faults import injected, reconstructed
+from .fault_injection import injected, reconstructed
 
 STATE_FILE = "coordinator.json"
 
@@ -155,7 +155,7 @@ class BudgetCoordinator:
 
     def out_of_memory(self, rank: int, step: int, microbatch: int, tokens: int, by_bytes: int) -> None:
         """A rank ran out of memory in a microbatch and reruns it all-R, its plan ``by_bytes``
-        smaller (``learner/step.out_of_memory``)."""
+        smaller (``learner/microbatch_run.out_of_memory``)."""
         self._record(step, rank)["out_of_memory"].append(
             {"microbatch": int(microbatch), "tokens": int(tokens), "by_bytes": int(by_bytes)}
         )

@@ -25,12 +25,12 @@ import torch
 
 from ..allocation.runner import token_scores
 from ..recovery.policies import layer_checkpointing
-from .step import run_microbatch
+from .microbatch_run import run_microbatch
 
 
 def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, device) -> Dict[str, float]:
     """``{"grad_rel_error", "grad_cosine"}`` of the update over ``microbatches`` under ``plan``
-    (a ``RankPlan``) run on ``engine`` (the ``RecoveryEngine`` attached to ``module``)."""
+    (a ``RankPlanner``) run on ``engine`` (the ``RecoveryEngine`` attached to ``module``)."""
     params = [p for p in module.parameters() if p.requires_grad]
 
     def accumulate(loss):
@@ -56,7 +56,7 @@ def update_gradient_error(plan, engine, module, loss_fn, microbatches: List, dev
     for p in params:
         p.grad = None
     try:
-        with plan.hl.side_pass():
+        with plan.planner.side_pass():
             for mb in microbatches:
                 with run_microbatch(plan, engine, device, mb.num_tokens, token_scores=token_scores(mb)) as rec:
                     out = loss_fn(module, mb)

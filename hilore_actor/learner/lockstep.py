@@ -11,8 +11,8 @@ rank decides and the others follow:
   chose after the loss, at the point where the followers' passes ask for them;
 - every other rank runs ``follow``: it replays each pass on its own shard (the same
   collectives) and decides nothing;
-- rank 0 broadcasts its finished plan (``RankPlan.state``), which every rank adopts
-  (``plan.restore_rank_plan``): one budget, one plan, one calibration.
+- rank 0 broadcasts its finished plan (``RankPlanner.state``), which every rank adopts
+  (``plan.restore_rank_planner``): one budget, one plan, one calibration.
 
 A pass that returns gradients gathers them whole (``Runner``: ``full_tensor`` of a DTensor),
 a collective every rank joins, so rank 0's gradient errors cover every shard. Calibration

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional
 
 from ..recovery.policies import layer_checkpointing, stores_nothing
-from ..recovery.state import ACTIONS
+from ..recovery.labels import ACTIONS
 from ..runtime import MemoryMeter
 from .coordinator import call
 
@@ -32,7 +32,7 @@ class MicrobatchRecord:
     """What one microbatch did: the engine step while it runs, then its actions and peak."""
 
     step: Optional[object] = None  # the recovery engine's Step (None without an engine)
-    sp: Optional[object] = None  # the plan sized to this microbatch (``RankPlan.for_tokens``)
+    sp: Optional[object] = None  # the plan sized to this microbatch (``RankPlanner.for_tokens``)
     tokens: int = 0
     resident: int = 0  # bytes held when the microbatch began, as B's scope counts them (0: activations)
     actions: Dict[str, str] = field(default_factory=dict)  # unit -> H | L | R
@@ -74,7 +74,7 @@ class MicrobatchRecord:
 def run_microbatch(
     plan, engine, device, tokens: int, resident: int = 0, all_r: bool = False, token_scores=None
 ) -> Iterator[MicrobatchRecord]:
-    """Run the block as one microbatch of ``tokens`` tokens under ``plan`` (a ``RankPlan``;
+    """Run the block as one microbatch of ``tokens`` tokens under ``plan`` (a ``RankPlanner``;
     its plan sized to those tokens) on ``engine`` (a ``RecoveryEngine`` or None); the record
     is complete when the block exits. ``resident``: what the rank holds as the microbatch
     begins, in B's scope (``scope.resident_now`` for the device scope, 0 otherwise).
@@ -110,7 +110,7 @@ def run_microbatch(
 
 
 def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchRecord) -> Optional[dict]:
-    """The microbatch's peak against its plan's prediction (``RankPlan.observe``: allocated bytes,
+    """The microbatch's peak against its plan's prediction (``RankPlanner.observe``: allocated bytes,
     the plan's own), then ``budget_peak`` (with trapped bytes) to the coordinator, whose directive
     the rank obeys (None without a coordinator)."""
     if rec.predicted_bytes:
@@ -126,10 +126,10 @@ def report(plan, coordinator, rank: int, step: int, index: int, rec: MicrobatchR
 
 def out_of_memory(plan, coordinator, rank: int, step: int, index: int, tokens: int) -> int:
     """A microbatch ran out of memory before its backward: the rank's plan for that size gives
-    up half of what it stores (``RankPlan.tighten``), the coordinator records it, and the caller
+    up half of what it stores (``RankPlanner.tighten``), the coordinator records it, and the caller
     reruns the microbatch all-R (``run_microbatch(all_r=True)``). Returns the bytes given up."""
-    sp = plan.for_tokens(tokens) if plan.hl is not None else None
-    by = int(plan.hl.planned_bytes(sp) // 2) if sp is not None else 0
+    sp = plan.for_tokens(tokens) if plan.planner is not None else None
+    by = int(plan.planner.planned_bytes(sp) // 2) if sp is not None else 0
     if by > 0:
         plan.tighten(by, f" rank {rank} (out of memory)", tokens=tokens)
     if coordinator is not None:

@@ -9,21 +9,21 @@ microbatches as large as the job can make (``workloads.replayed_microbatches``) 
 1. the peak of gradient checkpointing as users run it (HF gc, full logits) -> B when the
    budget is a ratio (``allocation.budget``);
 2. for modes with L: the calibration (Eq. 10 of docs/DESIGN.md), or a saved one;
-3. the validated plan (``allocation.schedule.HiLoRe.prepare``).
+3. the validated plan (``allocation.planner.Planner.prepare``).
 
 Every one of these passes stays within B, so a device sized for B can plan (the gc pass is
 B's own base; profiling measures what would not fit on prefixes of the microbatch; the exact
 reference is all-R; a fit grows its candidates by half the gap its measured real/predicted
-ratio leaves, ``allocation.fitting``, because that ratio grows with the plan: on SmolLM2 at
-1.10, planning that took full steps peaked at 1.010-1.102 B). One pass can still overshoot:
-a fit's first candidate, whose ratio no earlier pass measured. The runner measures each
+ratio leaves, ``allocation.fitting``, because that ratio grows with the plan: a full step
+to the predicted size can overshoot B). One pass can still overshoot: a fit's first
+candidate, whose ratio no earlier pass measured. The runner measures each
 pass; ``info["plan_peak_over_budget"]`` is the highest over B and ``info["plan_peak_phase"]``
 the phase it ran in (gc, calibration, profiling, fit at a risk scale, validation).
 
-A shorter microbatch gets the plan re-solved for its own tokens (``RankPlan.for_tokens``).
-Online, ``RankPlan.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
-``RankPlan.observe`` sizes later plans by each microbatch's measured peak against its
-prediction, and ``RankPlan.tighten`` answers the budget coordinator's ``tighten`` directive.
+A shorter microbatch gets the plan re-solved for its own tokens (``RankPlanner.for_tokens``).
+Online, ``RankPlanner.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
+``RankPlanner.observe`` sizes later plans by each microbatch's measured peak against its
+prediction, and ``RankPlanner.tighten`` answers the budget coordinator's ``tighten`` directive.
 """
 
 from __future__ import annotations
@@ -35,30 +35,33 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..recovery.state import PLANS, action_for_plan, split_label
+from ..recovery.labels import PLANS, action_for_plan, split_label
 
 SIZE_BUCKET = 16  # tokens: microbatches within one bucket share a sized plan (sized for its top)
 PEAK_WINDOW = 4  # observed microbatches whose largest real-to-predicted peak ratio sizes the plans
 
 
-class RankPlan:
-    """One rank's budget, HiLoRe scheduler and current plan (``hl``/``sp`` are None for the
-    ``gc`` and ``none`` backends, which only report peaks). ``sized_plans``: re-solve the plan
-    for each microbatch's own token count (``for_tokens``); off, every microbatch uses the
-    planning-size plan."""
+class RankPlanner:
+    """One rank's budget B, its ``allocation.Planner`` and the plan at the planning size (a
+    ``ShapePlan``, ``sp``), with the plans sized from it per microbatch. ``planner`` and ``sp``
+    are None for the ``gc`` and ``none`` backends, which only report peaks. ``sized_plans``:
+    re-solve the plan for each microbatch's own token count (``for_tokens``); off, every
+    microbatch uses the planning-size plan. Names as in docs/DESIGN.md's glossary: B
+    (``budget``), the resident bytes B counts (``resident_bytes``), the room (B less them:
+    ``Planner.room``), a plan's memory budget above its all-R peak (``ShapePlan.memory_budget``)."""
 
     sized_plans = True
 
-    def __init__(self, budget: int, info: Dict, hl=None, sp=None, log: Callable[[str], None] = print):
-        self.budget, self.info, self.hl, self.sp, self.log = int(budget), info, hl, sp, log
+    def __init__(self, budget: int, info: Dict, planner=None, sp=None, log: Callable[[str], None] = print):
+        self.budget, self.info, self.planner, self.sp, self.log = int(budget), info, planner, sp, log
         self._sized: Dict[int, object] = {}  # token bucket -> plan sized to it
 
     @property
     def scope(self) -> str:
-        return self.info.get("budget_scope", "activations")  # checkpoints from before scopes: activations
+        return self.info["budget_scope"]
 
     @property
-    def offset(self) -> int:
+    def resident_bytes(self) -> int:
         """Resident bytes B counts besides a microbatch's own (0 in the activation scope)."""
         return int(self.info.get("resident_bytes", 0)) if self.scope == "device" else 0
 
@@ -66,12 +69,12 @@ class RankPlan:
         """Device scope, once DeepSpeed is built: the measured resident bytes replace the
         planning estimate when they are larger (never smaller: an optimizer may allocate its
         state at its first step, after this measurement); a ratio budget moves with them
-        (B = ratio x (gc + resident)); the cap B - resident, the plan's memory budget and the
+        (B = ratio x (gc + resident)); the room B - resident, the plan's memory budget and the
         plan follow. True when B changed."""
         if self.scope != "device":
             return False
-        resident = max(int(resident), self.offset)
-        old_budget, old_cap = self.budget, self.budget - self.offset
+        resident = max(int(resident), self.resident_bytes)
+        old_budget, old_room = self.budget, self.budget - self.resident_bytes
         kind, value = ("bytes", self.budget)
         if str(self.info.get("budget_spec", "")).strip().lower() not in ("", "auto"):
             from ..allocation.budget import parse_budget
@@ -79,12 +82,14 @@ class RankPlan:
             kind, value = parse_budget(self.info["budget_spec"])
         if kind == "ratio":
             self.budget = int(value * (self.info["gc_peak_bytes"] + resident))
-        self.info.update(budget_bytes=self.budget, resident_estimate_bytes=self.offset, resident_bytes=int(resident))
-        delta = (self.budget - resident) - old_cap
-        if self.hl is not None and abs(delta) > 0.005 * max(old_cap, 1):
-            self.hl.budget += delta
-            self.sp.memory_budget = max(0.0, self.sp.memory_budget + delta)
-            self.hl.replan(self.sp)
+        self.info.update(
+            budget_bytes=self.budget, resident_estimate_bytes=self.resident_bytes, resident_bytes=int(resident)
+        )
+        grown = (self.budget - resident) - old_room  # how much the room moved
+        if self.planner is not None and abs(grown) > 0.005 * max(old_room, 1):
+            self.planner.room += grown
+            self.sp.memory_budget = max(0.0, self.sp.memory_budget + grown)
+            self.planner.replan(self.sp)
             self._sized.clear()
         self.log(
             f"[hilore] resident bytes measured {resident / 2**20:.1f} MiB (estimated "
@@ -95,7 +100,7 @@ class RankPlan:
 
     @property
     def track_tokens(self) -> bool:
-        return self.hl is not None and self.hl.mode == "hilore"
+        return self.planner is not None and self.planner.mode == "hilore"
 
     @property
     def fill(self) -> float:
@@ -113,7 +118,7 @@ class RankPlan:
         Planned unit bytes come from synthetic microbatches and token scaling, so they miss
         by a few percent either way; later plans are sized so that the prediction times the
         largest recent ratio meets ``fill`` x B (``for_tokens``)."""
-        if self.hl is None or predicted_bytes <= 0 or self.fill <= 0:
+        if self.planner is None or predicted_bytes <= 0 or self.fill <= 0:
             return
         ratios = self.info.setdefault("peak_ratios", [])
         ratios.append(peak_bytes / predicted_bytes)
@@ -124,10 +129,10 @@ class RankPlan:
         """The plan for a microbatch of ``tokens`` tokens, per 16-token bucket (sized for its
         top). Before any peak is observed: the validated plan at the planning size (the
         largest the job makes), else one re-solved for the microbatch's own size with the
-        planning fit's correction (``HiLoRe.sized``), so a short microbatch stores more. Once
+        planning fit's correction (``Planner.sized``), so a short microbatch stores more. Once
         peaks are observed: re-solved so that its predicted peak times ``peak_ratio`` is
         ``fill`` x B (in B's scope; less what ``tighten`` took), at every size."""
-        if self.hl is None:
+        if self.planner is None:
             return None
         bucket = min(-(-int(tokens) // SIZE_BUCKET) * SIZE_BUCKET, self.sp.costs.tokens)
         ratio = self.peak_ratio
@@ -136,49 +141,48 @@ class RankPlan:
         if bucket not in self._sized:
             target = None
             if ratio is not None:  # the in-microbatch peak that puts the scope's peak at fill x B
-                target = (
-                    self.hl.budget - (1.0 - self.fill) * self.budget - self.info.get("tightened_bytes", 0)
-                ) / ratio
-            self._sized[bucket] = self.hl.sized(self.sp, bucket, peak_target=target)
+                room, tightened = self.planner.room, self.info.get("tightened_bytes", 0)
+                target = (room - (1.0 - self.fill) * self.budget - tightened) / ratio
+            self._sized[bucket] = self.planner.sized(self.sp, bucket, peak_target=target)
         return self._sized[bucket]
 
     def predicted_peak(self, sp) -> int:
         """The in-microbatch peak ``sp`` was sized for: its all-R peak plus the planned bytes
-        of what it stores (before the correction its fit measured, ``HiLoRe._fit``)."""
-        return int(sp.costs.base_peak + self.hl.planned_bytes(sp))
+        of what it stores (before the correction its fit measured, ``Planner._fit``)."""
+        return int(sp.costs.base_peak + self.planner.planned_bytes(sp))
 
     def actions(self, step, loss_output, sp=None) -> Dict[str, str]:
         """Online actions for a microbatch run under ``sp`` (default: the planning-size plan)."""
         sp = sp or self.sp
-        chooser = self.hl.chooser_for(sp)
+        chooser = self.planner.chooser_for(sp)
         if chooser is not None:
             return chooser(step, loss_output)
         return {n: action_for_plan(q) for n, q in sp.plan.items()}
 
-    def _room_ratio(self, tokens: Optional[int]) -> float:
+    def _headroom_ratio(self, tokens: Optional[int]) -> float:
         """Planning-size plan bytes per byte of the plan sized to ``tokens`` (sized plans take
-        the same share of their own room, ``HiLoRe.sized``)."""
+        the same share of their own headroom above their all-R peak, ``Planner.sized``)."""
         sp_t = self.for_tokens(tokens) if tokens else self.sp
-        room, room_t = self.hl.budget - self.sp.costs.base_peak, self.hl.budget - sp_t.costs.base_peak
-        return room / room_t if room > 0 and room_t > 0 else 1.0
+        head, head_t = self.planner.room - self.sp.costs.base_peak, self.planner.room - sp_t.costs.base_peak
+        return head / head_t if head > 0 and head_t > 0 else 1.0
 
     def _set_memory_budget(self, value: float) -> None:
         self.sp.memory_budget = max(0.0, float(value))
-        self.hl.replan(self.sp)
+        self.planner.replan(self.sp)
         self._sized.clear()  # re-solved from the planning-size plan when next used
 
     def tighten(self, by_bytes: int, who: str = "", tokens: Optional[int] = None) -> None:
         """The coordinator's ``tighten``: the plan of the microbatch's size loses ``by_bytes``
         (the planning-size plan its share of them; every size follows) and re-plans. Once
         plans are sized by observed peaks, their target peak loses ``by_bytes`` for good."""
-        if self.hl is None:
+        if self.planner is None:
             return
         if self.peak_ratio is not None:  # sized by observed peaks: aim that much lower from now on
             self.info["tightened_bytes"] = int(self.info.get("tightened_bytes", 0)) + int(by_bytes)
             self._sized.clear()
         else:
-            self._set_memory_budget(self.sp.memory_budget - by_bytes * self._room_ratio(tokens))
-        self.log(f"[hilore{who}] over budget: allocation budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
+            self._set_memory_budget(self.sp.memory_budget - by_bytes * self._headroom_ratio(tokens))
+        self.log(f"[hilore{who}] over budget: memory budget tightened by {by_bytes / 2**20:.1f} MiB, re-planned")
 
     @property
     def calibration_pending(self) -> bool:
@@ -188,8 +192,10 @@ class RankPlan:
         """Leave the first step's H/R plan for the wanted mode, now that L's risk is
         calibrated (on the job's real rollouts): re-fit and validate the plan at the planning
         size on ``runner`` (outside DeepSpeed's gradient path); unit costs are reused."""
-        self.hl = _scheduler(runner, self.hl.budget, calibrations, hcfg, self.log, costs_cache=self.hl.costs_cache)
-        self.sp = self.hl.prepare([dev_microbatch], accumulate=1)
+        self.planner = _planner(
+            runner, self.planner.room, calibrations, hcfg, self.log, costs_cache=self.planner.costs_cache
+        )
+        self.sp = self.planner.prepare([dev_microbatch], accumulate=1)
         self._sized.clear()
         self.info.pop("peak_ratios", None)  # a new fitted plan: earlier peaks measured another one
         self.info.update(calibration="job", plan=plan_counts(self.sp.plan), plan_report=self.sp.report)
@@ -197,11 +203,10 @@ class RankPlan:
     def state(self) -> Dict:
         """JSON-ready, for checkpoints: a resumed rank keeps its budget and plan."""
         out = {"budget": self.budget, "info": self.info}
-        if self.hl is not None:
+        if self.planner is not None:
             out.update(
                 plan=self.sp.to_dict(),
-                calibration=asdict(self.hl.calibration) if self.hl.calibration else None,
-                calibrations={a: asdict(c) for a, c in self.hl.calibrations.items()},
+                calibrations={a: asdict(c) for a, c in self.planner.calibrations.items()},
             )
         return out
 
@@ -212,45 +217,31 @@ def plan_counts(plan: Dict[str, str]) -> Dict[str, int]:
 
 
 def make_engine(model, hcfg):
-    """A recovery engine with the codec ``--hilore.codec`` names first (``recovery.state.codec_levels``);
+    """A recovery engine with the codec ``--hilore.codec`` names first (``recovery.labels.codec_levels``);
     with ``--hilore.compile`` the units' forwards compiled (``recovery.compiled``: in place, so
     the planning engine and the training engine of one model run the same compiled code)."""
     from ..recovery import RecoveryEngine
-    from ..recovery.state import codec_levels
+    from ..recovery.labels import codec_levels
 
     engine = RecoveryEngine(model, codec=codec_levels(hcfg.codec)[0])
-    if getattr(hcfg, "compile", False):
+    if hcfg.compile:
         from ..recovery.compiled import compile_units
 
         compile_units(
-            engine,
-            activation_budget=getattr(hcfg, "compile_activation_budget", 1.0),
-            layer_regions=getattr(hcfg, "compile_layer_regions", False),
+            engine, activation_budget=hcfg.compile_activation_budget, layer_regions=hcfg.compile_layer_regions
         )
     return engine
 
 
-def _scheduler(runner, budget: int, calibration, hcfg, log, costs_cache=None):
-    """HiLoRe in the wanted mode, or H/R only (``hilore-hr``) while L's calibration is pending."""
-    from ..allocation import HiLoRe
-    from .settings import token_rows
+def _planner(runner, room: int, calibration, hcfg, log, costs_cache=None):
+    """The planner within ``room`` (B less the resident bytes) in the wanted mode, or H/R only
+    (``hilore-hr``) while L's calibration is pending; its config from the ``--hilore.*``
+    settings (``settings.planner_config``)."""
+    from ..allocation import Planner
+    from .settings import planner_config
 
     mode = hcfg.mode if calibration is not None else "hilore-hr"
-    return HiLoRe(
-        runner,
-        budget,
-        calibration,
-        mode=mode,
-        delta=hcfg.delta,
-        tolerance=hcfg.tolerance,
-        refresh_every=hcfg.refresh_every,
-        profile_repeats=hcfg.profile_repeats,
-        loo=hcfg.loo,
-        costs_cache=costs_cache,
-        partial=hcfg.partial,
-        token_rows=token_rows(hcfg),
-        log=log,
-    )
+    return Planner(runner, room, calibration, planner_config(hcfg, mode=mode), costs_cache=costs_cache, log=log)
 
 
 def planning_microbatches(
@@ -271,20 +262,16 @@ def planning_microbatches(
     return [mb.to(device) for mb in dev]
 
 
-def restore_rank_plan(model, state: Dict, hcfg, loss_fn, backend: str, log=print) -> RankPlan:
+def restore_rank_planner(model, state: Dict, hcfg, loss_fn, backend: str, log=print) -> RankPlanner:
     from ..allocation import Runner, ShapePlan
     from ..allocation.calibration import Calibration
 
     if backend != "hilore":
-        return RankPlan(state["budget"], state["info"], log=log)
-    if state.get("calibrations"):
-        cal = {a: Calibration(**v) for a, v in state["calibrations"].items()}
-    else:  # a checkpoint from before L levels
-        cal = {"L": Calibration(**state["calibration"])} if state.get("calibration") else None
+        return RankPlanner(state["budget"], state["info"], log=log)
+    cal = {a: Calibration(**v) for a, v in state["calibrations"].items()} or None
     runner = Runner(model, make_engine(model, hcfg), loss_fn=loss_fn)
-    state["info"].setdefault("fill", float(hcfg.fill))  # checkpoints from before --hilore.fill
-    plan = RankPlan(state["budget"], state["info"], None, ShapePlan.from_dict(state["plan"]), log)
-    plan.hl = _scheduler(runner, plan.budget - plan.offset, cal, hcfg, log)
+    plan = RankPlanner(state["budget"], state["info"], None, ShapePlan.from_dict(state["plan"]), log)
+    plan.planner = _planner(runner, plan.budget - plan.resident_bytes, cal, hcfg, log)
     runner.engine.detach()
     return plan
 
@@ -308,16 +295,18 @@ def plan_before_wrapping(
     runner_cls=None,
     backward=None,
     log=print,
-) -> RankPlan:
+) -> RankPlanner:
     """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
     ``resident``: the bytes the rank will hold between microbatches (``scope.estimate_resident``
-    for its DeepSpeed setup), which the device scope counts; None: one rank with a plain AdamW. ``calibrate_later``: a mode with L and no saved calibration
-    plans H/R (``info["calibration"] == "pending"``) until the job calibrates on its real
-    rollouts (``RankPlan.adopt_calibration``); else calibration runs here on synthetic
-    microbatches. ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope,
-    over B. ``runner_cls``: ``lockstep.Leader`` when other ranks replay the passes
+    for its DeepSpeed setup), which the device scope counts; None: one rank with a plain AdamW.
+    ``calibrate_later``: a mode with L and no saved calibration plans H/R
+    (``info["calibration"] == "pending"``) until the job calibrates on its real rollouts
+    (``RankPlanner.adopt_calibration``); else calibration runs here on synthetic microbatches.
+    ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope, over B.
+    ``runner_cls``: ``lockstep.Leader`` when other ranks replay the passes
     (``plan_in_lockstep``); calibration then runs on this rank alone. ``backward``: the runner's
-    (``Runner``), e.g. outside ZeRO-3's gradient path on a wrapped model (``openrlhf/policy_actor.py``)."""
+    (``Runner``), e.g. outside ZeRO-3's gradient path on a wrapped model
+    (``openrlhf/policy_actor.py``)."""
     from ..allocation import Runner
 
     runner_cls = runner_cls or Runner
@@ -341,35 +330,34 @@ def plan_before_wrapping(
 
         dtype = next(model.parameters()).dtype
         resident = estimate_resident(model, world=1, zero_stage=0, mixed_precision=dtype != torch.float32)
-    offset = int(resident) if hcfg.budget_scope == "device" else 0
+    counted = int(resident) if hcfg.budget_scope == "device" else 0  # the resident bytes B counts
     with runner.watching() as peaks:  # every planning pass, measured (plan_peak_over_budget)
         with runner.phase("gc"):
             gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
-        budget = _budget(hcfg, gc_peak, int(resident), offset, device, log)
+        budget = _budget(hcfg, gc_peak, int(resident), counted, device, log)
+        room = budget - counted
         info = {
             "plan_tokens": tokens,
             "gc_peak_bytes": gc_peak,
             "budget_bytes": budget,
             "budget_spec": str(hcfg.budget),
             "budget_scope": hcfg.budget_scope,
-            "resident_bytes": offset,
+            "resident_bytes": counted,
             "fill": float(hcfg.fill),
         }
-        hl = sp = None
+        planner = sp = None
         if backend == "hilore":
             with runner.phase("calibration"):
                 cal = (
-                    _calibration(
-                        runner, dev[1:], hcfg, write_calibration, log, budget - offset, shared=runner_cls is Runner
-                    )
+                    _calibration(runner, dev[1:], hcfg, write_calibration, log, room, shared=runner_cls is Runner)
                     if (saved or n_cal)
                     else None
                 )
             info["calibration"] = (
                 None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic"
             )
-            hl = _scheduler(runner, budget - offset, cal, hcfg, log)
-            sp = hl.prepare(dev[:1], accumulate=1)
+            planner = _planner(runner, room, cal, hcfg, log)
+            sp = planner.prepare(dev[:1], accumulate=1)
             info.update(plan=plan_counts(sp.plan), plan_report=sp.report)
     runner.engine.detach()
     for p in model.parameters():  # no planning gradient may reach the first real update (ZeRO adds .grad in)
@@ -377,11 +365,11 @@ def plan_before_wrapping(
     top = max(range(len(peaks)), key=peaks.__getitem__)
     info.update(
         plan_seconds=time.perf_counter() - t0,
-        plan_peak_bytes=offset + peaks[top],
-        plan_peak_over_budget=(offset + peaks[top]) / budget,
+        plan_peak_bytes=counted + peaks[top],
+        plan_peak_over_budget=(counted + peaks[top]) / budget,
         plan_peak_phase=runner.watch_phases[top],
     )
-    return RankPlan(budget, info, hl, sp, log)
+    return RankPlanner(budget, info, planner, sp, log)
 
 
 def _calibration_wanted(hcfg, backend: str) -> Tuple[bool, bool]:
@@ -395,7 +383,7 @@ def _planning_count(hcfg, backend: str, calibrate_later: bool) -> int:
     return 1 + (hcfg.calibration_batches if wants_l and not saved and not calibrate_later else 0)
 
 
-def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> RankPlan:
+def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> RankPlanner:
     """``plan_before_wrapping`` for a model whose passes are collectives (FSDP, ZeRO-3): rank 0 plans,
     the others replay its passes and adopt its plan (``lockstep.py``). One rank: plain. Every
     rank makes the synthetic microbatches (their old log-probs are forward passes too)."""
@@ -421,24 +409,25 @@ def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> 
     runner.engine.detach()
     for p in model.parameters():
         p.grad = None
-    return restore_rank_plan(model, state, hcfg, loss_fn, backend, log=log)
+    return restore_rank_planner(model, state, hcfg, loss_fn, backend, log=log)
 
 
-def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
+def _budget(hcfg, gc_peak: int, resident: int, counted: int, device, log) -> int:
     """B in its scope: a ratio of gc's peak in that scope (gc's in-microbatch peak, plus the
-    resident bytes in the device scope), a size, or ``auto`` (``scope.auto_budget``)."""
+    resident bytes in the device scope), a size, or ``auto`` (``scope.auto_budget``). ``counted``:
+    the resident bytes B counts (``resident`` in the device scope, 0 in the activation scope)."""
     from ..allocation import resolve_budget
     from ..allocation.budget import BudgetError
     from .scope import CPU_AUTO_RATIO, auto_budget
 
     if str(hcfg.budget).strip().lower() != "auto":
-        return resolve_budget(hcfg.budget, gc_peak + offset, gc_peak + offset)
+        return resolve_budget(hcfg.budget, gc_peak + counted, gc_peak + counted)
     device_bytes = auto_budget(device)
     if device_bytes is None:
         device_bytes = int(CPU_AUTO_RATIO * (gc_peak + resident))
         log(f"[hilore] --hilore.budget auto on CPU (no capacity to read): {CPU_AUTO_RATIO} x gc's device peak")
-    budget = device_bytes - (resident - offset)  # the activation scope: what the device leaves a microbatch
-    if budget < gc_peak + offset:
+    budget = device_bytes - (resident - counted)  # the activation scope: what the device leaves a microbatch
+    if budget < gc_peak + counted:
         raise BudgetError(
             f"--hilore.budget auto: the device has {device_bytes / 2**20:.0f} MiB for this rank, less than "
             f"gradient checkpointing needs ({(gc_peak + resident) / 2**20:.0f} MiB with the weights and "
@@ -447,11 +436,11 @@ def _budget(hcfg, gc_peak: int, resident: int, offset: int, device, log) -> int:
     return budget
 
 
-def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = None, shared: bool = True):
+def _calibration(runner, batches, hcfg, write: bool, log, room: Optional[int] = None, shared: bool = True):
     """L's calibrated risk per L level (``{level: Calibration}``): None for hilore-hr, a saved
     file, or measured on ``batches`` (``shared``: split over the ranks, ``shared_calibration``)."""
     from ..allocation.calibration import calibrate_levels, check_levels, load_levels, save_levels
-    from ..recovery.state import codec_levels
+    from ..recovery.labels import codec_levels
 
     if hcfg.mode == "hilore-hr":
         return None
@@ -462,9 +451,9 @@ def _calibration(runner, batches, hcfg, write: bool, log, cap: Optional[int] = N
         return cal
     log(f"[hilore] calibrating L's risk ({', '.join(levels)}) on {len(batches)} microbatches")
     cal = (
-        shared_calibration(runner, batches, levels, cap)
+        shared_calibration(runner, batches, levels, room)
         if shared and _world() > 1
-        else calibrate_levels(runner, batches, levels, cap=cap)
+        else calibrate_levels(runner, batches, levels, room=room)
     )
     if hcfg.calibration and write:
         save_levels(cal, hcfg.calibration)
@@ -479,7 +468,7 @@ def _world() -> int:
     )
 
 
-def shared_calibration(runner, batches, levels, cap: Optional[int] = None) -> Dict:
+def shared_calibration(runner, batches, levels, room: Optional[int] = None) -> Dict:
     """Calibration once for every rank of the process group (before DeepSpeed, where ranks
     plan in lockstep): rank r runs the interventions on ``batches[r::world]``, the samples are
     gathered (``all_gather_object``) and pooled (``calibration.merge``), so every rank adopts
@@ -490,7 +479,7 @@ def shared_calibration(runner, batches, levels, cap: Optional[int] = None) -> Di
 
     rank, world = torch.distributed.get_rank(), _world()
     share = list(batches)[rank::world]  # empty on ranks beyond the batches: they only receive
-    mine = calibrate_levels(runner, share, levels, cap=cap) if share else {}
+    mine = calibrate_levels(runner, share, levels, room=room) if share else {}
     parts = [None] * world
     torch.distributed.all_gather_object(parts, {a: asdict(c) for a, c in mine.items()})
     return {a: merge([Calibration(**p[a]) for p in parts if a in p]) for a in levels}

@@ -7,10 +7,12 @@
 - ``activations``: only what a microbatch allocates above what it starts with. Stricter: at
   the same ratio it leaves far less room, because the weights are not part of the base.
 
-Either way the recovery engine gets a cap on the in-microbatch peak, ``B - offset`` with
-``offset`` the resident bytes (device) or 0 (activations). Planning runs before DeepSpeed
-exists, so it estimates them from the parameters (``estimate_resident``); the learner
-measures them once DeepSpeed is built (``resident_now``) and the plan is rebased.
+Either way the planner gets the *room*, the in-microbatch peak a microbatch may reach: B less
+the resident bytes B counts (device), or B itself (activations; docs/DESIGN.md's glossary).
+Planning runs before DeepSpeed exists, so it estimates the resident bytes from the parameters
+(``estimate_resident``); the learner measures them once DeepSpeed is built (``resident_now``)
+and the plan is rebased. ``unique_storage_bytes`` and ``optimizer_tensors`` count them on CPU
+(the benchmark counts its resident bytes with them too).
 
 ``--hilore.budget auto`` (``auto_budget``): on CUDA, the memory free when the learner plans
 plus what its allocator already holds, less ``AUTO_MARGIN`` of the device (allocator fragmentation,
@@ -24,12 +26,15 @@ from typing import Optional
 
 import torch
 
-SCOPES = ("device", "activations")
+SCOPES = ("device", "activations")  # what B counts (``--hilore.budget_scope``)
 AUTO_MARGIN = 0.08
 CPU_AUTO_RATIO = 1.25
 
 
-def _storage_bytes(tensors) -> int:
+def unique_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (a storage shared by several tensors
+    counts once; an FSDP2 DTensor counts this rank's shard; non-tensors and empty ones are
+    skipped)."""
     seen, total = set(), 0
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
@@ -49,7 +54,7 @@ def estimate_resident(model, *, world: int = 1, zero_stage: int = 2, mixed_preci
     ZeRO-1 on). An estimate: DeepSpeed's buckets and alignment padding come on top, which
     the measured rebase and the coordinator's ``tighten`` absorb."""
     params = list(model.parameters())
-    weights = _storage_bytes(params + list(model.buffers()))
+    weights = unique_storage_bytes(params + list(model.buffers()))
     trainable = [p for p in params if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     grad = sum(p.numel() * p.element_size() for p in trainable)
@@ -58,7 +63,7 @@ def estimate_resident(model, *, world: int = 1, zero_stage: int = 2, mixed_preci
     return int(weights + (grad / world if zero_stage >= 2 else grad) + (state / world if zero_stage >= 1 else state))
 
 
-def _optimizer_tensors(optimizer):
+def optimizer_tensors(optimizer):
     """Tensors an optimizer (or DeepSpeed's ZeRO optimizer around one) holds."""
     out, seen = [], set()
     while optimizer is not None and id(optimizer) not in seen:
@@ -85,11 +90,11 @@ def resident_now(device, module, optimizer=None, persistent_to_come: bool = Fals
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device)) + extra
     return (
-        _storage_bytes(
+        unique_storage_bytes(
             params
             + list(module.buffers())
             + [p.grad for p in params if p.grad is not None]
-            + _optimizer_tensors(optimizer)
+            + optimizer_tensors(optimizer)
         )
         + extra
     )

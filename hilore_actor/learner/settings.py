@@ -2,17 +2,22 @@
 
 The training job adds these flags to its own (``train/config.py``), the OpenRLHF launcher
 parses them beside OpenRLHF's flags (``openrlhf/train_ppo_ray.py``) and its policy actor reads
-them back from the environment. The flag names, their types, defaults and checks live here
-only, so the two integrations cannot drift apart.
+them back from the environment, and verl's launcher takes them as overrides
+(``verl/settings.py``). Their names, types, defaults and help come from two dataclasses:
+``Settings`` (the learner's own: B, its scope, calibration, codecs, compilation, the head)
+and ``allocation.Planner.Config`` (the planner's, which ``Settings`` takes by name:
+``planner_field``), so the integrations cannot drift apart and each default has one source.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple, get_type_hints
 
+from ..allocation.planner import Planner
 from ..recovery.codecs import DEFAULT_CODECS
 
 
@@ -28,119 +33,147 @@ def boolean(value) -> bool:
 
 boolean.__name__ = "true|false"
 
-# (flag, type, default, help), as in the job's flag table
-HILORE_FLAGS = [
-    (
-        "hilore.budget",
-        str,
-        "1.10",
-        "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
-        "(CUDA: the memory free at start-up plus what the learner holds, less 8 percent of the device; CPU: 1.25 x gc)",
-    ),
-    (
-        "hilore.budget_scope",
-        str,
-        "device",
-        "what B counts: device (the rank's whole peak: weights, gradients, "
-        "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations (only "
-        "what a microbatch allocates above what it starts with: stricter)",
-    ),
-    (
-        "hilore.fill",
-        float,
-        0.95,
-        "share of B a microbatch's plan aims at once the rank has measured its peaks: each "
-        "plan is sized so that its predicted peak times the largest measured-to-predicted ratio of the last 4 "
-        "microbatches is fill x B (planned unit bytes miss real rollouts by a few percent; 0: keep the planning-time "
-        "correction; over B the coordinator tightens)",
-    ),
-    ("hilore.mode", str, "hilore", "hilore (H/L/R, online), hilore-hr (H/R only: exact gradients) or hilore-static"),
-    ("hilore.delta", float, 0.015, "risk budget per microbatch (relative gradient error) for L"),
-    ("hilore.tolerance", float, 0.015, "accumulated gradient error the schedule is validated against"),
-    ("hilore.refresh_every", int, 1, "recompute online actions every N microbatches"),
-    (
-        "hilore.calibration_batches",
-        int,
-        16,
-        "microbatches for L's risk calibration (C; modes with L): the first step's real "
-        "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)",
-    ),
-    ("hilore.calibration", str, None, "calibration JSON to reuse (written there after calibrating)"),
-    (
-        "hilore.codec",
-        str,
-        DEFAULT_CODECS,
-        "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
-        "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the engine's, each one "
-        "more is one more L level per unit for the knapsack, with its own bytes, time and calibrated risk",
-    ),
-    (
-        "hilore.partial",
-        boolean,
-        False,
-        "offer P per unit beside H, L and R: keep only the outputs of the unit's matmuls "
-        "and attention kernels (P), or of its attention kernel alone (P:core), and replay the rest from them in "
-        "backward (exact gradients; torch's selective checkpointing, chosen per unit by the knapsack); off until "
-        "benchmarked",
-    ),
-    (
-        "hilore.token_rows",
-        str,
-        "",
-        "token L for MLP units: shares of a unit's token rows that L may keep exact, a "
-        "comma list (e.g. 0.1,0.25): the rows of largest norm x |advantage| are kept, the others compressed, each share "
-        "one more option per L level for the knapsack (empty: off until benchmarked; modes with L)",
-    ),
-    (
-        "hilore.compile",
-        boolean,
-        False,
-        "compile each recovery unit's forward in place (regional torch.compile: "
-        "inductor's fused kernels for norms, attention and MLP) and plan on the compiled units; H, R and P stay exact, "
-        "L compresses MLP units only (docs/compile.md); the first microbatches pay the compile time",
-    ),
-    (
-        "hilore.compile_activation_budget",
-        float,
-        1.0,
-        "with --hilore.compile: torch's activation_memory_budget for each "
-        "compiled unit's graph, in [0, 1] (1: inductor's fastest cut; lower: its partitioner recomputes cheap fused ops "
-        "in the unit's backward, so H keeps fewer bytes per unit, exactly)",
-    ),
-    (
-        "hilore.compile_layer_regions",
-        boolean,
-        False,
-        "with --hilore.compile: also compile each decoder layer as one "
-        "region, which a planned microbatch runs where the layer's units are all planned exact (kept H) or all R, for "
-        "fusion across its units; other layers run their units' regions (docs/compile.md)",
-    ),
-    (
-        "hilore.chunked_head",
-        boolean,
-        True,
-        "compute the action log-probs (and entropy) from the last hidden state a "
-        "few rows of the head at a time, never the full float32 logits (false: the model's own head, as OpenRLHF runs it)",
-    ),
-    (
-        "hilore.plan_tokens",
-        int,
-        None,
-        "tokens of the planning microbatch (default: micro batch x (longest prompt + "
-        "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less",
-    ),
-    ("hilore.profile_repeats", int, 2, "timing repeats when profiling units"),
-    (
-        "hilore.loo",
-        boolean,
-        True,
-        "leave-one-out check of the plan: the four stored units with the least profiled "
-        "utility per byte are timed in pairs with and without them and recomputed when they were slower in every pair "
-        "(false skips it: faster start-up)",
-    ),
-]
+PLANNER = "planner"  # metadata key: a field taken from ``Planner.Config``
+
+
+def planner_field(name: str):
+    """A ``Settings`` field that is the planner's ``Planner.Config.<name>``: its default and help
+    come from there (a tuple default as its comma list, the flag's form)."""
+    f = {f.name: f for f in fields(Planner.Config)}[name]
+    default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+    return field(default=default, metadata={"help": f.metadata["help"], PLANNER: True})
+
+
+def _help(text: str) -> Dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class Settings:
+    """The ``--hilore.*`` flags, in the order ``--help`` and the docs list them."""
+
+    budget: str = field(
+        default="1.10",
+        metadata=_help(
+            "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
+            "(CUDA: the memory free at start-up plus what the learner holds, less 8 percent of the device; "
+            "CPU: 1.25 x gc)"
+        ),
+    )
+    budget_scope: str = field(
+        default="device",
+        metadata=_help(
+            "what B counts: device (the rank's whole peak: weights, gradients, "
+            "optimizer state and the microbatch, as a GPU's capacity bounds it; the paper's B_GC) or activations "
+            "(only what a microbatch allocates above what it starts with: stricter)"
+        ),
+    )
+    fill: float = field(
+        default=0.95,
+        metadata=_help(
+            "share of B a microbatch's plan aims at once the rank has measured its peaks: each "
+            "plan is sized so that its predicted peak times the largest measured-to-predicted ratio of the last 4 "
+            "microbatches is fill x B (planned unit bytes miss real rollouts by a few percent; 0: keep the "
+            "planning-time correction; over B the coordinator tightens)"
+        ),
+    )
+    mode: str = planner_field("mode")
+    delta: float = planner_field("delta")
+    tolerance: float = planner_field("tolerance")
+    refresh_every: int = planner_field("refresh_every")
+    calibration_batches: int = field(
+        default=16,
+        metadata=_help(
+            "microbatches for L's risk calibration (C; modes with L): the first step's real "
+            "rollout microbatches, shared among the ranks (synthetic ones before DeepSpeed under ZeRO-3)"
+        ),
+    )
+    calibration: Optional[str] = field(
+        default=None, metadata=_help("calibration JSON to reuse (written there after calibrating)")
+    )
+    codec: str = field(
+        default=DEFAULT_CODECS,
+        metadata=_help(
+            "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
+            "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the "
+            "engine's, each one more is one more L level per unit for the knapsack, with its own bytes, time and "
+            "calibrated risk"
+        ),
+    )
+    partial: bool = planner_field("partial")
+    token_rows: str = planner_field("token_rows")
+    compile: bool = field(
+        default=False,
+        metadata=_help(
+            "compile each recovery unit's forward in place (regional torch.compile: "
+            "inductor's fused kernels for norms, attention and MLP) and plan on the compiled units; H, R and P stay "
+            "exact, L compresses MLP units only (docs/compile.md); the first microbatches pay the compile time"
+        ),
+    )
+    compile_activation_budget: float = field(
+        default=1.0,
+        metadata=_help(
+            "with --hilore.compile: torch's activation_memory_budget for each "
+            "compiled unit's graph, in [0, 1] (1: inductor's fastest cut; lower: its partitioner recomputes cheap "
+            "fused ops in the unit's backward, so H keeps fewer bytes per unit, exactly)"
+        ),
+    )
+    compile_layer_regions: bool = field(
+        default=False,
+        metadata=_help(
+            "with --hilore.compile: also compile each decoder layer as one "
+            "region, which a planned microbatch runs where the layer's units are all planned exact (kept H) or all "
+            "R, for fusion across its units; other layers run their units' regions (docs/compile.md)"
+        ),
+    )
+    chunked_head: bool = field(
+        default=True,
+        metadata=_help(
+            "compute the action log-probs (and entropy) from the last hidden state a "
+            "few rows of the head at a time, never the full float32 logits (false: the model's own head, as "
+            "OpenRLHF runs it)"
+        ),
+    )
+    plan_tokens: Optional[int] = field(
+        default=None,
+        metadata=_help(
+            "tokens of the planning microbatch (default: micro batch x (longest prompt + "
+            "max new tokens), the largest microbatch the job can make); smaller ones use the same plan and hold less"
+        ),
+    )
+    profile_repeats: int = planner_field("profile_repeats")
+    loo: bool = planner_field("loo")
+
+
+def _flag_type(hint):
+    """A field's type as its flag parses it: bool as ``boolean``, ``Optional[X]`` as X."""
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    hint = args[0] if args and getattr(hint, "__origin__", None) is not None else hint
+    return boolean if hint is bool else hint
+
+
+def flag_table(cls=Settings, prefix: str = "hilore.") -> List[Tuple]:
+    """``(flag, type, default, help)`` per field of ``cls``, in its order (the job's flag table's form)."""
+    hints = get_type_hints(cls)
+    return [
+        (prefix + f.name, _flag_type(hints[f.name]), None if f.default is MISSING else f.default, f.metadata["help"])
+        for f in fields(cls)
+    ]
+
+
+HILORE_FLAGS = flag_table()
 DEFAULTS = {spec[0][len("hilore.") :]: spec[2] for spec in HILORE_FLAGS}
 TYPES = {spec[0][len("hilore.") :]: spec[1] for spec in HILORE_FLAGS}
+PLANNER_SETTINGS = tuple(f.name for f in fields(Settings) if f.metadata.get(PLANNER))
+
+
+def planner_config(hcfg, **overrides) -> Planner.Config:
+    """The planner's ``Config`` from the ``--hilore.*`` settings (``token_rows`` parsed), with
+    ``overrides`` (e.g. ``mode`` while L's calibration is pending); its other fields keep
+    their defaults."""
+    values = {name: getattr(hcfg, name) for name in PLANNER_SETTINGS}
+    values["token_rows"] = token_rows(hcfg)
+    return Planner.Config(**dict(values, **overrides))
 
 
 def hilore_settings(**values) -> SimpleNamespace:
@@ -154,7 +187,7 @@ def hilore_settings(**values) -> SimpleNamespace:
 def hilore_errors(hcfg) -> List[str]:
     """What is wrong with the budget, its scope, the mode and the codec (empty when nothing)."""
     from ..allocation.budget import BudgetError, parse_budget
-    from ..allocation.schedule import MODES
+    from ..allocation.planner import MODES
     from ..recovery.codecs import CODECS
     from .scope import SCOPES
 

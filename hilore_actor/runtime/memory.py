@@ -14,7 +14,7 @@ hands out, not process RSS and not a model of it:
   The report carries the region's maximum reserved bytes too, and its trapped bytes: free
   space inside partly used segments (``inactive_split_bytes``), which the allocator cannot
   hand back to the device before an OOM, unlike whole cached segments (reserved bytes count
-  both). B is compared to allocated + trapped bytes (``learner/step.report``); trapped bytes
+  both). B is compared to allocated + trapped bytes (``learner/microbatch_run.report``); trapped bytes
   are 0 on CPU and with expandable segments (torch leaves those out of the stat: their free
   pages can be unmapped).
 - CPU: the profiler's ``[memory]`` events, which carry the signed byte count of every tensor
@@ -66,7 +66,8 @@ class MemoryReport:
     trapped_before: Dict[str, int] = field(default_factory=dict)  # mark -> trapped_bytes up to it
 
     def __str__(self) -> str:
-        return f"peak {self.peak_bytes / 2**20:.2f} MiB above start on {self.device} (net {self.net_bytes / 2**20:+.2f} MiB)"
+        peak, net = self.peak_bytes / 2**20, self.net_bytes / 2**20
+        return f"peak {peak:.2f} MiB above start on {self.device} (net {net:+.2f} MiB)"
 
 
 class MemoryMeter:
