@@ -29,9 +29,10 @@ from typing import Dict, List
 import torch
 
 from hilore_actor.data.reward_function import RewardError
-from hilore_actor.train.config import ConfigError, parse_config, plan_tokens, world_size
+from hilore_actor.train.config import parse_config, plan_tokens, world_size
+from hilore_actor.train.errors import ConfigError, JobError
 from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
-from hilore_actor.train.job import Job, JobError
+from hilore_actor.train.job import Job
 from hilore_actor.train.metrics import learner_means, rollout_metrics
 
 
@@ -160,27 +161,29 @@ def run(cfg) -> int:
     how = (
         "restores its budget and plan from the checkpoint"
         if resume_dir and not replan
-        else f"measures gc and plans its units on a {cfg.hilore.plan_tokens}-token microbatch first (minutes for a real "
-        f"model on CPU; --log_workers shows it)"
+        else f"measures gc and plans its units on a {cfg.hilore.plan_tokens}-token microbatch first "
+        f"(minutes for a real model on CPU; --log_workers shows it)"
     )
+    workers = max(cfg.vllm.num_engines, cfg.rollout.num_workers)
     print(
-        f"[train] starting {world_size(cfg)} learner rank(s), {max(cfg.vllm.num_engines, cfg.rollout.num_workers)} rollout "
-        f"worker(s) and a reference worker; each learner {how}",
+        f"[train] starting {world_size(cfg)} learner rank(s), {workers} rollout worker(s) and a reference worker; "
+        f"each learner {how}",
         flush=True,
     )
     job = Job(cfg, resume_dir, str(ckpts.root))
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
     info = job.infos[0]
-    peaks = [(i["plan_peak_over_budget"], i.get("plan_peak_phase")) for i in job.infos if "plan_peak_over_budget" in i]
-    plan_peak, peak_phase = max(peaks, key=lambda x: x[0]) if peaks else (None, None)  # None: a checkpoint from before
+    peaks = [(i["plan_peak_over_budget"], i["plan_peak_phase"]) for i in job.infos]
+    measured = [p for p in peaks if p[0] is not None]  # None: a migrated plan whose planning was not measured
+    plan_peak, peak_phase = max(measured, key=lambda x: x[0]) if measured else (None, None)
     print(
         f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
-        f"{info['budget_bytes'] / 2**20:.0f} MiB ({info.get('budget_spec', cfg.hilore.budget)}, "  # B in force
-        f"{info.get('budget_scope', 'activations')} scope; "
-        f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident {info.get('resident_bytes', 0) / 2**20:.0f} "
-        f"MiB, on a {info['plan_tokens']}-token microbatch); plan {info.get('plan', '-')}; planning peaked at "
-        f"{'-' if plan_peak is None else f'{plan_peak:.3f}'} B{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
+        f"{info['budget_bytes'] / 2**20:.0f} MiB ({info['budget_spec']}, {info['budget_scope']} scope; "  # B in force
+        f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident "
+        f"{info['resident_bytes'] / 2**20:.0f} MiB, on a {info['plan_tokens']}-token microbatch); "
+        f"plan {info.get('plan', '-')}; planning peaked at {'-' if plan_peak is None else f'{plan_peak:.3f}'} B"
+        f"{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
         flush=True,
     )
     log = MetricsLog(
@@ -206,7 +209,7 @@ def run(cfg) -> int:
             from hilore_actor.rollout.replay import stats
 
             m.update(stats(replayed, buffer, step))
-        m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info.get("budget_scope", "activations")
+        m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info["budget_scope"]
         m["coordinator_restarts"] = call(job.coordinator.restart_count)
         _say_recoveries(m, step + 1, restarts_before)
         restarts_before = m["coordinator_restarts"]
@@ -370,10 +373,11 @@ def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None):
     """Every rank's state, the coordinator's, the replay buffer, then the atomic commit
     (``train/checkpoint.py``)."""
     from hilore_actor.learner.coordinator import STATE_FILE, call
+    from hilore_actor.train.checkpoint import versioned
 
     stage = ckpts.staging(step)
     job.get([l.save.remote(str(stage)) for l in job.learners])
-    (stage / STATE_FILE).write_text(json.dumps(call(job.coordinator.state)))
+    (stage / STATE_FILE).write_text(json.dumps(versioned(call(job.coordinator.state))))
     if buffer is not None:
         torch.save(buffer.state_dict(), stage / "replay.pt")
     from hilore_actor.train.resume import saved_config
@@ -475,13 +479,15 @@ def print_report(path, cfg) -> None:
             f"{r['peak_over_budget_max']:.3f}"
         )
         if "compare_speedup_vs_gc" in r:
-            line += f"  {r['compare_gc_seconds']:>6.2f}  {r['compare_' + cfg.actor.backend + '_seconds']:>8.2f}  x{r['compare_speedup_vs_gc']:.3f}"
+            ours = r[f"compare_{cfg.actor.backend}_seconds"]
+            line += f"  {r['compare_gc_seconds']:>6.2f}  {ours:>8.2f}  x{r['compare_speedup_vs_gc']:.3f}"
         print(line)
     if rows and "compare_speedup_vs_gc" in rows[0]:
         gc = sum(r["compare_gc_seconds"] for r in rows)
         ours = sum(r[f"compare_{cfg.actor.backend}_seconds"] for r in rows)
         print(
-            f"update time on the same microbatches, all steps: gc {gc:.1f}s, {cfg.actor.backend} {ours:.1f}s (x{gc / ours:.3f})"
+            f"update time on the same microbatches, all steps: gc {gc:.1f}s, {cfg.actor.backend} {ours:.1f}s "
+            f"(x{gc / ours:.3f})"
         )
     for r in (r for r in rows if "eval_accuracy" in r):
         print(

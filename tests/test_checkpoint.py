@@ -1,11 +1,12 @@
-"""Checkpoint folders: ``latest`` only ever names a complete checkpoint."""
+"""Checkpoint folders: ``latest`` only ever names a complete checkpoint; ``--resume`` checks the saved
+flags; files of an older layout are read in the current one (``migrate``)."""
 
 import hashlib
 import json
 
 import pytest
 
-from hilore_actor.train.checkpoint import CheckpointDir
+from hilore_actor.train.checkpoint import FORMAT_VERSION, CheckpointDir, migrate, read_state
 
 
 def test_commit_is_atomic_and_prunes(tmp_path):
@@ -68,15 +69,17 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, harm, wh
     assert ck.resumable(log=said.append)[0] is None
 
 
-def test_checkpoints_from_before_checksums_are_taken_as_they_are(tmp_path):
+def test_a_version_1_checkpoint_without_checksums_is_taken_as_it_is(tmp_path):
     ck = CheckpointDir(tmp_path / "ck")
     stage = ck.staging(1)
     (stage / "x.pt").write_bytes(b"x")
     ck.commit(stage, 1, {})
     meta = json.loads((ck.latest() / "meta.json").read_text())
-    del meta["files"]
+    assert meta["format_version"] == FORMAT_VERSION
+    del meta["files"], meta["format_version"]
     (ck.latest() / "meta.json").write_text(json.dumps(meta))
     assert ck.resumable(log=lambda m: None)[0] == ck.latest()
+    assert CheckpointDir.meta(ck.latest())["files"] == {}
 
 
 def test_resume_compares_the_saved_flags_refuses_replans_or_applies(tmp_path):
@@ -95,7 +98,10 @@ def test_resume_compares_the_saved_flags_refuses_replans_or_applies(tmp_path):
     stage = ck.staging(2)
     (stage / "rng_rank0.pt").write_bytes(b"")
     (stage / "rng_rank1.pt").write_bytes(b"")
-    (stage / "hilore_rank0.json").write_text(json.dumps({"info": {"budget_spec": "1.10", "plan_tokens": 128}}))
+    for rank in (0, 1):
+        (stage / f"hilore_rank{rank}.json").write_text(
+            json.dumps({"budget": 1000, "info": {"budget_spec": "1.10", "plan_tokens": 128}})
+        )
     step = ck.commit(stage, 2, {"config": saved_config(flags())})
     said = []
     assert check(step, flatten_ns(flags("--max_steps", "9", "--hilore.budget", "1.1")), said.append) == [] and not said
@@ -115,8 +121,135 @@ def test_resume_compares_the_saved_flags_refuses_replans_or_applies(tmp_path):
             check(step, flatten_ns(flags(*argv)), said.append)
         assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
     meta = json.loads((step / "meta.json").read_text())
-    (step / "meta.json").write_text(json.dumps(dict(meta, config=None)))  # saved before flags were kept
+    del meta["config"], meta["format_version"]  # a version 1 checkpoint that kept no flags
+    (step / "meta.json").write_text(json.dumps(meta))
     assert replan_flags(step, flatten_ns(flags("--pretrain", "tiny:llama"))) == []
     assert replan_flags(step, flatten_ns(flags("--hilore.budget", "2GiB"))) == ["hilore.budget"]
     with pytest.raises(ResumeError, match="the world size"):
         check(step, flatten_ns(flags("--actor.num_gpus_per_node", "1")), said.append)
+    said.clear()
+    assert check(step, flatten_ns(flags()), said.append) == [] and said == [
+        f"[train] {step} keeps no flags of its run: only the world size and the budget settings are checked; "
+        "the model, LoRA, dtype, optimizer and data flags must be the run's"
+    ]
+
+
+def test_migrate_brings_version_1_files_to_the_current_layout():
+    """The layouts version 1 wrote: the newest (flags, checksums, every plan field) and the
+    oldest (neither flags nor checksums; a plan with one calibration, no scope, fill or planning
+    peak). ``migrate`` leaves its input alone and is a no-op on the current layout."""
+    cal = {"groups": {"a": 0}, "samples": [{"batch": 0}]}
+    info = {
+        "plan_tokens": 128,
+        "gc_peak_bytes": 900,
+        "budget_bytes": 1000,
+        "budget_spec": "1.10",
+        "budget_scope": "device",
+        "resident_bytes": 50,
+        "fill": 0.9,
+        "plan_peak_over_budget": 0.97,
+        "plan_peak_phase": "gc",
+        "calibration": "job",
+    }
+    rank = {"budget": 1000, "info": info, "plan": {"shape": "s"}, "calibration": cal, "calibrations": {"L": cal}}
+    newest = {
+        "meta": {"step": 2, "metrics": {}, "config": {"hilore.budget": "1.10", "world_size": 2}, "files": {}},
+        "ranks": [rank, rank],
+    }
+    before = json.dumps(newest)
+    got = migrate(newest)
+    assert json.dumps(newest) == before  # the input is left as it is
+    want_rank = {"budget": 1000, "info": info, "plan": {"shape": "s"}, "calibrations": {"L": cal}, "format_version": 2}
+    assert got == {"meta": dict(newest["meta"], format_version=2), "ranks": [want_rank, want_rank]}
+    assert migrate(got) == got
+
+    oldest_info = {"plan_tokens": 128, "gc_peak_bytes": 900, "budget_bytes": 1000}
+    oldest = {
+        "meta": {"step": 2, "metrics": {}},
+        "ranks": [{"budget": 1000, "info": oldest_info, "plan": {"shape": "s"}, "calibration": cal}] * 2,
+    }
+    got = migrate(oldest)
+    assert got["meta"] == {
+        "step": 2,
+        "metrics": {},
+        "config": {"world_size": 2, "hilore.plan_tokens": 128},  # what the plan files tell
+        "partial_config": True,
+        "files": {},
+        "format_version": 2,
+    }
+    assert got["ranks"][0] == {
+        "budget": 1000,
+        "info": dict(
+            oldest_info,
+            budget_spec="1000",
+            budget_scope="activations",
+            resident_bytes=0,
+            fill=0.95,
+            plan_peak_over_budget=None,
+            plan_peak_phase=None,
+        ),
+        "plan": {"shape": "s"},
+        "calibrations": {"L": cal},
+        "format_version": 2,
+    }
+    gc_rank = migrate({"meta": {}, "ranks": [{"budget": 1000, "info": dict(info)}]})["ranks"][0]
+    assert "calibrations" not in gc_rank and gc_rank["format_version"] == 2  # gc and none keep no plan
+
+
+def test_a_version_1_checkpoint_resumes_its_plan(tmp_path):
+    """A rank's plan file as version 1 wrote it (no ``format_version``; its L calibration kept
+    twice, or once as ``calibration`` alone in its oldest files), read back through
+    ``read_state``, restores the rank's planner: the same B, plan and calibration; saved again,
+    it is a current file that restores the same."""
+    from dataclasses import asdict
+
+    from hilore_actor.allocation import ShapePlan
+    from hilore_actor.allocation.calibration import Calibration
+    from hilore_actor.allocation.profiling import UnitCosts
+    from hilore_actor.grpo.microbatch import microbatch_loss
+    from hilore_actor.learner.plan import restore_rank_planner
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.models import LoraSpec, build_model, tiny_config
+
+    model = build_model(tiny_config("qwen2", hidden_size=32, num_layers=2, vocab_size=64), lora=LoraSpec(4, 8), seed=0)
+    hcfg = hilore_settings(mode="hilore")
+    units = ["model.layers.0", "model.layers.1"]
+    cal = Calibration(
+        "int8",
+        {"layer:early": 0.5},
+        {u: 0.01 for u in units},
+        {u: 1.0 for u in units},
+        {u: "layer:early" for u in units},
+    )
+    sp = ShapePlan("s", UnitCosts("s", 1.0, 1000, tokens=64), {units[0]: "L", units[1]: "R"}, 100.0, 0.015, 0.015)
+    info = {
+        "plan_tokens": 64,
+        "gc_peak_bytes": 900,
+        "budget_bytes": 1000,
+        "budget_spec": "1.10",
+        "budget_scope": "device",
+        "resident_bytes": 100,
+        "fill": 0.95,
+        "plan_peak_over_budget": 0.9,
+        "plan_peak_phase": "gc",
+    }
+    newest = {
+        "budget": 1000,
+        "info": info,
+        "plan": sp.to_dict(),
+        "calibration": asdict(cal),
+        "calibrations": {"L": asdict(cal)},
+    }
+    oldest = {k: v for k, v in newest.items() if k != "calibrations"}
+    ck = CheckpointDir(tmp_path / "ck")
+    for step, rank in enumerate((newest, oldest), 1):
+        stage = ck.staging(step)
+        (stage / "hilore_rank0.json").write_text(json.dumps(rank))
+        folder = ck.commit(stage, step, {"config": {"world_size": 1}})
+        (saved,) = read_state(folder)["ranks"]
+        again = restore_rank_planner(model, saved, hcfg, microbatch_loss, "hilore", log=lambda *_: None)
+        assert again.budget == 1000 and again.resident_bytes == 100 and again.info["fill"] == 0.95
+        assert again.sp == sp and again.planner.calibrations == {"L": cal}
+        resaved = json.loads(json.dumps(dict(again.state(), format_version=FORMAT_VERSION)))
+        assert migrate({"meta": {}, "ranks": [resaved]})["ranks"] == [resaved] and "calibration" not in resaved
+        assert resaved["calibrations"] == {"L": asdict(cal)} and resaved["plan"] == sp.to_dict()

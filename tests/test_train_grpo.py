@@ -13,6 +13,14 @@ from hilore_actor.train.config import ConfigError, parse_config
 from train_job import job, metrics, same_training  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """A run preempted in step 2 (SIGTERM to the driver), which ends after that step with its
+    checkpoint: the SIGTERM test checks the stop, the resume test resumes it (one job run for both)."""
+    out = tmp_path_factory.mktemp("preempted")
+    return out, job(out, "--max_steps", "3", env={"HILORE_FAULT": "sigterm:1"})
+
+
 def test_three_steps_write_metrics_checkpoints_and_weights(uninterrupted):
     out, r = uninterrupted
     rows = metrics(out)
@@ -34,10 +42,12 @@ def test_three_steps_write_metrics_checkpoints_and_weights(uninterrupted):
     assert "step  reward" in r.stdout  # the reward table
 
 
-def test_resume_reproduces_step_three(uninterrupted, tmp_path):
+def test_resume_reproduces_step_three(uninterrupted, preempted, tmp_path):
+    import shutil
+
     full, _ = uninterrupted
-    r = job(tmp_path, "--max_steps", "2")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert preempted[1].returncode == 0, preempted[1].stderr[-3000:]
+    shutil.copytree(preempted[0], tmp_path, dirs_exist_ok=True)  # stopped after step 2, checkpointed
     two = metrics(tmp_path)
     assert [m["step"] for m in two] == [1, 2]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
@@ -215,14 +225,14 @@ def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(t
     # step 2 under the calibrated plan: an error where L was taken, none without it
     assert (rows[1]["grad_rel_error_max"] > 0) == (rows[1]["fraction_L"] > 0) and rows[1]["grad_rel_error_max"] < 0.1
     saved = [json.loads((tmp_path / "checkpoints" / "step_2" / f"hilore_rank{k}.json").read_text()) for k in (0, 1)]
-    assert saved[0]["calibration"] == saved[1]["calibration"]  # one calibration for the job
-    assert {s["batch"] for s in saved[0]["calibration"]["samples"]} == {0, 1, 2, 3}
+    assert saved[0]["calibrations"] == saved[1]["calibrations"]  # one calibration for the job
+    assert {s["batch"] for s in saved[0]["calibrations"]["L"]["samples"]} == {0, 1, 2, 3}
     assert saved[0]["info"]["calibration"] == "job"
     r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "3", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout and "calibrated L's risk" not in r.stdout
     again = json.loads((tmp_path / "checkpoints" / "step_3" / "hilore_rank0.json").read_text())
-    assert again["calibration"] == saved[0]["calibration"]
+    assert again["calibrations"] == saved[0]["calibrations"]
 
 
 @pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
@@ -251,10 +261,10 @@ def test_a_dead_learner_fails_cleanly_and_a_damaged_checkpoint_is_skipped_on_res
     assert CheckpointDir(ck).resumable(log=print) == (ck / "step_3", [])
 
 
-def test_sigterm_finishes_the_step_checkpoints_it_and_exits_0(tmp_path):
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_0(preempted):
     """A preemption (SIGTERM to the driver during step 2): the job ends after that step with a
     checkpoint that checks out, exit 0 and a message saying how to resume."""
-    r = job(tmp_path, "--max_steps", "3", env={"HILORE_FAULT": "sigterm:1"})
+    tmp_path, r = preempted
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "SIGTERM received" in r.stdout and "stopped after step 2 of 3" in r.stdout and "--resume" in r.stdout
     ck = tmp_path / "checkpoints"

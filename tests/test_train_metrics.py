@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from hilore_actor.train.config import logging_errors
 from hilore_actor.train.metrics import (
     MetricsLog,
     _scalars,
     learner_means,
-    logging_errors,
     pick_samples,
     rollout_metrics,
     scalars,

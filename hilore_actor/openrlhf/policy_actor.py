@@ -42,7 +42,7 @@ OpenRLHF's ``broadcast_to_vllm`` exports a clone of each weight with ``reduce_te
 exports expandable-segment memory through ``pidfd_getfd``, which unprivileged containers and
 Yama (``ptrace_scope`` 1, between sibling Ray workers) refuse, so the first sync after ``fit``
 would fail. Without expandable segments, free space trapped in partly used segments counts
-against B (``learner/step.py``).
+against B (``learner/microbatch_run.py``).
 
 Runs only where OpenRLHF's trainer runs: on CUDA (``DeepspeedStrategy`` calls ``torch.cuda``).
 """
@@ -153,7 +153,7 @@ def microbatch_shape(args):
 
 def plan_wrapped(actor, strategy, hcfg, device):
     """Plan on the DeepSpeed-wrapped ``actor`` (OpenRLHF's ``Actor``, its ``model`` the engine),
-    every rank in lockstep (see the module docstring). Returns the ``RankPlan``."""
+    every rank in lockstep (see the module docstring). Returns the ``RankPlanner``."""
     from ..grpo.microbatch import microbatch_loss
     from ..learner.plan import plan_in_lockstep
     from ..learner.scope import resident_now
@@ -199,7 +199,7 @@ def watch_memory(trainer, plan, device, model, register=None) -> None:
     """Wrap ``trainer.training_step`` (outside HiLoRe's own wrapper) with a ``MemoryMeter``.
 
     After the first step, the resident bytes are measured again and the plan rebased
-    (``RankPlan.rebase``; only ever upwards): the measurement before it (``_attach``) saw no
+    (``RankPlanner.rebase``; only ever upwards): the measurement before it (``_attach``) saw no
     ZeRO-2 gradient buckets or partitions and no optimizer state yet; DeepSpeed allocates them
     in the first backward and step, and every later microbatch starts with them. A changed B
     goes to ``register`` (the coordinator). Each step's maximum allocated and reserved bytes
@@ -211,7 +211,7 @@ def watch_memory(trainer, plan, device, model, register=None) -> None:
 
     def training_step(*args, **kwargs):
         # on the CPU (tests) the meter is the torch profiler, which the microbatch's own meter
-        # (learner/step.py) already runs: no outer one there
+        # (learner/microbatch_run.py) already runs: no outer one there
         meter = MemoryMeter(device) if torch.device(device).type == "cuda" else None
         with meter if meter is not None else contextlib.nullcontext():
             result = inner(*args, **kwargs)

@@ -14,7 +14,7 @@ KL loss), ``strategy.backward`` and ``strategy.optimizer_step``. The wrapper
    reports it to the budget coordinator; on ``tighten`` the rank re-plans before its next
    microbatch.
 
-Steps 1 and 4 are the learner room's microbatch sequence (``learner/step.py``).
+Steps 1 and 4 are the learner room's microbatch sequence (``learner/microbatch_run.py``).
 
 Imports torch and this package only: the tests drive it with OpenRLHF's real trainer code.
 """
@@ -28,7 +28,7 @@ import torch
 
 from ..learner.lockstep import agree_actions, agree_max
 from ..learner.scope import resident_now
-from ..learner.step import report, run_microbatch
+from ..learner.microbatch_run import report, run_microbatch
 from ..recovery.policies import stores_nothing
 from .patching import shadowed
 
@@ -93,7 +93,7 @@ class HiLoReTrainingStep:
         ``agree_actions`` nor replays through the engine's gathers: every rank must take that path
         together. Plans differ by rank (each tightens and sizes by its own peaks), but where one
         rank's is all R the agreed actions are all R anyway, so all-R everywhere loses nothing."""
-        if not self.zero3 or self.engine is None or self.plan.hl is None:
+        if not self.zero3 or self.engine is None or self.plan.planner is None:
             return False
         sp = self.plan.for_tokens(tokens)
         return bool(agree_max([stores_nothing(sp.plan)], None, self.device)[0])

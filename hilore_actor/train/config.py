@@ -12,18 +12,16 @@ The parsed config is a nested namespace (``cfg.rollout.n_samples_per_prompt``), 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..learner.settings import HILORE_FLAGS, boolean, hilore_errors
+from .errors import ConfigError
 
 BACKENDS = ("hilore", "gc", "none")
-
-
-class ConfigError(ValueError):
-    """A bad flag value or an inconsistent combination; the message says which and why."""
 
 
 # (flag, type, default, help); type "flag" is a store_true switch.
@@ -244,7 +242,9 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "cpu-demo": {
         "actor.model_name_or_path": "smollm2",
         "data.prompt_dataset": "rg:basic_arithmetic",
-        "data.task_options": '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}',
+        "data.task_options": (
+            '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}'
+        ),
         "data.instruction": " Answer with the number only.",
         "rollout.batch_size": 4,
         "rollout.n_samples_per_prompt": 4,
@@ -573,9 +573,6 @@ def validate(cfg) -> None:
                 f"--replay.ratio {r.ratio} x {cfg.rollout.batch_size * G} fresh rollouts is less than one update "
                 f"of --train.batch_size {cfg.train.batch_size}: nothing would be replayed"
             )
-    from .evaluation import eval_errors  # W&B installed and logged in, --eval.* (before Ray starts)
-    from .metrics import logging_errors
-
     errors += logging_errors(cfg) + eval_errors(cfg)
     errors += value_errors(cfg)
     errors += hilore_errors(cfg.hilore)
@@ -676,4 +673,57 @@ def value_errors(cfg) -> List[str]:
             errors.append("--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)")
         elif importlib.util.find_spec("vllm") is None:
             errors.append("--vllm.num_engines > 0 needs vllm: pip install 'hilore-actor[gpu]'")
+    return errors
+
+
+def eval_errors(cfg) -> List[str]:
+    """``validate``'s part for ``--eval.*`` (the file itself is read in ``run``, before Ray)."""
+    e, errors = cfg.eval, []
+    if e.max_samples < 1:
+        errors.append(f"--eval.max_samples must be >= 1, got {e.max_samples}")
+    if e.dataset and e.dataset.split(":")[0] in ("rg", "toy"):
+        errors.append(
+            f"--eval.dataset {e.dataset}: a held-out set is a .jsonl file (a generated task would draw "
+            "its problems with the training task's seed)"
+        )
+    return errors
+
+
+WANDB_ONLINE = ("online", "run", "shared")
+
+
+def logging_errors(cfg) -> List[str]:
+    """``validate``'s part for ``--logger.*``: W&B installed and, online, logged in (checked
+    without network, before Ray starts)."""
+    errors = []
+    if cfg.logger.samples_per_step < 0:
+        errors.append(f"--logger.samples_per_step must be >= 0, got {cfg.logger.samples_per_step}")
+    w = cfg.logger.wandb
+    if not (w.enable or w.key):
+        return errors
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return errors + ["--use_wandb needs the wandb package: pip install 'hilore-actor[wandb]' (or wandb)"]
+    import wandb
+
+    try:
+        mode = wandb.setup().settings.mode
+    except Exception as e:  # noqa: BLE001  e.g. WANDB_MODE=nonsense (a pydantic ValidationError)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        why = next((ln for ln in lines if "should be" in ln), lines[0])  # pydantic's line naming the choices
+        env = os.environ.get("WANDB_MODE")
+        return errors + [f"--use_wandb: W&B's settings do not load (WANDB_MODE={env!r}): {why}"]
+    if mode in WANDB_ONLINE and not w.key:
+        try:
+            ok = wandb.login(prompt=False)  # no network: it reads WANDB_API_KEY / ~/.netrc
+        except Exception as e:  # noqa: BLE001  a malformed WANDB_API_KEY
+            ok, why = False, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        else:
+            why = "no API key"
+        if not ok:
+            errors.append(
+                f"--use_wandb: W&B is online and has {why}: run `wandb login`, set WANDB_API_KEY or "
+                "--logger.wandb.key, or log offline with WANDB_MODE=offline"
+            )
     return errors

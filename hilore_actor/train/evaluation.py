@@ -17,19 +17,6 @@ from typing import Callable, Dict, List, Tuple
 from .metrics import pick_samples
 
 
-def eval_errors(cfg) -> List[str]:
-    """``validate``'s part for ``--eval.*`` (the file itself is read in ``run``, before Ray)."""
-    e, errors = cfg.eval, []
-    if e.max_samples < 1:
-        errors.append(f"--eval.max_samples must be >= 1, got {e.max_samples}")
-    if e.dataset and e.dataset.split(":")[0] in ("rg", "toy"):
-        errors.append(
-            f"--eval.dataset {e.dataset}: a held-out set is a .jsonl file (a generated task would draw "
-            "its problems with the training task's seed)"
-        )
-    return errors
-
-
 def load_eval_task(cfg, load_prompts: Callable):
     """The held-out task (its first ``--eval.max_samples`` prompts) through the training data's
     loader, so a missing or malformed file fails before Ray starts; None without ``--eval.dataset``."""

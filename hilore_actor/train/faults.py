@@ -24,7 +24,7 @@ commas):
 - ``unshared:<rank>``: that rank's node cannot see the checkpoint folder; the job stops before
   any learner starts (``placement.check_shared``).
 
-``*`` stands for any rank or step (``learner/faults.py`` reads the variable).
+``*`` stands for any rank or step (``learner/fault_injection.py`` reads the variable).
 
 A damaged checkpoint is handled by ``checkpoint.CheckpointDir.resumable``.
 """
@@ -35,7 +35,7 @@ import os
 import signal
 from typing import Optional
 
-from ..learner.faults import injected
+from ..learner.fault_injection import injected
 
 
 class StopRequest:

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .config import flatten_ns, world_size
+from .errors import JobError
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
 PASS_ENV = (
@@ -23,10 +24,6 @@ PASS_ENV = (
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
 )
-
-
-class JobError(RuntimeError):
-    """A failure the user can act on; ``main`` prints it without a traceback."""
 
 
 class Job:

@@ -34,8 +34,8 @@ import torch
 from ..grpo.microbatch import Microbatch, microbatch_loss
 from .config import hierarchize, lora_spec, param_dtype, plan_tokens, replay_sequences, world_size, worker_device
 from ..learner.coordinator import call
-from ..learner.faults import injected
-from ..recovery.state import ACTIONS
+from ..learner.fault_injection import injected
+from ..recovery.labels import ACTIONS
 from ..runtime.distributed import init_deepspeed_distributed
 
 
@@ -127,15 +127,14 @@ class Learner:
 
     def _plan(self, model, resume_dir: Optional[str]):
         """B, and for hilore the validated plan, before DeepSpeed (``learner/plan.py``)."""
-        from ..learner.plan import plan_before_wrapping, restore_rank_plan
+        from ..learner.plan import plan_before_wrapping, restore_rank_planner
         from ..learner.scope import estimate_resident
+        from .checkpoint import read_state
 
         cfg = self.cfg
-        saved = Path(resume_dir) / f"hilore_rank{self.rank}.json" if resume_dir else None
-        if saved is not None and saved.is_file() and not self._replan(resume_dir):  # same budget and plan, no profiling
-            return restore_rank_plan(
-                model, json.loads(saved.read_text()), cfg.hilore, self.loss_fn, self.backend, self._log
-            )
+        saved = read_state(resume_dir)["ranks"] if resume_dir else []
+        if self.rank < len(saved) and not self._replan(resume_dir):  # same budget and plan, no profiling
+            return restore_rank_planner(model, saved[self.rank], cfg.hilore, self.loss_fn, self.backend, self._log)
         return plan_before_wrapping(
             # the driver sets --hilore.plan_tokens from the real prompts; --data.prompt_max_len bounds them
             model,
@@ -194,7 +193,7 @@ class Learner:
         """ZeRO-3: a rank whose plan stores nothing runs torch's layer checkpointing, not the
         engine, and joins neither ``agree_actions`` nor the engine's gathers: where one rank's plan
         is all R, every rank's is (the agreed actions would be all R anyway)."""
-        if not self._zero3_engine or self.plan.hl is None:
+        if not self._zero3_engine or self.plan.planner is None:
             return False
         from ..learner.lockstep import agree_max
         from ..recovery.policies import stores_nothing
@@ -289,7 +288,7 @@ class Learner:
 
     def update(self, step: int, u: int) -> Dict:
         """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
-        from ..learner.step import report
+        from ..learner.microbatch_run import report
 
         _fault("learner", self.rank, step)
         rows = self.rows[u * self.gas : (u + 1) * self.gas]
@@ -344,7 +343,7 @@ class Learner:
         backward, or under ZeRO-3 (whose forward gathers parameters with the other ranks), is
         not recoverable: the error names it."""
         from ..allocation.runner import token_scores
-        from ..learner.step import out_of_memory, run_microbatch
+        from ..learner.microbatch_run import out_of_memory, run_microbatch
 
         rng = torch.random.get_rng_state(), (torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
         stage = "forward"
@@ -421,14 +420,14 @@ class Learner:
         from dataclasses import asdict
 
         from ..allocation.calibration import calibrate_levels
-        from ..recovery.state import codec_levels
+        from ..recovery.labels import codec_levels
 
         if not self.plan.calibration_pending or self.rec is None:
             return None
         mbs = [self._microbatch(r) for r in self.rows[:n]]
         t = time.perf_counter()
         with self._side_runner() as runner:
-            cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], cap=self.plan.hl.budget)
+            cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], room=self.plan.planner.room)
         self._log(
             f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s"
         )
@@ -506,6 +505,8 @@ class Learner:
 
     def save(self, path: str) -> None:
         """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""
+        from .checkpoint import rank_file, versioned
+
         p = Path(path)
         self.ds.save_checkpoint(str(p), tag="ds", save_latest=False)
         torch.save(
@@ -515,7 +516,7 @@ class Learner:
             },
             p / f"rng_rank{self.rank}.pt",
         )
-        (p / f"hilore_rank{self.rank}.json").write_text(json.dumps(self.plan.state()))
+        rank_file(p, self.rank).write_text(json.dumps(versioned(self.plan.state())))
 
     def load(self, path: str) -> None:
         p = Path(path)

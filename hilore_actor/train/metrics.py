@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .config import flatten_ns
+from .errors import JobError
+
 # metrics.jsonl key -> TensorBoard / W&B name; nested keys keep their tail (peak_over_budget/0)
 TAGS = {
     "reward_mean": "reward/mean",
@@ -213,8 +216,6 @@ def wandb_options(cfg) -> Optional[Dict]:
     w = cfg.logger.wandb
     if not (w.enable or w.key):
         return None
-    from .config import flatten_ns
-
     config = {k: v for k, v in flatten_ns(cfg).items() if k != "logger.wandb.key"}
     return dict(
         project=w.project,
@@ -239,54 +240,12 @@ def _start_wandb(opts: Dict):
     try:
         wandb.init(**opts)
     except Exception as e:  # noqa: BLE001  wandb raises many kinds (UsageError, CommError, AuthenticationError ...)
-        from .job import JobError
-
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise JobError(
             f"W&B did not start ({type(e).__name__}: {first}); WANDB_MODE=offline logs without network, "
             "`wandb sync` uploads later"
         ) from None
     return wandb
-
-
-WANDB_ONLINE = ("online", "run", "shared")
-
-
-def logging_errors(cfg) -> List[str]:
-    """``validate``'s part for these flags: W&B installed and, online, logged in (checked
-    without network, before Ray starts)."""
-    errors = []
-    if cfg.logger.samples_per_step < 0:
-        errors.append(f"--logger.samples_per_step must be >= 0, got {cfg.logger.samples_per_step}")
-    w = cfg.logger.wandb
-    if not (w.enable or w.key):
-        return errors
-    import importlib.util
-
-    if importlib.util.find_spec("wandb") is None:
-        return errors + ["--use_wandb needs the wandb package: pip install 'hilore-actor[wandb]' (or wandb)"]
-    import wandb
-
-    try:
-        mode = wandb.setup().settings.mode
-    except Exception as e:  # noqa: BLE001  e.g. WANDB_MODE=nonsense (a pydantic ValidationError)
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-        why = next((ln for ln in lines if "should be" in ln), lines[0])  # pydantic's line naming the choices
-        env = os.environ.get("WANDB_MODE")
-        return errors + [f"--use_wandb: W&B's settings do not load (WANDB_MODE={env!r}): {why}"]
-    if mode in WANDB_ONLINE and not w.key:
-        try:
-            ok = wandb.login(prompt=False)  # no network: it reads WANDB_API_KEY / ~/.netrc
-        except Exception as e:  # noqa: BLE001  a malformed WANDB_API_KEY
-            ok, why = False, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        else:
-            why = "no API key"
-        if not ok:
-            errors.append(
-                f"--use_wandb: W&B is online and has {why}: run `wandb login`, set WANDB_API_KEY or "
-                "--logger.wandb.key, or log offline with WANDB_MODE=offline"
-            )
-    return errors
 
 
 def _scalars(d: Dict, prefix: str = "") -> Dict[str, float]:

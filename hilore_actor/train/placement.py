@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from typing import List, Tuple
 
-from ..learner.faults import injected
+from ..learner.fault_injection import injected
 
 READY_S = 300
 PROBE_DIR = ".probe"

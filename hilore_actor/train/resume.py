@@ -14,15 +14,16 @@ the driver compares them with this run's (``check``), so a resumed run is the ru
 - anything else is applied as given: ``--max_steps``, logging, checkpoint cadence, loss and sampling
   settings, rollout workers.
 
-Checkpoints from before ``config`` was saved resume as before: only the world size and the budget
-settings kept with the plan can be checked, and the driver says so.
+A checkpoint whose files kept no flags (``partial_config``, ``checkpoint.migrate``) is checked on
+what its files tell: the world size and the budget settings kept with the plan; the driver says so.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Callable, Dict, List, Tuple
+
+from .checkpoint import WORLD, read_state
 
 MODEL = (
     "actor.model_name_or_path",
@@ -38,7 +39,6 @@ DATA = ("train.seed", "rollout.batch_size", "rollout.n_samples_per_prompt", "tra
 DATA_PREFIXES = ("data.", "reward.")
 REPLAN = ("actor.backend", "train.micro_batch_size")
 REPLAN_PREFIXES = ("hilore.",)
-WORLD = "world_size"  # not a flag: --actor.num_nodes x --actor.num_gpus_per_node
 
 REASONS = {  # why each class is refused
     "model": "the checkpoint's weights and optimizer state are for its model setup",
@@ -66,31 +66,10 @@ def _settings(flat: Dict) -> Dict:
     return out
 
 
-def _legacy(folder: Path) -> Dict:
-    """What a checkpoint saved before ``config`` still tells: its world size (one RNG file per rank)
-    and the budget settings rank 0's plan keeps."""
-    ranks = len(list(folder.glob("rng_rank*.pt")))
-    out: Dict = {WORLD: ranks} if ranks else {}
-    plan = folder / "hilore_rank0.json"
-    if plan.is_file():
-        info = json.loads(plan.read_text()).get("info", {})
-        for key, field in (
-            ("hilore.budget", "budget_spec"),
-            ("hilore.budget_scope", "budget_scope"),
-            ("hilore.plan_tokens", "plan_tokens"),
-            ("hilore.fill", "fill"),
-        ):
-            if field in info:
-                out[key] = info[field]
-    return out
-
-
 def checkpoint_settings(folder) -> Tuple[Dict, bool]:
-    """(the checkpoint's flags, whether they are complete: False for one saved before ``config``)."""
-    folder = Path(folder)
-    meta = folder / "meta.json"
-    config = json.loads(meta.read_text()).get("config") if meta.is_file() else None
-    return (config, True) if config else (_legacy(folder), False)
+    """(the checkpoint's flags, whether they are complete: False where its files kept none)."""
+    meta = read_state(folder)["meta"]
+    return meta["config"], not meta.get("partial_config", False)
 
 
 def _same(key: str, a, b) -> bool:
@@ -167,7 +146,7 @@ def check(folder, flat: Dict, log: Callable[[str], None] = _say) -> List[str]:
         )
     if not complete:
         log(
-            f"[train] {folder} predates checkpoints that keep their flags: only the world size and the budget "
+            f"[train] {folder} keeps no flags of its run: only the world size and the budget "
             f"settings are checked; the model, LoRA, dtype, optimizer and data flags must be the run's"
         )
     replan = [k for k in diff if _kind(k) == "replan"]

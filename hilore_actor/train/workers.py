@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from .config import hierarchize, param_dtype, worker_device
-from ..learner.faults import injected, reconstructed
+from ..learner.fault_injection import injected, reconstructed
 
 
 def _fault(index: int, step: int) -> None:

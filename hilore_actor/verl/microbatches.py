@@ -2,7 +2,7 @@
 
 verl's loop (``FSDPEngine.forward_backward_batch``) calls ``forward_step`` (model forward,
 log-probs, the configured loss) and then ``loss.backward()`` itself, for each micro-batch. The
-learner room's microbatch (``learner/step.py``: meter -> plan sized to the tokens ->
+learner room's microbatch (``learner/microbatch_run.py``: meter -> plan sized to the tokens ->
 recovery-engine step -> actions -> peak report -> tighten) must span both, so here a
 microbatch opens in ``forward_step`` and closes when the engine's per-micro-batch context
 exits (``engine.py``), or at the latest when the next one opens or the batch ends.
@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..learner.step import report, run_microbatch
+from ..learner.microbatch_run import report, run_microbatch
 from .token_weights import differentiable, flat_gradient, flat_mask, to_input_layout
 
 

@@ -25,9 +25,9 @@ KEYS = ("log_probs", "entropy")
 def differentiable(model_output: Dict) -> Dict[str, torch.Tensor]:
     """``model_output[k]`` for k in ``KEYS`` (when present and differentiable) replaced by its
     flat values, returned per key: verl's slicing takes a flat ``(total_nnz,)`` tensor as it
-    takes a nested one, and a gradient w.r.t. a flat tensor is a plain one. (Crashes once
-    blamed on nested graphs were the CPU meter's profiler stopped inside verl's micro-batch
-    scope: ``engine.py``.)"""
+    takes a nested one, and a gradient w.r.t. a flat tensor is a plain one. (A crash inside
+    verl's micro-batch scope comes from the CPU meter's profiler stopping there, not from a
+    nested graph: ``engine.py``.)"""
     held = {}
     for k in KEYS:
         t = model_output.get(k)
