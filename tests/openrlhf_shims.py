@@ -2,7 +2,8 @@
 
 OpenRLHF 0.11.2 imports ``vllm`` (``openrlhf.trainer.ray``) and ``flash_attn``
 (``openrlhf.models.ring_attn_utils``) at module top level. Neither installs on a CPU machine.
-``install()`` makes every ``vllm.*`` import and OpenRLHF's module-level ``flash_attn`` imports succeed with a module whose
+``install()`` makes every ``vllm.*`` import and OpenRLHF's module-level ``flash_attn`` imports succeed with a
+module whose
 attributes raise when called. The tests run OpenRLHF code that never calls them: ``Actor``
 without sample packing (packing is what uses flash_attn's unpad helpers), ``PolicyLoss``,
 ``compute_approx_kl``, ``ActorPPOTrainer.training_step`` (no vLLM weight sync) and the

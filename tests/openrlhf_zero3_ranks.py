@@ -13,7 +13,8 @@ plan stores nothing (as after a ``tighten`` of its own), which every rank must f
 
 CPU stand-ins, and only these: ``torch.cuda`` device calls (``set_device``,
 ``current_device`` -> the CPU, ``synchronize``), OpenRLHF's ``init_device_mesh("cuda")`` on the
-CPU, OpenRLHF's ZeRO-3 loading patch for transformers 5.15 left out (see ``rank_main``), DeepSpeed's ``torch_adam`` (its fused Adam is a CUDA/JIT kernel), the budget coordinator
+CPU, OpenRLHF's ZeRO-3 loading patch for transformers 5.15 left out (see ``rank_main``),
+DeepSpeed's ``torch_adam`` (its fused Adam is a CUDA/JIT kernel), the budget coordinator
 a plain object (no Ray), and the vllm/flash_attn import shims (``openrlhf_shims.py``).
 ``--ds.enable_sleep`` is left out: DeepSpeed's ``offload_states`` takes only its FusedAdam
 (``stage3.py``: "Offloading is supported only for DeepSpeed FusedAdam"), a CUDA kernel; that

@@ -54,7 +54,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # 34 s on 2 cores; the tighten directives are checked against brute force in test_directives_match_brute_force
+# 34 s on 2 cores; the tighten directives are checked against brute force in test_directives_match_brute_force
+@pytest.mark.slow
 def test_rank_forced_over_budget_tightens_and_recovers(monkeypatch):
     """One real learner rank (DeepSpeed ZeRO-2, world 1, hilore-hr). Its plan is validated for
     1.10 x gc; then the coordinator lowers its B below the peak that plan reaches. The first

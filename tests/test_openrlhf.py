@@ -474,7 +474,7 @@ def test_chunked_head_matches_openrlhfs_forward_with_a_lower_peak(orl, eager):
     measured peak of that step lower."""
     from openrlhf.models import Actor
 
-    from hilore_actor.openrlhf.chunked_head import install
+    from hilore_actor.openrlhf.actor_forward import install
     from hilore_actor.runtime import MemoryMeter
 
     seed = torch.seed() % 2**31
@@ -607,7 +607,7 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     import torch.distributed as dist
     from openrlhf.models import Actor
 
-    from hilore_actor.openrlhf.chunked_head import install
+    from hilore_actor.openrlhf.actor_forward import install
     from hilore_actor.openrlhf.verify import experience, flat_gradient
 
     for k, v in dict(
@@ -688,7 +688,7 @@ def test_chunked_head_with_packed_samples(orl, monkeypatch, eager):
     as OpenRLHF's packed forward."""
     from openrlhf.models import Actor
 
-    from hilore_actor.openrlhf.chunked_head import install
+    from hilore_actor.openrlhf.actor_forward import install
     from hilore_actor.openrlhf.verify import experience
 
     _torch_padding(monkeypatch)
@@ -932,12 +932,14 @@ DOCUMENTED_RL = (
     "--ref.num_nodes 1 --ref.num_gpus_per_node 8 --reward.num_nodes 1 --reward.num_gpus_per_node 8 "
     "--critic.num_nodes 1 --critic.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8 "
     "--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.5 "
-    "--actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture --reward.model_name_or_path OpenRLHF/Llama-3-8b-rm-700k "
+    "--actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture --reward.model_name_or_path "
+    "OpenRLHF/Llama-3-8b-rm-700k "
     "--ckpt.output_dir /openrlhf/final/llama3-8b-rlhf --ckpt.path /openrlhf/ckpt/llama3-8b-rlhf --ckpt.save_hf "
     "--train.batch_size 128 --rollout.batch_size 1024 --train.dynamic_batch_enable --rollout.n_samples_per_prompt 8 "
     "--train.max_epochs 1 --data.max_len 2048 --data.max_samples 100000 --rollout.max_new_tokens 1024 "
     "--ds.zero_stage 3 --ds.param_dtype bf16 --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 "
-    "--data.prompt_dataset OpenRLHF/prompt-collection-v0.1 --data.input_key context_messages --data.apply_chat_template "
+    "--data.prompt_dataset OpenRLHF/prompt-collection-v0.1 --data.input_key context_messages "
+    "--data.apply_chat_template "
     "--reward.normalize_enable --actor.gradient_checkpointing_enable --ds.packing_samples --vllm.sync_backend nccl "
     "--vllm.enforce_eager --vllm.enable_sleep --ds.enable_sleep --algo.advantage.estimator group_norm"
 ).split()
@@ -946,12 +948,15 @@ DOCUMENTED_RL = (
 LORA_ZERO2_GRPO = (
     "--ref.num_nodes 1 --ref.num_gpus_per_node 4 --actor.num_nodes 1 --actor.num_gpus_per_node 4 "
     "--vllm.num_engines 2 --vllm.tensor_parallel_size 1 --train.colocate_actor_ref "
-    "--actor.model_name_or_path Qwen/Qwen2.5-3B-Instruct --data.prompt_dataset /data/math.jsonl --data.input_key prompt "
+    "--actor.model_name_or_path Qwen/Qwen2.5-3B-Instruct --data.prompt_dataset /data/math.jsonl "
+    "--data.input_key prompt "
     "--data.apply_chat_template --ds.zero_stage 2 --ds.param_dtype bf16 --ds.lora.rank 16 --ds.lora.alpha 32 "
     "--ds.lora.target_modules all-linear --rollout.n_samples_per_prompt 8 --algo.advantage.estimator group_norm "
-    "--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 0.001 --train.batch_size 128 --rollout.batch_size 128 "
+    "--algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 0.001 --train.batch_size 128 "
+    "--rollout.batch_size 128 "
     "--train.micro_batch_size 4 --rollout.micro_batch_size 8 --data.max_len 4096 --rollout.max_new_tokens 3072 "
-    "--actor.adam.lr 1e-6 --ds.packing_samples --actor.gradient_checkpointing_enable --vllm.enable_sleep --ds.enable_sleep"
+    "--actor.adam.lr 1e-6 --ds.packing_samples --actor.gradient_checkpointing_enable --vllm.enable_sleep "
+    "--ds.enable_sleep"
 ).split()
 
 

@@ -33,7 +33,7 @@ def verl_env(tmp_path_factory):
     import torch.distributed as dist
     from verl.plugin.platform import platform_manager
 
-    from hilore_actor.verl.engine import register_for
+    from hilore_actor.verl.fsdp_engine import register_for
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -269,7 +269,7 @@ def test_a_worker_without_cuda_stops_with_one_message(verl_env, monkeypatch):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
-    import hilore_actor.verl.engine as engine_mod
+    import hilore_actor.verl.fsdp_engine as engine_mod
     import verl.utils.device
 
     path, seed = verl_env
@@ -292,7 +292,7 @@ def test_the_training_engine_turns_verls_activation_offload_off(verl_env, monkey
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    import hilore_actor.verl.engine as engine_mod
+    import hilore_actor.verl.fsdp_engine as engine_mod
 
     path, seed = verl_env
     _hilore(monkeypatch)
@@ -323,7 +323,7 @@ def test_the_training_engine_turns_verls_activation_offload_off(verl_env, monkey
 def test_registration_is_idempotent(verl_env):
     from verl.workers.engine import EngineRegistry
 
-    from hilore_actor.verl.engine import BACKEND, HiLoReFSDPEngine, register_for
+    from hilore_actor.verl.fsdp_engine import BACKEND, HiLoReFSDPEngine, register_for
 
     register_for(("cpu",))
     register_for(("cpu",))

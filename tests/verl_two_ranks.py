@@ -40,7 +40,7 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
     platform_manager.set_platform(verl_cpu.cpu_platform())
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from hilore_actor.verl import verify
-    from hilore_actor.verl.engine import register_for
+    from hilore_actor.verl.fsdp_engine import register_for
     from hilore_actor.verl.settings import CONFIG_ENV
 
     register_for(("cpu",))

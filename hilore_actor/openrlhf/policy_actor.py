@@ -283,7 +283,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
             self.trainer, plan, device, self.actor.model, register=lambda b: call(coordinator.register, rank, b)
         )
         if hcfg.chunked_head and strategy.args.ds.zero_stage < 3:
-            from .chunked_head import install
+            from .actor_forward import install
 
             install(self.actor)
         strategy.print(f"[hilore] rank {rank}: B = {plan.budget / 2**30:.2f} GiB, plan {plan.info.get('plan')}")

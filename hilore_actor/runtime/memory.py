@@ -29,7 +29,7 @@ Both report ``peak_bytes``: the peak of live bytes above what was live when the 
 The profiler slows CPU code down, so measure peaks and times in separate passes. On CPU, end
 a meter outside every ``torch.profiler.record_function`` scope that began after it: a scope
 that began under the profiler and ends after it stopped writes into the freed profiler (heap
-corruption, seen as later segfaults; verl opens one per micro-batch: ``verl/engine.py``).
+corruption, seen as later segfaults; verl opens one per micro-batch: ``verl/fsdp_engine.py``).
 
 ``default_allocator_settings``: ``expandable_segments:True`` for processes that train, unless
 the user chose allocator settings (fewer bytes reserved beyond those allocated). Not where

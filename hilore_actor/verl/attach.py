@@ -1,4 +1,4 @@
-"""Plan and attach HiLoRe to a verl FSDP engine that verl has just built (``engine.py``, step 3).
+"""Plan and attach HiLoRe to a verl FSDP engine that verl has just built (``fsdp_engine.py``, step 3).
 
 The plan is made on the wrapped model, under the autocast verl trains with, with synthetic GRPO
 microbatches of the planning size (``learner/plan.py``), by rank 0 while the other FSDP ranks

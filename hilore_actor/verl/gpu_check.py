@@ -111,7 +111,7 @@ def import_engine_path(allowed=STAND_INS):
             importlib.import_module(mod)
             sys.modules["verl.utils.dataset"] = dataset_package_without_init()
             used.append("verl.utils.dataset")
-        for mod in ENGINE_IMPORTS + ("hilore_actor.verl.engine",):
+        for mod in ENGINE_IMPORTS + ("hilore_actor.verl.fsdp_engine",):
             importlib.import_module(mod)
     except ModuleNotFoundError as e:
         return used, e.name if e.name == mod else f"{e.name} (imported by {mod}: {e})"

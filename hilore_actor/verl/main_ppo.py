@@ -6,7 +6,7 @@ unknown keys; ``settings.py``), checks them, composes verl's config once to read
 engine cannot see (the planning microbatch's tokens, the group size, the clip and KL options),
 and runs ``verl.trainer.main_ppo.main`` with:
 
-- ``actor_rollout_ref.actor.strategy=hilore`` (the registry key of ``engine.py``; the reference
+- ``actor_rollout_ref.actor.strategy=hilore`` (the registry key of ``fsdp_engine.py``; the reference
   model inherits it and runs verl's forward unchanged);
 - HiLoRe's settings and the job facts as one base64 JSON variable, in this process and, through
   ``+ray_kwargs.ray_init.runtime_env.env_vars``, in every Ray worker, beside
@@ -19,7 +19,7 @@ HF gradient checkpointing) are turned off, one line each. A bad override, a miss
 actor strategy other than FSDP (``strategy=megatron``, ``--config-name ppo_megatron_trainer``)
 stops here with one line and exit code 2; these checks compose verl's config from its YAML files
 without importing verl, so none of verl's import-time warnings follows that line. A worker
-without CUDA stops in the worker (``engine.py``). ``--help`` lists HiLoRe's overrides (``usage``).
+without CUDA stops in the worker (``fsdp_engine.py``). ``--help`` lists HiLoRe's overrides (``usage``).
 """
 
 from __future__ import annotations

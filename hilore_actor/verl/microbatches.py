@@ -5,7 +5,7 @@ log-probs, the configured loss) and then ``loss.backward()`` itself, for each mi
 learner room's microbatch (``learner/microbatch_run.py``: meter -> plan sized to the tokens ->
 recovery-engine step -> actions -> peak report -> tighten) must span both, so here a
 microbatch opens in ``forward_step`` and closes when the engine's per-micro-batch context
-exits (``engine.py``), or at the latest when the next one opens or the batch ends.
+exits (``fsdp_engine.py``), or at the latest when the next one opens or the batch ends.
 Between loss and backward, inside verl's loss call, the actions are set from omega = d loss /
 d log-prob (Eq. 4; ``token_weights.py``), plus |d loss / d entropy| per token when the recipe
 has an entropy term (it reaches the weights through the logits, not the log-probs; the same

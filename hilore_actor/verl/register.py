@@ -6,6 +6,6 @@ Loaded through verl's plugin hooks, so verl is never forked: the ``verl.plugins`
 driver's and the Ray workers' environment. Idempotent (both hooks may fire in one process).
 """
 
-from .engine import register
+from .fsdp_engine import register
 
 register()

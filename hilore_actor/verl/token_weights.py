@@ -27,7 +27,7 @@ def differentiable(model_output: Dict) -> Dict[str, torch.Tensor]:
     flat values, returned per key: verl's slicing takes a flat ``(total_nnz,)`` tensor as it
     takes a nested one, and a gradient w.r.t. a flat tensor is a plain one. (A crash inside
     verl's micro-batch scope comes from the CPU meter's profiler stopping there, not from a
-    nested graph: ``engine.py``.)"""
+    nested graph: ``fsdp_engine.py``.)"""
     held = {}
     for k in KEYS:
         t = model_output.get(k)

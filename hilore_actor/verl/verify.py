@@ -47,7 +47,7 @@ def build_engine(
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from .engine import HiLoReFSDPEngine
+    from .fsdp_engine import HiLoReFSDPEngine
     from .settings import CONFIG_ENV, to_env
 
     prec = {"param_dtype": "bf16" if mixed else "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
@@ -239,7 +239,7 @@ def one_gpu_process_group(prog: str, port: str) -> bool:
         return False
     import torch.distributed as dist
 
-    from .engine import register
+    from .fsdp_engine import register
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", port)
