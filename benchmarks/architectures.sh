@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark's exactness check on the architectures GRPO users train most: for each, a tiny
-# random config (tests/arch_sweep.py's), then
+# random config (tests/helpers/arch_sweep.py's), then
 #   python -m benchmarks.bench --workload cpu-small --model-config <config.json>
 #       --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1
 # gc, all-H and all-R must give no-gc's gradient exactly; all-L's error is reported. About 15 s
@@ -19,7 +19,7 @@ ARCHS=("$@")
 CFG=$(mktemp -d)
 trap 'rm -rf "$CFG"' EXIT
 mkdir -p "$OUT"
-"$PY" tests/arch_sweep.py --configs "$CFG" "${ARCHS[@]}"
+"$PY" tests/helpers/arch_sweep.py --configs "$CFG" "${ARCHS[@]}"
 for a in "${ARCHS[@]}"; do
   echo "[architectures] $a"
   timeout "${TIMEOUT:-900}" "$PY" -m benchmarks.bench --workload cpu-small --model-config "$CFG/$a/config.json" \

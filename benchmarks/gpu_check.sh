@@ -41,8 +41,8 @@ BENCH=(--workload gpu-ref --device cuda --methods gc,no-gc,hilore-hr --budgets 1
        --budget-scope device --head chunked --repeats 3 --updates 1 --no-loo
        --json "$OUT/gpu-ref.json" "${EXTRA_BENCH[@]}")
 VERL=(--out "$OUT/verl.json" --workdir /tmp/hilore-verl-gpu-check "${EXTRA_VERL[@]}")
-# only tests that run CUDA: the CPU suites (tests/test_memory.py, tests/test_engine.py) took 15-163 s here
-TESTS=("tests/test_gpu_check.py::TestCuda" "${EXTRA_TEST[@]}")
+# only tests that run CUDA: the CPU suites (tests/runtime/test_memory.py, tests/recovery/test_engine.py) took 15-163 s here
+TESTS=("tests/benchmarks/test_gpu_check.py::TestCuda" "${EXTRA_TEST[@]}")
 PLANNER=benchmarks/gpu_check_plan.py  # standard library only; with python3 where $PY does not run
 PLAN_PY=$PY; "$PY" -c "" 2> /dev/null || PLAN_PY=python3
 TIMES=$("$PLAN_PY" "$PLANNER" --timeouts -- "${BENCH[@]}") || { echo "error: $PLANNER does not run" >&2; exit 1; }

@@ -29,7 +29,7 @@ MAX_TOTAL = 540  # seconds of timeouts, all stages together
 MIN_HEADROOM = 2.0  # timeout / estimate, every stage
 
 # the gpu-ref workload (benchmarks/bench/workloads.py) and the benchmark's defaults of the counted arguments
-# (benchmarks/bench/cli.py); tests/test_gpu_check.py keeps both equal to the benchmark's own
+# (benchmarks/bench/cli.py); tests/benchmarks/test_gpu_check.py keeps both equal to the benchmark's own
 GPU_REF = dict(
     num_layers=36,
     hidden_size=2048,

@@ -1,12 +1,28 @@
-"""Shared helpers: fresh random packed microbatches and a GRPO loss over them."""
+"""Shared helpers (fresh random packed microbatches, a GRPO loss over them) and the test tiers.
+
+Tiers (markers registered in ``pytest.ini``, assigned here at collection): ``slow`` is set by
+hand and is a tier of its own, out of the default run; of the others, ``integration`` is a test
+that runs Ray, two or more ranks, a DeepSpeed engine, OpenRLHF or verl, or starts a process (its
+module is in ``INTEGRATION_MODULES``, or it, a fixture it uses, or a function under ``tests/``
+either calls reaches a name of ``STARTS_PROCESSES``); every other test is ``unit``, and a unit
+test that starts a Python process or a ``multiprocessing`` one fails (``_unit_starts_nothing``).
+"""
 
 import contextlib
+import multiprocessing.process
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from hilore_actor.grpo import policy_loss
 from hilore_actor.models.logprobs import token_log_probs
+
+# rank and worker helpers (tests/helpers) import as top-level modules, here and in their own processes
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 def packed_microbatch(total: int, vocab: int, n_seqs: int = 3, seed=None):
@@ -76,7 +92,7 @@ def bench_setup(arch: str, num_layers: int, n_mbs: int):
     """A tiny LoRA model with LoRA B away from zero, ``n_mbs`` replayed 256-token microbatches,
     and one benchmark runner per head (fresh seed, printed)."""
     from hilore_actor.models import init_lora_b
-    from hilore_actor.bench.methods import head_runners
+    from benchmarks.bench.methods import head_runners
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.workloads import replayed_microbatches
@@ -104,7 +120,7 @@ def uninterrupted(tmp_path_factory):
 
 
 class _Chooser:
-    """Stands in for ``RankPlan.hl``: counts the side passes it was asked to keep state across."""
+    """Stands in for ``RankPlanner.planner``: counts the side passes it was asked to keep state across."""
 
     def __init__(self):
         self.entered = 0
@@ -116,14 +132,14 @@ class _Chooser:
 
 
 class FixedPlan:
-    """The parts of a ``RankPlan`` the learner room's sequences use: a fixed plan, its default
+    """The parts of a ``RankPlanner`` the learner room's sequences use: a fixed plan, its default
     actions, and a record of the tighten and observe calls."""
 
     def __init__(self, plan, budget=10**12):
         from types import SimpleNamespace
 
         self.sp, self.budget, self.track_tokens = SimpleNamespace(plan=plan), budget, False
-        self.tightened, self.observed, self.hl = [], [], _Chooser()
+        self.tightened, self.observed, self.planner = [], [], _Chooser()
 
     def for_tokens(self, tokens):
         return self.sp
@@ -132,7 +148,7 @@ class FixedPlan:
         return 0
 
     def actions(self, step, loss_output, sp=None):
-        from hilore_actor.recovery.state import DEFAULT_ACTION
+        from hilore_actor.recovery.labels import DEFAULT_ACTION
 
         return {n: DEFAULT_ACTION[q] for n, q in (sp or self.sp).plan.items()}
 
@@ -141,3 +157,100 @@ class FixedPlan:
 
     def observe(self, predicted_bytes, peak_bytes):
         self.observed.append((predicted_bytes, peak_bytes))
+
+
+TESTS = Path(__file__).resolve().parent
+# whole modules in the integration tier: OpenRLHF's or verl's engines (DeepSpeed, FSDP) in this process
+INTEGRATION_MODULES = {"test_openrlhf", "test_openrlhf_zero3", "test_verl", "test_verl_recipes", "test_verl_ulysses"}
+# names (globals, attributes, imports) whose use starts processes; pairs named together start Ray or
+# a DeepSpeed engine (importing either alone starts nothing)
+STARTS_PROCESSES = frozenset({"subprocess", "Popen", "spawn", "spawn_two", "start_processes", "Cluster"})
+STARTS_TOGETHER = ({"ray", "init"}, {"deepspeed", "initialize"})
+
+
+def _of_tests(obj) -> bool:
+    """Whether ``obj`` (a function or module) is defined in a file under ``tests/``."""
+    path = getattr(getattr(obj, "__code__", None), "co_filename", None) or getattr(obj, "__file__", None)
+    return bool(path) and TESTS in Path(path).resolve().parents
+
+
+def _starts_processes(code, namespace: dict, seen: set) -> bool:
+    """Whether ``code``, a function it defines, or a function under ``tests/`` it names (a global,
+    an import, or an attribute of a module under ``tests/``) uses a name of ``STARTS_PROCESSES``
+    or both names of a pair of ``STARTS_TOGETHER``."""
+    if code in seen:
+        return False
+    seen.add(code)
+    names = set(code.co_names)
+    if names & STARTS_PROCESSES or any(pair <= names for pair in STARTS_TOGETHER):
+        return True
+    nested = [(c, namespace) for c in code.co_consts if isinstance(c, types.CodeType)]
+    for name in names:
+        obj = namespace.get(name, sys.modules.get(name))
+        if isinstance(obj, types.ModuleType) and _of_tests(obj):
+            obj = [getattr(obj, n) for n in names if isinstance(getattr(obj, n, None), types.FunctionType)]
+        for f in obj if isinstance(obj, list) else [obj]:
+            if isinstance(f, types.FunctionType) and _of_tests(f):
+                nested.append((f.__code__, f.__globals__))
+    return any(_starts_processes(c, ns, seen) for c, ns in nested)
+
+
+def tier(item) -> str:
+    """``integration`` or ``unit`` (the module docstring)."""
+    if item.path.stem in INTEGRATION_MODULES:
+        return "integration"
+    seen = set()
+    fixtures = [d[-1].func for n, d in item._fixtureinfo.name2fixturedefs.items() if d and n != "_unit_starts_nothing"]
+    for f in [item.function] + fixtures:
+        f = getattr(f, "__wrapped__", f)
+        if _of_tests(f) and _starts_processes(f.__code__, f.__globals__, seen):
+            return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # a slow test is in the slow tier only, so `-m unit` and `-m integration` stay fast
+        if item.get_closest_marker("slow") is not None:
+            continue
+        if isinstance(item, pytest.Function) and not any(item.get_closest_marker(m) for m in ("unit", "integration")):
+            item.add_marker(tier(item))
+
+
+def _from_inductor() -> bool:
+    """Whether torch.compile's inductor is the caller (its compile workers and build probes)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "torch/_inductor/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refused(what: str):
+    raise RuntimeError(f"a unit test starts {what}: mark it integration (tests/conftest.py's INTEGRATION_MODULES)")
+
+
+@pytest.fixture(autouse=True)
+def _unit_starts_nothing(request, monkeypatch):
+    """A unit test may not start a Python process (torch.compile's own workers aside) nor a
+    ``multiprocessing`` one: the tier stays in one process."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    popen, start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def guarded_popen(self, args, *rest, **kwargs):
+        argv = [str(a) for a in ([args] if isinstance(args, (str, bytes, Path)) else args)]
+        python = argv and (argv[0] == sys.executable or Path(argv[0].split()[0]).name.startswith("python"))
+        if python and not _from_inductor():
+            _refused(f"a Python process ({' '.join(argv)[:200]})")
+        popen(self, args, *rest, **kwargs)
+
+    def guarded_start(self):
+        if not _from_inductor():
+            _refused("a multiprocessing process")
+        start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    yield

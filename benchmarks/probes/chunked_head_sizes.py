@@ -8,7 +8,7 @@ often and run small matmuls, large ones hold more logits.
 ``python -m benchmarks.probes.chunked_head_sizes [--out benchmarks/results/chunked_head_sizes]``
 writes ``results.json`` and ``results.md`` there. Timings are medians over interleaved repeats;
 peaks come from a separate pass under the CPU memory meter (``runtime/memory.py``). Maintained:
-``tests/test_benchmarks_probes.py`` runs it on a small head (every chunk size's gradient must equal
+``tests/benchmarks/test_benchmarks_probes.py`` runs it on a small head (every chunk size's gradient must equal
 the full head's)."""
 
 from __future__ import annotations

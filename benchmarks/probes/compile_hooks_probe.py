@@ -7,7 +7,7 @@ quotes (the opening paragraph's "Evidence" and the section "Probe output (excerp
 torch 2.13.0. ``MiniEngine`` below is a miniature copy of the engine's mechanism as it was when
 the probe ran, kept so that sections 1-4 (torch's behaviour: layouts, no_grad replays, dynamic
 shapes, SAC, GraphModule hooks) can be re-run on another torch; it is not the engine and is
-not kept in step with it. The engine on compiled units is tested by ``tests/test_compiled.py``
+not kept in step with it. The engine on compiled units is tested by ``tests/recovery/test_compiled.py``
 (H, R and P bitwise, L close, no recompiles), which is what keeps that claim true.
 
 A 2-layer, hidden-64 pre-norm decoder (SDPA attention, SiLU-gated MLP; 32 tokens) on CPU, each

@@ -4,7 +4,7 @@ whose compile-budget search only tried the ends of [0, 1].
 
 python -m benchmarks.probes.compile_probe --workload cpu-ref --room BYTES [--known 1.0=PEAK,0.0=PEAK] --json OUT
 
-Maintained with the benchmark: ``tests/test_benchmarks_probes.py`` runs it on cpu-small with a known
+Maintained with the benchmark: ``tests/benchmarks/test_benchmarks_probes.py`` runs it on cpu-small with a known
 peak that fits, so the search ends without compiling.
 """
 

@@ -444,7 +444,7 @@ class Planner:
     def accumulated_error(self, sp: ShapePlan, dev, accumulate: int) -> float:
         """Relative error of the gradient summed over each ``accumulate`` microbatches (an
         update), against exact gradients on the same inputs; the worst update. The exact
-        reference is all-R: bitwise equal to all-H (tests/test_engine.py), within B."""
+        reference is all-R: bitwise equal to all-H (tests/recovery/test_engine.py), within B."""
         worst = 0.0
         for i in range(0, len(dev), accumulate):
             g = g_ex = None

@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the rows and failures as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("error: this verification runs on a GPU; the CPU tests are tests/test_openrlhf.py")
+        raise SystemExit("error: this verification runs on a GPU; the CPU tests are tests/openrlhf/test_openrlhf.py")
     pretrain = _local_model(args.pretrain)
     with open(os.path.join(pretrain, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -48,7 +48,7 @@ def exact_reason(t: torch.Tensor, in_attention_core: bool = False) -> Optional[s
 # from zero but share the form). Round-to-nearest int8 turns every value below half a
 # quantum into zero, which flips those comparisons for the smallest activations and drops
 # their gradient: on tiny random OPT (ReLU) and Apertus (xIELU) all-L's gradient error was
-# above 5% for that alone (tests/test_rules.py compares both roundings). Inside these modules
+# above 5% for that alone (tests/recovery/test_rules.py compares both roundings). Inside these modules
 # L's codecs keep the sign (``Codec.encode(keep_sign=True)``: a nonzero value decodes to at
 # least one quantum of its sign); elsewhere they round to nearest, because sign-keeping moves
 # each value below half a quantum by up to a whole one, which costs error where nothing reads

@@ -23,7 +23,7 @@ Edge cases, named:
   and the 0-d tensors C++ makes of Python scalars are not tensors the dispatcher returns, so
   they are not counted: this meter's peak can be lower than the profiler's by an op's
   internal workspace (on a tiny llama's forward and backward, 16 bytes of 1.5 MB:
-  ``tests/test_memory.py``). The benchmark records
+  ``tests/runtime/test_memory.py``). The benchmark records
   which meter measured (``cpu_meter`` in its JSON); compare peaks from one meter only.
 - Ops run by autograd in backward pass through the dispatcher on the calling thread (CPU
   graphs), so gradients and the engine's buffers count; saved-tensor hooks' packed copies

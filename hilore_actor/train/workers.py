@@ -88,7 +88,7 @@ class VLLMRolloutWorker:
     name through ``vllm_sync.WeightSyncExtension`` (no pickled function, no message over
     ``vllm_sync.CHUNK_BYTES`` per tensor group). The engine is not exercised on CPU (vLLM's
     kernels are CUDA-only; see docs/testing.md, "What is tested where"); the sync is, against
-    a stand-in engine (tests/test_vllm_sync.py)."""
+    a stand-in engine (tests/train/test_vllm_sync.py)."""
 
     def __init__(self, flat_cfg: Dict, index: int):
         try:

@@ -12,7 +12,7 @@ floor); hilore: that plus 0.015) or a micro-batch peak over B.
 minutes; ``benchmarks/verl_gpu_verify.sh``): the model given, or the bundled SmolLM2 written
 as an HF directory; 8 sequences of 2048 tokens per batch, micro-batches of 4, remove-padding,
 ``flash_attention_2``, bf16 autocast over float32 master weights as verl trains. Exit status 1
-on any failure. The CPU tests drive the same builders on a tiny model (``tests/test_verl.py``).
+on any failure. The CPU tests drive the same builders on a tiny model (``tests/verl/test_verl.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""Two FSDP2 ranks over gloo on this CPU: verl's engine and HiLoRe's, planned in lockstep.
+
+``python tests/helpers/verl_two_ranks.py MODEL_DIR SEED OUT.json`` spawns two processes (one rank each,
+verl 0.9.1's real engine on the CPU platform of ``verl_cpu.py``) and writes what rank 0 saw;
+``tests/verl/test_verl.py`` runs it with a timeout (a planning pass one rank skipped would hang
+both in a collective) and asserts on the file.
+
+Per rank: verl's engine with its gradient checkpointing and HiLoRe's engine in mode hilore-hr,
+then in mode hilore (rank 0 plans, rank 1 replays: ``learner/lockstep.py``); one
+``forward_backward_batch`` each on that rank's own GRPO batch; the whole (reduced) LoRA
+gradient; then hilore-hr again with rank 1 forced all-R while rank 0 keeps its H/R plan, so
+the ranks take different actions in the same step.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import verl_cpu  # noqa: E402
+from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+
+SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
+JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
+
+
+def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True
+    )  # a hang: say where
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    from verl.plugin.platform import platform_manager
+
+    platform_manager.set_platform(verl_cpu.cpu_platform())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from hilore_actor.verl import verify
+    from hilore_actor.verl.fsdp_engine import register_for
+    from hilore_actor.verl.settings import CONFIG_ENV
+
+    register_for(("cpu",))
+    vocab = verl_cpu.TINY["vocab_size"]
+    td = verify.grpo_batch(seed + 100 + rank, vocab=vocab, full=True)  # each rank its own data
+    loss_fn = verify.ppo_loss_fn()
+
+    def build(kind, budget="1.2"):
+        try:
+            return verify.build_engine(kind, path, seed, settings={**SETTINGS, "budget": budget}, job=JOB)
+        finally:
+            os.environ.pop(CONFIG_ENV, None)
+
+    ref = verify.batch_gradient(build("verl"), td.clone(), loss_fn)
+    seen = {}
+    for kind, budget in (("hilore-hr", "1.2"), ("hilore", "1.4")):
+        engine = build(kind, budget)
+        g = verify.batch_gradient(engine, td.clone(), loss_fn)
+        mb = engine.hilore
+        seen[kind] = {
+            "equal": bool(torch.equal(g, ref)),
+            "rel": float((g - ref).norm() / ref.norm()),
+            "plan": {k: v for k, v in mb.plan.sp.plan.items()},
+            "budget": mb.plan.budget,
+            "counts": mb.last["counts"],
+            "peaks": list(mb.batch_peaks),
+        }
+        if kind == "hilore-hr":
+            if rank == 1:  # this rank recomputes everything; rank 0 keeps its mixed plan
+                mb._choose = lambda rec, loss, held, data: {n: "R" for n in rec.sp.plan}
+            g2 = verify.batch_gradient(engine, td.clone(), loss_fn)
+            seen["divergent"] = {"equal": bool(torch.equal(g2, ref)), "counts": mb.last["counts"]}
+    write_ranks(seen, out, world, ref_norm=float(ref.norm()))
+
+
+def main(argv) -> None:
+    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

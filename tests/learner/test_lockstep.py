@@ -1,0 +1,53 @@
+"""learner/lockstep.py on 2 CPU ranks (gloo, FSDP2): rank 0 leads, rank 1 replays every pass."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from ports import free_port
+
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+
+
+def test_followers_replay_every_pass_and_gradients_are_whole(tmp_path):
+    """Passes with a fixed action map, an online chooser (its choice reaches the follower) and
+    gradients (gathered whole on every rank: they equal the unsharded model's); the follower
+    leaves with rank 0's state. A missed pass would hang both ranks in a collective."""
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "lockstep_worker.py"),
+        str(seed),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    leader, follower = json.loads(lines[0][len("RESULT ") :])
+    assert leader["units"] >= 4 and leader["grads_equal"] == [True] * 4 and leader["peak_watched"]
+    assert follower["followed"] == 5 and follower["fixed_actions"] and follower["chooser_actions"]
+    assert follower["state"]["budget"] == 123 and len(follower["state"]["plan"]) == leader["units"]
+
+
+def test_zero3_ranks_agree_on_one_action_per_unit(tmp_path):
+    """Where the ranks' actions differ a unit is R on both (always allowed, never more
+    memory); where they agree it keeps its action."""
+    out = tmp_path / "ranks.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "agree_ranks.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert ranks[0]["agreed"] == ranks[1]["agreed"] == {"a": "H", "b": "R", "c": "R", "d": "P"}

@@ -1,0 +1,39 @@
+"""DeepSpeed ZeRO-3's parameter trace under plans that change per microbatch, on two gloo ranks
+(``zero3_trace_ranks.py``): replays in backward stay out of the coordinator."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+
+
+@pytest.mark.parametrize("zero", ["kept", "tight"])
+def test_zero3_trace_survives_changing_plans(zero, tmp_path):
+    """With the R (and P) units changing every microbatch, DeepSpeed never invalidates its trace
+    (it prefetches from the second step on, as without the engine); its count of available
+    parameter elements is the true one at every fetch and after every step (the first step's
+    offset is DeepSpeed's own: the same without the engine); gradients are no-gc's, bitwise.
+    ``zero``: whether forward's weights stay gathered for backward (``zero3_trace_ranks.ZERO``)."""
+    out = tmp_path / "ranks.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "zero3_trace_ranks.py"), str(out), zero],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    for r in json.loads(out.read_text())["ranks"]:
+        ref, got = r["no-gc"], r["hilore"]
+        print(got["invalidated_at"], [(s["plan"], s["counted"], s["resident"], s["drift"]) for s in got["steps"]])
+        assert ref["invalidated_at"] == [] and got["invalidated_at"] == []
+        assert got["steps"] == ref["steps"]
+        for s in got["steps"][1:]:
+            assert s["complete"] and s["counted"] == s["resident"] and s["drift"] == [0], s
+        assert all(r["bitwise"]) and len(r["bitwise"]) == len(got["steps"]) > 5
