@@ -164,7 +164,7 @@ def test_the_model_path_and_the_openrlhf_drop_in_share_the_rule(monkeypatch):
     """``chunked_token_log_probs`` (the job and the benchmark) and the OpenRLHF forward ask
     ``head_chunk_rows`` with the head's device, vocabulary, width and dtype."""
     from hilore_actor.models import chunked_head
-    from hilore_actor.openrlhf import chunked_head as orl_head
+    from hilore_actor.openrlhf import actor_forward as orl_head
 
     assert orl_head.head_chunk_rows is chunked_head.head_chunk_rows
     seen = []
