@@ -250,7 +250,8 @@ def architectures(results: Path) -> str:
     out = [
         "## Architectures through the benchmark (`bash benchmarks/architectures.sh`)",
         "",
-        "Per architecture: a tiny random config (`tests/helpers/arch_sweep.py`), then `python -m benchmarks.bench --workload "
+        "Per architecture: a tiny random config (`tests/helpers/arch_sweep.py`), "
+        "then `python -m benchmarks.bench --workload "
         "cpu-small --model-config <config.json> --methods no-gc,gc,all-h,all-r,all-l --repeats 1 --updates 1`; "
         "gradient error relative to no-gc on one update of 2 microbatches of 1024 tokens (random weights: L's error "
         "shows that L acts, not its cost on a real model). The sweep over every architecture: "

@@ -15,6 +15,7 @@ def main():
     from deepspeed.utils import safe_get_full_grad
 
     sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's helpers
     from conftest import grpo_loss, packed_microbatch
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine, apply_baseline

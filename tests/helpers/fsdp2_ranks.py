@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's helpers
 from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 # plan, then the actions set after forward (None: the plan's own); "online" is the chooser's

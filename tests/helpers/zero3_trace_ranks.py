@@ -15,6 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's helpers
 from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 # one letter per unit, repeated over the units; "R": every unit (whole-layer replays)

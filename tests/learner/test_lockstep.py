@@ -43,7 +43,11 @@ def test_zero3_ranks_agree_on_one_action_per_unit(tmp_path):
     memory); where they agree it keeps its action."""
     out = tmp_path / "ranks.json"
     r = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "agree_ranks.py"), str(out)],
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "agree_ranks.py"),
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -147,7 +147,7 @@ def test_zero3_export_gathers_module_by_module_on_two_ranks(tmp_path):
         "--nproc_per_node=2",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        os.path.join(os.path.dirname(__file__), "zero3_export_ranks.py"),
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "zero3_export_ranks.py"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
