@@ -277,6 +277,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "max_steps": 2,
         "hilore.calibration_batches": 2,
         "hilore.profile_repeats": 1,
+        "hilore.loo": False,  # a tiny unit's saving is milliseconds: leave-one-out would time noise
         "save_path": "runs/tiny",
     },
 }

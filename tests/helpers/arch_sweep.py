@@ -57,6 +57,11 @@ SIZES = {
     "ffn_dim": 96,
     "n_group": 1,
     "topk_group": 1,
+    "mamba_d_ssm": 128,  # state-space mixers at the same width: heads x head dim = expand x hidden
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
 }
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 SEQ = 32

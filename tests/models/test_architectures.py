@@ -3,7 +3,7 @@
 layers cut by structure or a clear whole-layer fallback, never a traceback; and the table in
 ``docs/architectures.md`` is what the sweep finds.
 
-The whole registry takes over three minutes on 2 cores, so the default suite checks a fixed
+The whole registry takes one to two minutes on 2 cores, so the default suite checks a fixed
 set (the common GRPO targets and one architecture of each structure the cut handles: post-norm,
 sandwich norms, parallel attention/MLP, MoE, latent attention, state-space mixers, sliding
 windows, a whole-layer fallback, a refusal); the whole sweep and the doc table are ``-m slow``."""
