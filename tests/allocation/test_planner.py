@@ -17,7 +17,7 @@ def setup():
     )
     model = build_model(cfg, lora=LoraSpec(16, 32), seed=torch.seed() % 2**31)
     model.train()
-    mbs = replayed_microbatches(model, 26, 512, seed=torch.seed() % 2**31)
+    mbs = replayed_microbatches(model, 16, 512, seed=torch.seed() % 2**31)
     runner = Runner(model)
     cal = calibrate(runner, mbs[:4])
     gc_peak = runner.run(mbs[4], "gc", measure_peak=True).peak_bytes
@@ -57,7 +57,7 @@ def test_replay_within_budget_and_tolerance(setup, mode):
     )  # ms-level LOO is noise here
     sp = h.prepare(mbs[4:6])
     assert any(q != "checkpoint" for q in sp.plan.values()), "nothing stored: the budget was not used"
-    err, _ = replay(h, runner, mbs[6:26], budget, "all-h")
+    err, _ = replay(h, runner, mbs[6:], budget, "all-h")  # ten microbatches
     print(f"{mode}: plan {sp.plan}; accumulated relative gradient error {err:.3e}")
     assert err <= 0.015
     if mode == "hilore-hr":
