@@ -21,9 +21,14 @@ def group_advantages(
     """Per-response advantages, same shape as ``rewards`` (1-D).
 
     - ``group_norm``: ``(r - mean_g) / (std_g + eps)`` with the unbiased std, as OpenRLHF
-      (GRPO). A zero-variance group gets advantage 0 for every response.
+      (GRPO).
     - ``dr_grpo``: ``r - mean_g`` (Dr. GRPO / REINFORCE baseline; no std division).
     - ``rloo``: ``r - mean of the other G-1 rewards``.
+
+    A group whose rewards are all equal gets advantage exactly 0 under every estimator: in
+    floating point ``r - mean_g`` is a rounding residue, which ``group_norm`` divides by an
+    equally tiny std (eight rewards of 0.1 in float32 would get advantages near +-0.8, and
+    OpenRLHF's formula gives them that); such a group carries no signal.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
@@ -47,4 +52,5 @@ def group_advantages(
         adv = r - mean
     else:
         adv = r - (r.sum(dim=-1, keepdim=True) - r) / (group_size - 1)
-    return adv.reshape(-1)
+    equal = (r == r[:, :1]).all(dim=-1, keepdim=True)
+    return torch.where(equal, torch.zeros_like(adv), adv).reshape(-1)

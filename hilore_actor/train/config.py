@@ -78,7 +78,7 @@ FLAGS = [
     # algorithm
     ("algo.advantage.estimator", str, "group_norm", "group_norm (GRPO), dr_grpo or rloo"),
     ("algo.kl.estimator", str, "k3", "KL estimator: k1, k2 or k3"),
-    ("algo.kl.use_loss", "flag", False, "add the KL to the reference model as a loss term (GRPO)"),
+    ("algo.kl.use_loss", boolean, False, "add the KL to the reference model as a loss term (GRPO)"),
     ("algo.kl.init_coef", float, 0.001, "KL loss coefficient"),
     ("actor.eps_clip", float, 0.2, "PPO clip range"),
     ("actor.eps_clip_low_high", float, None, "asymmetric clip: LOW HIGH", 2),
@@ -168,7 +168,7 @@ FLAGS = [
     ("logger.tensorboard_dir", str, None, "TensorBoard folder (default <save_path>/tensorboard)"),
     (
         "compare_gc",
-        "flag",
+        boolean,
         False,
         "after every update, time gc and the backend on the same microbatches, "
         "interleaved (no optimizer step), and report the ratio",

@@ -180,6 +180,27 @@ def test_group_norm_advantages_against_reference():
     torch.testing.assert_close(group_advantages(r, 8, "rloo"), (g - loo).view(-1))
 
 
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_group_of_equal_rewards_gets_exactly_zero(estimator, dtype, fresh_seed):
+    """Every group size and reward value: the formula alone leaves a rounding residue (the
+    reference below, which group_norm divides by a residue-sized std); equal groups get 0."""
+    print("seed", fresh_seed)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    noisy = 0
+    for g in (2, 3, 4, 6, 7, 8, 16):
+        values = torch.rand(6, generator=gen, dtype=torch.float64).tolist() + [0.1, 1 / 3]
+        r = torch.tensor([v for v in values for _ in range(g)] + [0.0] * (g - 1) + [1.0], dtype=dtype)
+        adv = group_advantages(r, g, estimator)
+        assert torch.all(adv[: len(values) * g] == 0), (g, adv)
+        assert torch.all(adv[len(values) * g :] != 0)  # the one group with a spread keeps its signal
+        grouped = r.view(-1, g)[:-1]
+        mean = grouped.mean(1, keepdim=True)
+        raw = (grouped - mean) / (grouped.std(1, keepdim=True) + 1e-9) if estimator == "group_norm" else grouped - mean
+        noisy += int((raw != 0).any())
+    print("groups the bare formula leaves nonzero:", noisy)
+
+
 def test_partial_group_is_a_clear_error():
     with pytest.raises(ValueError, match="whole number of groups of 8"):
         group_advantages(torch.zeros(12), 8)
