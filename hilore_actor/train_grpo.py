@@ -29,11 +29,12 @@ from typing import Dict, List
 import torch
 
 from hilore_actor.data.reward_function import RewardError
-from hilore_actor.train.config import parse_config, plan_tokens, world_size
+from hilore_actor.train.config import parse_config, plan_tokens, skips_zero_advantage, world_size
 from hilore_actor.train.errors import ConfigError, JobError
 from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
 from hilore_actor.train.job import Job
 from hilore_actor.train.metrics import learner_means, rollout_metrics
+from hilore_actor.train.skip import skip_rows, zero_advantage_shares
 
 
 def checkpoint_root(cfg) -> str:
@@ -88,7 +89,7 @@ def step_prompts(task, cfg, step: int):
 
 def shard_rows(seqs, cfg) -> List[List[Dict]]:
     """Sequences -> per rank, the packed rows of every update of the step, in update order;
-    each row names its sequences (``seq_index``, indices into ``seqs``)."""
+    each row names its sequences (``seq_index``, indices into ``seqs``) and its ``update``."""
     from hilore_actor.rollout.packing import pack_row
 
     world, tb, micro = world_size(cfg), cfg.train.batch_size, cfg.train.micro_batch_size
@@ -98,7 +99,7 @@ def shard_rows(seqs, cfg) -> List[List[Dict]]:
         for r in range(world):
             first = u * tb + r * per_rank
             for i in range(first, first + per_rank, micro):
-                ranks[r].append(dict(pack_row(seqs[i : i + micro]), seq_index=list(range(i, i + micro))))
+                ranks[r].append(dict(pack_row(seqs[i : i + micro]), seq_index=list(range(i, i + micro)), update=u))
     return ranks
 
 
@@ -203,8 +204,9 @@ def run(cfg) -> int:
     restarts_before = call(job.coordinator.restart_count)
     buffer = replay_buffer(cfg, resume_dir)
     for step in bar:
-        rewards, out, per_update, rollout_s, ref_s, replayed = train_step(job, task, cfg, step, stop, buffer, tok)
+        rewards, out, per_update, rollout_s, ref_s, replayed, skip = train_step(job, task, cfg, step, stop, buffer, tok)
         m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
+        m.update(skip)
         if buffer is not None:
             from hilore_actor.rollout.replay import stats
 
@@ -293,6 +295,9 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
     replayed = draw_replay(buffer, cfg, step)
     seqs += [(it.ids, it.prompt_len, it.advantage, it.old_log_probs, it.ref_log_probs) for it in replayed]
     ranks = shard_rows(seqs, cfg)  # fresh rollouts first: every fresh rollout is in the step's batch
+    pads = 0
+    if skips_zero_advantage(cfg):  # responses with advantage 0 add nothing to the gradient: not run
+        ranks, pads = skip_rows(ranks, seqs)
     all_rows = [r for rows in ranks for r in rows]
     t = time.perf_counter()
     for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
@@ -312,7 +317,8 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
             [dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)]
         )
         job.sync_weights()
-    return rewards, out, per_update, rollout_s, ref_s, replayed
+    skip = dict(zero_advantage_shares(seqs), zero_adv_skip=int(skips_zero_advantage(cfg)), pad_microbatches=pads)
+    return rewards, out, per_update, rollout_s, ref_s, replayed, skip
 
 
 def replay_buffer(cfg, resume_dir):
@@ -360,7 +366,7 @@ def store_fresh(buffer, fresh, ranks, olds, step: int) -> None:
     items = {}
     for rows, row_olds in zip(ranks, olds):
         for r, old in zip(rows, row_olds):
-            if r.get("replayed"):  # rows are all fresh or all replayed: fresh ones fill whole updates first
+            if r.get("replayed") or r.get("pad"):  # rows are all fresh or all replayed: fresh ones fill updates first
                 continue
             lengths = [len(fresh[i][0]) for i in r["seq_index"]]
             for i, o, ref in zip(r["seq_index"], split_row(old, lengths), split_row(r["ref_log_probs"], lengths)):
@@ -407,7 +413,11 @@ def step_metrics(rewards, out, per_update, rollout_s, ref_s, record) -> Dict:
     last = per_update[-1]
     update_s = sum(max(r["update_seconds"] for r in upd) for upd in per_update)
     tokens = sum(r["tokens"] for upd in per_update for r in upd)
-    mean = lambda key: statistics.fmean(r[key] for r in last if r.get(key) is not None)  # noqa: E731
+
+    def mean(key):  # over the ranks that trained a row (with the skip, a rank may run only pads)
+        values = [r[key] for r in last if r.get(key) is not None]
+        return statistics.fmean(values) if values else float("nan")
+
     return {
         "reward_mean": float(rewards.mean()),
         "accuracy": float((rewards == 1).float().mean()),
@@ -469,14 +479,14 @@ def print_report(path, cfg) -> None:
     """The reward curve and, with --compare_gc, the update time against gc, from metrics.jsonl."""
     rows = [json.loads(ln) for ln in open(path) if ln.strip()]
     print(
-        "\nstep  reward  accuracy  resp.len  loss        entropy  update s  peak/B"
+        "\nstep  reward  accuracy  resp.len  loss        entropy  update s  peak/B  A=0"
         + ("  gc s    " + cfg.actor.backend + " s  speed" if cfg.compare_gc else "")
     )
     for r in rows:
         line = (
             f"{r['step']:>4}  {r['reward_mean']:.3f}   {r['accuracy']:.3f}     {r['response_length']:>6.1f}  "
             f"{r['loss']:+10.3e}  {_num(r.get('entropy'), '7.3f')}  {r['update_seconds']:>7.2f}  "
-            f"{r['peak_over_budget_max']:.3f}"
+            f"{r['peak_over_budget_max']:.3f}  {_zero_adv(r)}"
         )
         if "compare_speedup_vs_gc" in r:
             ours = r[f"compare_{cfg.actor.backend}_seconds"]
@@ -494,6 +504,12 @@ def print_report(path, cfg) -> None:
             f"held-out after step {r['step']}: accuracy {r['eval_accuracy']:.3f}, reward {r['eval_reward_mean']:.3f} "
             f"({r['eval_prompts']} prompts, greedy)"
         )
+
+
+def _zero_adv(r: Dict) -> str:
+    """The step's share of responses with advantage 0, and whether the learners skipped them."""
+    share = r.get("zero_adv_share")
+    return "  -" if share is None else f"{share:>4.0%}" + (" skipped" if r.get("zero_adv_skip") else "")
 
 
 def _num(v, fmt: str) -> str:

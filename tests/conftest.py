@@ -9,6 +9,7 @@ test that starts a Python process or a ``multiprocessing`` one fails (``_unit_st
 """
 
 import contextlib
+import importlib
 import multiprocessing.process
 import subprocess
 import sys
@@ -91,9 +92,8 @@ def fresh_seed():
 def bench_setup(arch: str, num_layers: int, n_mbs: int):
     """A tiny LoRA model with LoRA B away from zero, ``n_mbs`` replayed 256-token microbatches,
     and one benchmark runner per head (fresh seed, printed)."""
-    from hilore_actor.models import init_lora_b
     from benchmarks.bench.methods import head_runners
-    from hilore_actor.models import LoraSpec, build_model, tiny_config
+    from hilore_actor.models import LoraSpec, build_model, init_lora_b, tiny_config
     from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.workloads import replayed_microbatches
 
@@ -187,6 +187,8 @@ def _starts_processes(code, namespace: dict, seen: set) -> bool:
     nested = [(c, namespace) for c in code.co_consts if isinstance(c, types.CodeType)]
     for name in names:
         obj = namespace.get(name, sys.modules.get(name))
+        if obj is None and (TESTS / "helpers" / f"{name}.py").is_file():  # a helper a fixture imports when it runs
+            obj = importlib.import_module(name)
         if isinstance(obj, types.ModuleType) and _of_tests(obj):
             obj = [getattr(obj, n) for n in names if isinstance(getattr(obj, n, None), types.FunctionType)]
         for f in obj if isinstance(obj, list) else [obj]:

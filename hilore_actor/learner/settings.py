@@ -143,6 +143,14 @@ class Settings:
     )
     profile_repeats: int = planner_field("profile_repeats")
     loo: bool = planner_field("loo")
+    skip_zero_advantage: str = field(
+        default="auto",
+        metadata=_help(
+            "leave every response whose advantage is exactly 0 (a group of equal rewards) out of the forward and "
+            "backward, keeping the update's denominators: auto (exactly when no KL or entropy term reaches such a "
+            "response, so the update is unchanged), on (refused where it is not exact), off"
+        ),
+    )
 
 
 def _flag_type(hint):
@@ -188,10 +196,13 @@ def hilore_errors(hcfg) -> List[str]:
     """What is wrong with the budget, its scope, the mode and the codec (empty when nothing)."""
     from ..allocation.budget import BudgetError, parse_budget
     from ..allocation.planner import MODES
+    from ..grpo.skip import SETTINGS as SKIP_SETTINGS
     from ..recovery.codecs import CODECS
     from .scope import SCOPES
 
     errors = []
+    if hcfg.skip_zero_advantage not in SKIP_SETTINGS:
+        errors.append(f"--hilore.skip_zero_advantage {hcfg.skip_zero_advantage!r}: choose {', '.join(SKIP_SETTINGS)}")
     if hcfg.mode not in MODES:
         errors.append(f"--hilore.mode {hcfg.mode!r}: choose {', '.join(MODES)}")
     names = [c.strip() for c in str(hcfg.codec).split(",")]

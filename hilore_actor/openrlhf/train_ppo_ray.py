@@ -219,6 +219,11 @@ def unsupported(args, settings: Optional[Dict] = None) -> List[str]:
             "--ds.tensor_parallel_size > 1: DeepSpeed AutoTP puts collectives inside the recovery units, and "
             "ranks recomputing different units would deadlock"
         )
+    if (settings or {}).get("skip_zero_advantage") == "on":
+        out.append(
+            "--hilore.skip_zero_advantage on: the OpenRLHF drop-in trains every response (the skip runs in "
+            "python -m hilore_actor.train_grpo); use auto or off"
+        )
     return out
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..grpo.skip import SETTINGS as SKIP_SETTINGS
+from ..grpo.skip import skip_active
 from ..learner.settings import HILORE_FLAGS, boolean, hilore_errors
 from .errors import ConfigError
 
@@ -577,10 +579,30 @@ def validate(cfg) -> None:
     errors += logging_errors(cfg) + eval_errors(cfg)
     errors += value_errors(cfg)
     errors += hilore_errors(cfg.hilore)
+    if cfg.hilore.skip_zero_advantage in SKIP_SETTINGS:
+        try:
+            skips_zero_advantage(cfg)
+        except ValueError as e:
+            errors.append(str(e))
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
         raise ConfigError(f"{len(errors)} problems:\n  - " + "\n  - ".join(errors))
+
+
+def skip_blockers(cfg) -> List[str]:
+    """The job's loss terms that give a response with advantage 0 a gradient (``grpo/skip.py``)."""
+    out = []
+    if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef != 0:
+        out.append(f"--algo.kl.use_loss adds a KL term (--algo.kl.init_coef {cfg.algo.kl.init_coef})")
+    if cfg.actor.loss_agg_mode == "seq-mean-token-mean":
+        out.append("--actor.loss_agg_mode seq-mean-token-mean divides each packed row by its own token count")
+    return out
+
+
+def skips_zero_advantage(cfg) -> bool:
+    """``--hilore.skip_zero_advantage`` resolved for the job (``ValueError``: ``on`` where it is not exact)."""
+    return skip_active(cfg.hilore.skip_zero_advantage, skip_blockers(cfg))
 
 
 # (flag, test, what it must be): ranges the job's parts would otherwise refuse late, or not at all

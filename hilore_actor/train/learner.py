@@ -27,12 +27,21 @@ import statistics
 import time
 from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..grpo.microbatch import Microbatch, microbatch_loss
-from .config import hierarchize, lora_spec, param_dtype, plan_tokens, replay_sequences, world_size, worker_device
+from .config import (
+    hierarchize,
+    lora_spec,
+    param_dtype,
+    plan_tokens,
+    replay_sequences,
+    skips_zero_advantage,
+    world_size,
+    worker_device,
+)
 from ..learner.coordinator import call
 from ..learner.fault_injection import injected
 from ..recovery.labels import ACTIONS
@@ -58,6 +67,7 @@ class Learner:
     ):
         cfg = self.cfg = hierarchize(flat_cfg)
         self.rank, self.world = rank, world_size(cfg)
+        self.skip = skips_zero_advantage(cfg)  # rows may be fewer than gas: the boundary is set per row
         self.oom_reruns, self._oom_injected = 0, False  # microbatches rerun all-R after running out of memory
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -283,15 +293,19 @@ class Learner:
             r["ref_log_probs"],
             r["advantages"],
             r["action_mask"],
-            loss_options=self.loss_options(),
+            loss_options=dict(self.loss_options(), **r.get("loss_options", {})),  # a skip's kept denominator
         ).to(self.device)
+
+    def _rows(self, u: int) -> List[Tuple[int, Dict]]:
+        """Update ``u``'s rows with their index among the step's rows (the skip may leave fewer than gas)."""
+        return [(i, r) for i, r in enumerate(self.rows) if r["update"] == u]
 
     def update(self, step: int, u: int) -> Dict:
         """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
         from ..learner.microbatch_run import report
 
         _fault("learner", self.rank, step)
-        rows = self.rows[u * self.gas : (u + 1) * self.gas]
+        rows = self._rows(u)
         stats: Dict[str, List[float]] = {}
         counts = dict.fromkeys(ACTIONS, 0)
         by_kind = {
@@ -300,21 +314,25 @@ class Learner:
         }  # rows with replayed rollouts
         clip = {"fresh": [], "replay": []}
         peaks, t0, tokens = [], time.perf_counter(), 0
-        for i, r in enumerate(rows):
+        for j, (i, r) in enumerate(rows):
             mb = self._microbatch(r)
-            tokens += mb.num_tokens
-            out, rec = self._forward_backward(mb, step, i + u * self.gas)
+            if self.skip:  # the update's last row is its boundary, however many the skip left
+                self.ds.set_gradient_accumulation_boundary(j == len(rows) - 1)
+            out, rec = self._forward_backward(mb, step, i)
             self.ds.step()
+            peaks.append(rec.scope_peak)
+            report(self.plan, self.coordinator, self.rank, step, i, rec)
+            self._rebase_after_warm_up()
+            if r.get("pad"):  # a pad row trains nothing: its statistics would be the skipped response's
+                continue
+            tokens += mb.num_tokens
             kind = "replay" if r.get("replayed") else "fresh"
             for a, n in rec.counts.items():
                 counts[a] += n
                 by_kind[kind][a] += n
             clip[kind].append(float(out.stats.get("clip_fraction", float("nan"))))
-            peaks.append(rec.scope_peak)
             for k, v in dict(out.stats, loss=out.loss.detach()).items():
                 stats.setdefault(k, []).append(float(v))
-            report(self.plan, self.coordinator, self.rank, step, i + u * self.gas, rec)
-            self._rebase_after_warm_up()
         seconds = time.perf_counter() - t0
         grad_norm = self.ds.get_global_grad_norm()
         total = max(1, sum(counts.values()))
@@ -424,7 +442,7 @@ class Learner:
 
         if not self.plan.calibration_pending or self.rec is None:
             return None
-        mbs = [self._microbatch(r) for r in self.rows[:n]]
+        mbs = [self._microbatch(r) for r in self.rows if not r.get("pad")][:n]
         t = time.perf_counter()
         with self._side_runner() as runner:
             cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], room=self.plan.planner.room)
@@ -462,7 +480,7 @@ class Learner:
 
         if self.rec is None:
             return None
-        mbs = [self._microbatch(r) for r in self.rows[u * self.gas : (u + 1) * self.gas]]
+        mbs = [self._microbatch(r) for _, r in self._rows(u)]
         return update_gradient_error(self.plan, self.rec, self.ds.module, self.loss_fn, mbs, self.device)
 
     def compare(self, repeats: int = 1) -> Dict[str, float]:
@@ -476,7 +494,7 @@ class Learner:
         gc = Runner(module, self.rec or _NoEngine(), loss_fn=microbatch_loss, backward=back)
         # the backend's loss without the logged entropy, as gc's: the timing compares backends
         ours = Runner(module, self.rec or _NoEngine(), loss_fn=partial(self.loss_fn, entropy=False), backward=back)
-        mbs = [self._microbatch(r) for r in self.rows[: self.gas]]
+        mbs = [self._microbatch(r) for _, r in self._rows(0)]
         times = {"gc": [], self.backend: []}  # one entry when the backend is gc
         for _ in range(repeats):
             for name in times:

@@ -46,6 +46,10 @@ TAGS = {
     "coordinator_restarts": "coordinator/restarts",
     "replayed": "replay/replayed",
     "replay_microbatches": "hilore/replay_microbatches",
+    "zero_adv_share": "rollout/zero_adv_share",
+    "zero_adv_token_share": "rollout/zero_adv_token_share",
+    "zero_adv_skip": "hilore/zero_adv_skip",
+    "pad_microbatches": "hilore/pad_microbatches",
 }
 # then by prefix, first match wins (longer prefixes first)
 PREFIX_TAGS = (
@@ -268,6 +272,8 @@ def summary(m: Dict) -> str:
     ]
     if m.get("entropy") is not None:
         parts.insert(3, f"entropy {m['entropy']:.3f}")
+    if m.get("zero_adv_skip"):
+        parts.append(f"skipped {m['zero_adv_share']:.0%} (A=0)")
     if "eval_accuracy" in m:
         parts.append(f"eval acc {m['eval_accuracy']:.3f}")
     if "grad_rel_error" in m:

@@ -165,6 +165,11 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
             f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
             f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true"
         )
+    if settings.get("skip_zero_advantage") == "on":
+        raise ValueError(
+            f"+{PREFIX}skip_zero_advantage=on: the verl backend trains every response (the skip runs in "
+            "python -m hilore_actor.train_grpo); use auto or off"
+        )
     facts = job_facts(cfg)
     rest, notes = replaced(cfg, rest)
     for note in notes:

@@ -262,6 +262,7 @@ def test_plugin_without_gpu_fails_with_a_message(orl, capsys):
         ({"ring_attn_size": 2}, {}, "ring attention puts collectives"),
         ({"tensor_parallel_size": 2}, {}, "AutoTP puts collectives"),
         ({"zero_stage": 3}, {"compile": True}, "hooks that torch.compile would trace"),
+        ({}, {"skip_zero_advantage": "on"}, "the OpenRLHF drop-in trains every response"),
     ],
 )
 def test_unsupported_parallelism_stops_with_one_message(ds, settings, message):

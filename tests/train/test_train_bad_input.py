@@ -65,6 +65,11 @@ CASES = [
         ["--hilore.compile", "true", "--ds.zero_stage", "3"],
         "does not run under --ds.zero_stage 3",
     ),
+    (
+        "skipping zero-advantage responses beside a KL loss",
+        ["--hilore.skip_zero_advantage", "on"],
+        "--hilore.skip_zero_advantage on: --algo.kl.use_loss adds a KL term",
+    ),
     ("vLLM engines on a machine without CUDA", ["--vllm.num_engines", "1"], "--vllm.num_engines > 0 needs CUDA"),
     ("a config file that does not exist", ["--config", "{tmp}/missing.yaml"], "file not found"),
     ("a config value of the wrong type", ["--config", "{tmp}/bad.yaml"], "actor.adam.lr: 'fast' is not a float"),
