@@ -216,6 +216,10 @@ def run(cfg) -> int:
         _say_recoveries(m, step + 1, restarts_before)
         restarts_before = m["coordinator_restarts"]
         m["learner_nodes"] = {str(i["rank"]): i.get("node_id") for i in job.infos}
+        if cfg.compare_skip:  # per repeat, the slowest rank: the update waits for it
+            per_rank = job.get([l.compare_skip.remote(cfg.compare_skip) for l in job.learners])
+            m["compare_skip_times"] = times = {k: [max(t) for t in zip(*(r[k] for r in per_rank))] for k in per_rank[0]}
+            m["compare_skip_speedup"] = statistics.median(a / b for a, b in zip(times["all"], times["skip"]))
         if cfg.compare_gc:
             cmp = job.get([l.compare.remote() for l in job.learners])
             for key in cmp[0]:
@@ -295,15 +299,17 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
     replayed = draw_replay(buffer, cfg, step)
     seqs += [(it.ids, it.prompt_len, it.advantage, it.old_log_probs, it.ref_log_probs) for it in replayed]
     ranks = shard_rows(seqs, cfg)  # fresh rollouts first: every fresh rollout is in the step's batch
-    pads = 0
+    pads, unskipped = 0, [None] * len(ranks)
     if skips_zero_advantage(cfg):  # responses with advantage 0 add nothing to the gradient: not run
+        if cfg.compare_skip:
+            unskipped = ranks
         ranks, pads = skip_rows(ranks, seqs)
     all_rows = [r for rows in ranks for r in rows]
     t = time.perf_counter()
     for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
         r["ref_log_probs"] = torch.where(r["given_mask"], r["given_ref_log_probs"], ref) if "given_mask" in r else ref
     ref_s = time.perf_counter() - t
-    olds = job.get([l.set_batch.remote(step, rows) for l, rows in zip(job.learners, ranks)])
+    olds = job.get([l.set_batch.remote(step, rows, more) for l, rows, more in zip(job.learners, ranks, unskipped)])
     if buffer is not None:
         store_fresh(buffer, seqs[: len(out["seqs"])], ranks, olds, step)
     per_update = []

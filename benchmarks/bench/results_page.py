@@ -404,6 +404,7 @@ def render(results: Path) -> str:
         results_studies.diagnostics(results, page),
         results_studies.knapsack(results),
         results_studies.demo(results, page.demo_runs),
+        results_studies.skip_demo(results, page.skip_runs),
     ):
         if text:
             out.append(text)

@@ -53,6 +53,7 @@ class Page:
     runs: List[Run]
     codec_runs: List[CodecRun]
     demo_runs: List[DemoRun]
+    skip_runs: List[DemoRun]  # the demo with the zero-advantage skip and --compare_skip
     diagnostics_aims: Dict[str, float]  # the aims the risk diagnostics are held to
     diagnostics_note: str
     paper_psi: Dict[str, float]  # the paper's risk-diagnostic figures for psi_u, quoted beside ours
@@ -72,6 +73,7 @@ def load_page(results: Path) -> Page:
         runs=[Run(**r) for r in d["runs"]],
         codec_runs=[CodecRun(**c) for c in d["codec_runs"]],
         demo_runs=[DemoRun(**x) for x in d["demo_runs"]],
+        skip_runs=[DemoRun(**x) for x in d.get("skip_runs", [])],
         diagnostics_aims=diag["aims"],
         diagnostics_note=diag["note"],
         paper_psi=diag["paper_psi"],

@@ -9,8 +9,9 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from .outputs import fmt
+from .outputs import fmt, reading
 from .results_runs import CodecRun, DemoRun, Page
+from .stats import bootstrap_ci, paired_ratios
 
 
 def _mean_max(g: Dict) -> str:
@@ -275,3 +276,67 @@ def architectures(results: Path) -> str:
             f"{d.get('cpu_meter') or 'profiler'} | {d['git_commit'][:7]} |"
         )
     return "\n".join(out) + "\n"
+
+
+def skip_demo(results: Path, runs: List[DemoRun]) -> str:
+    """The demo without its KL loss, so responses with advantage 0 are skipped: per step the
+    share of such responses and tokens, and the first update's forward and backward timed with
+    every response (A), with the skip's rows (B) and with every response again (A', the A/A
+    floor), interleaved; ratios A/B and A/A' per repeat, pooled over the steps."""
+    out: List[str] = []
+    for run in runs:
+        p = Path(results) / f"{run.name}.metrics.jsonl"
+        if not p.exists():
+            continue
+        rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+        if not out:
+            out += [
+                "## Skipping responses with advantage 0 (`--hilore.skip_zero_advantage`)",
+                "",
+                "The demo job without its KL loss: a group of equal rewards gives its responses advantage 0, "
+                "which the learner then leaves out (exact: the same gradient). After each step the step's first "
+                "update is timed outside the optimizer's path with every response (A), with the skip's rows (B) "
+                "and with every response again (A'), interleaved, the slowest rank per repeat; speed = A / B per "
+                "repeat and the A/A floor A / A', medians with a 95% bootstrap interval over repeats. "
+                "`update s` is the real update (with the skip).",
+                "",
+            ]
+        out += [
+            f"### {run.title}",
+            "",
+            f"From a fresh clone at commit {run.commit}, nothing else running. {run.note}",
+            "",
+            "| step | reward | A=0 responses | A=0 tokens | update s | A s | B s | A / B | A / A' (floor) | reading |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        pooled_ab, pooled_aa = [], []
+        for r in rows:
+            t = r["compare_skip_times"]
+            ab, aa = paired_ratios(t["all"], t["skip"]), paired_ratios(t["all"], t["all_again"])
+            pooled_ab += ab
+            pooled_aa += aa
+            out.append(
+                f"| {r['step']} | {r['reward_mean']:.3f} | {r['zero_adv_share']:.0%} | {r['zero_adv_token_share']:.0%} | "
+                f"{r['update_seconds']:.2f} | {statistics.median(t['all']):.2f} | {statistics.median(t['skip']):.2f} | "
+                f"{_ratio(ab)} | {_ratio(aa)} | {_reading(ab, aa)} |"
+            )
+        out += [
+            f"| all | | {statistics.fmean(r['zero_adv_share'] for r in rows):.0%} | "
+            f"{statistics.fmean(r['zero_adv_token_share'] for r in rows):.0%} | "
+            f"{sum(r['update_seconds'] for r in rows):.2f} | | | {_ratio(pooled_ab)} | {_ratio(pooled_aa)} | "
+            f"{_reading(pooled_ab, pooled_aa)} |",
+            "",
+            f"Raw: `benchmarks/results/{run.name}.metrics.jsonl` and `.log`.",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def _ratio(xs: List[float]) -> str:
+    ci = bootstrap_ci(xs)
+    return f"x{statistics.median(xs):.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def _reading(ab: List[float], aa: List[float]) -> str:
+    """Whether A / B's interval lies above, below or within the A/A floor's."""
+    return reading({"speed_ci95": bootstrap_ci(ab)}, {"speed_ci95": bootstrap_ci(aa)})

@@ -176,6 +176,14 @@ FLAGS = [
         "interleaved (no optimizer step), and report the ratio",
     ),
     (
+        "compare_skip",
+        int,
+        0,
+        "with the zero-advantage skip: after every step, time its first update's forward and backward with every "
+        "response, with the skip's rows, and with every response again (the A/A floor), N times interleaved (no "
+        "optimizer step), and log the paired times (compare_skip_times)",
+    ),
+    (
         "measure_grad_error",
         "flag",
         False,
@@ -550,6 +558,17 @@ def validate(cfg) -> None:
         errors.append(f"--ds.param_dtype must be fp32 or bf16, got {cfg.ds.param_dtype!r}")
     if getattr(cfg.hilore, "compile", False) and cfg.ds.zero_stage == 3:
         errors.append(ZERO3_COMPILE)
+    if cfg.compare_skip and (cfg.compare_skip < 0 or cfg.ds.zero_stage == 3):
+        errors.append(f"--compare_skip {cfg.compare_skip}: a number of repeats >= 0, timed under ZeRO stage 2 or less")
+    elif cfg.compare_skip and cfg.hilore.skip_zero_advantage in SKIP_SETTINGS:
+        try:
+            if not skips_zero_advantage(cfg):
+                errors.append(
+                    "--compare_skip needs the zero-advantage skip: --hilore.skip_zero_advantage auto or on, and no KL "
+                    "loss (--algo.kl.use_loss false)"
+                )
+        except ValueError:
+            pass  # said below
     if cfg.compare_gc and cfg.ds.zero_stage == 3:
         errors.append(
             "--compare_gc times passes outside DeepSpeed's gradient path, which ZeRO-3 does not allow; use stage 2"

@@ -115,6 +115,7 @@ class Learner:
         if coordinator is not None:
             call(coordinator.register, rank, self.budget)
         self.rows: List[Dict] = []
+        self.unskipped: List[Dict] = []
         torch.manual_seed(cfg.train.seed + 1000 * rank)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -267,22 +268,25 @@ class Learner:
 
     # ---- training ---------------------------------------------------------------------------
     @torch.no_grad()
-    def set_batch(self, step: int, rows: List[Dict]) -> List[torch.Tensor]:
+    def set_batch(self, step: int, rows: List[Dict], unskipped: Optional[List[Dict]] = None) -> List[torch.Tensor]:
         """Keep this rank's rows of the step and add old log-probs (the behaviour policy; a
         replayed rollout keeps the ones it had when fresh, ``given_old_log_probs``). Returns
-        each row's old log-probs (on the CPU), which the replay buffer stores."""
+        each row's old log-probs (on the CPU), which the replay buffer stores. ``unskipped``:
+        this rank's rows before the skip, kept for ``compare_skip`` only."""
         from ..models.logprobs import sequence_log_probs
 
         self.ds.eval()
-        for r in rows:
+        for r in rows + (unskipped or []):
             old = sequence_log_probs(
                 self.ds, r["input_ids"].to(self.device), position_ids=r["position_ids"].to(self.device)
             ).float()
             if "given_mask" in r:
                 old = torch.where(r["given_mask"].to(self.device), r["given_old_log_probs"].to(self.device), old)
             r["old_log_probs"] = old
+        for r in unskipped or []:  # the skip runs without a KL term: the reference log-probs are not read
+            r.setdefault("ref_log_probs", r["old_log_probs"])
         self.ds.train()
-        self.rows = rows
+        self.rows, self.unskipped = rows, unskipped or []
         return [r["old_log_probs"].cpu() for r in rows]
 
     def _microbatch(self, r: Dict):
@@ -511,6 +515,38 @@ class Learner:
                         t += ours.run(mb, "as-is").seconds
                 times[name].append(t)
         return {f"compare_{k}_seconds": statistics.median(v) for k, v in times.items()}
+
+    def compare_skip(self, repeats: int) -> Dict[str, List[float]]:
+        """Time the step's first update on this rank with every response (``all``), with the
+        skip's rows (``skip``) and with every response again (``all_again``: the A/A floor),
+        ``repeats`` times interleaved, outside the optimizer's gradient path (no step), under
+        the backend's plan. Seconds per repeat."""
+        from ..allocation import Runner
+
+        module = self.ds.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        back = lambda loss: torch.autograd.grad(loss, params)  # noqa: E731
+        runner = Runner(module, self.rec or _NoEngine(), loss_fn=partial(self.loss_fn, entropy=False), backward=back)
+        sets = {
+            "all": [self._microbatch(r) for r in self.unskipped if r["update"] == 0],
+            "skip": [self._microbatch(r) for _, r in self._rows(0)],
+        }
+        times: Dict[str, List[float]] = {"all": [], "skip": [], "all_again": []}
+        for _ in range(repeats):
+            for name in times:
+                times[name].append(sum(self._timed_run(runner, mb) for mb in sets[name.replace("_again", "")]))
+        return times
+
+    def _timed_run(self, runner, mb) -> float:
+        """One forward and backward of ``mb`` as the backend trains it; seconds."""
+        if self.backend == "gc":
+            return runner.run(mb, "gc").seconds
+        if self.backend == "hilore":
+            sp = self.plan.for_tokens(mb.num_tokens)
+            return runner.run(
+                mb, sp.plan, partial(self.plan.actions, sp=sp), track_tokens=self.plan.track_tokens
+            ).seconds
+        return runner.run(mb, "as-is").seconds
 
     # ---- weights and checkpoints -------------------------------------------------------------
     def export_weights(self, kind: str) -> Optional[Dict[str, torch.Tensor]]:
