@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import torch
-
-from ports import free_port
+from torchrun import torchrun
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
@@ -18,21 +17,7 @@ def test_followers_replay_every_pass_and_gradients_are_whole(tmp_path):
     leaves with rank 0's state. A missed pass would hang both ranks in a collective."""
     seed = torch.seed() % 2**31
     print("seed", seed)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "lockstep_worker.py"),
-        str(seed),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    leader, follower = json.loads(lines[0][len("RESULT ") :])
+    leader, follower = torchrun("lockstep_worker.py", str(seed), cwd=tmp_path, timeout=300)
     assert leader["units"] >= 4 and leader["grads_equal"] == [True] * 4 and leader["peak_watched"]
     assert follower["followed"] == 5 and follower["fixed_actions"] and follower["chooser_actions"]
     assert follower["state"]["budget"] == 123 and len(follower["state"]["plan"]) == leader["units"]

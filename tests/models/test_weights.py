@@ -132,27 +132,10 @@ def test_zero3_export_gathers_module_by_module_on_two_ranks(tmp_path):
     """The learner's ZeRO-3 export (``zero3_gather``, every rank alike): rank 0's weights equal the
     unwrapped model's bitwise for every kind, no gather holds more than one LoRA layer (or the
     embedding), far from the whole model, and rank 1 returns None."""
-    import json
-    import os
-    import subprocess
-    import sys
 
-    from ports import free_port
+    from torchrun import torchrun
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "zero3_export_ranks.py"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r0, r1 = json.loads(lines[0][len("RESULT ") :])
+    r0, r1 = torchrun("zero3_export_ranks.py", cwd=tmp_path)
     print(r0)
     assert r0["partitioned"]
     for kind in ("merged", "full", "adapter"):

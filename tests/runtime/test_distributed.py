@@ -1,12 +1,9 @@
 """The engine inside DeepSpeed ZeRO-2/3 engines on 2 CPU ranks (gloo): H/R gradients equal no-gc."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from ports import free_port
+from torchrun import torchrun
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
@@ -16,23 +13,7 @@ def test_zero3_l_never_compresses_a_gathered_weight(tmp_path):
     under all-L, and under an exact forward moved to L after it (the online chooser's path), L
     compresses activations only, never such a weight, and the gradient stays within 0.05 of
     no-gc's."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "ds_worker.py"),
-        "3",
-        "fp32",
-        "no-gc,all-l,h-to-l",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(lines[0][len("RESULT ") :])
+    res = torchrun("ds_worker.py", "3", "fp32", "no-gc,all-l,h-to-l", cwd=tmp_path)
     for m in ("all-l", "h-to-l"):
         spied = res[m + ":spied"]
         assert spied["weights"] == [] and spied["activations"] > 0, (m, spied)
@@ -41,22 +22,7 @@ def test_zero3_l_never_compresses_a_gathered_weight(tmp_path):
 
 @pytest.mark.parametrize("stage,dtype", [(3, "fp32"), (3, "bf16"), (2, "fp32")])
 def test_zero_engine_gradients_match_no_gc(stage, dtype, tmp_path):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "ds_worker.py"),
-        str(stage),
-        dtype,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(lines[0][len("RESULT ") :])
+    res = torchrun("ds_worker.py", str(stage), dtype, cwd=tmp_path)
     assert res["units"][:2] == ["model.layers.0.self_attn", "model.layers.0.mlp"]
     assert res["n_grads"] > 0 and res["grad_norm"] > 0
     assert res["all-r"] and res["all-h"] and res["mixed"], res
