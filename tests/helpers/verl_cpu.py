@@ -97,3 +97,26 @@ def save_tiny_model(path, seed: int) -> str:
     torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])).save_pretrained(path)
     return str(path)
+
+
+def two_ranks(script: str, tmp_path, seed: int, timeout: int, hang_s: int):
+    """Run ``tests/helpers/<script>`` (two gloo ranks of verl's engine) on a tiny model saved
+    under ``tmp_path``; the two ranks' results. ``hang_s``: the ranks dump their stacks and exit
+    after that many seconds (a collective one rank skipped)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = save_tiny_model(tmp_path / "tiny", seed)
+    out = tmp_path / "ranks.json"
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / script), model, str(seed), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HILORE_TEST_HANG_S": str(hang_s)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())["ranks"]

@@ -87,6 +87,27 @@ def _grads(model):
     return torch.cat([p.grad.detach().flatten().clone() for p in model.parameters() if p.requires_grad])
 
 
+def _plan(model, hcfg, tokens: int, seed: int):
+    """The drop-in's planning before DeepSpeed on a tiny model: microbatches of 4 sequences in groups of 4."""
+    from hilore_actor.grpo.microbatch import microbatch_loss
+    from hilore_actor.learner.plan import plan_before_wrapping
+
+    return plan_before_wrapping(
+        model,
+        hcfg,
+        backend="hilore",
+        tokens=tokens,
+        seqs_per_microbatch=4,
+        group_size=4,
+        loss_options={},
+        loss_fn=microbatch_loss,
+        std_loss_fn=microbatch_loss,
+        device=torch.device("cpu"),
+        seed=seed,
+        log=lambda *_: None,
+    )
+
+
 def _run(trainer, exp):
     for p in trainer.actor.parameters():
         p.grad = None
@@ -103,11 +124,9 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     HiLoRe (allocator's H/R plan, and a random H/R map): bitwise equal gradients."""
     from openrlhf.models import Actor
 
-    from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.learner.coordinator import BudgetCoordinator
     from hilore_actor.learner.settings import hilore_settings
-    from hilore_actor.learner.plan import plan_before_wrapping
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
 
     seed = torch.seed() % 2**31
@@ -124,20 +143,7 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     assert torch.equal(g_gc, g_plain)
 
     hcfg = hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1)
-    plan = plan_before_wrapping(
-        model,
-        hcfg,
-        backend="hilore",
-        tokens=exp.sequences.numel(),
-        seqs_per_microbatch=4,
-        group_size=4,
-        loss_options={},
-        loss_fn=microbatch_loss,
-        std_loss_fn=microbatch_loss,
-        device=torch.device("cpu"),
-        seed=seed,
-        log=lambda *_: None,
-    )
+    plan = _plan(model, hcfg, exp.sequences.numel(), seed)
     engine = RecoveryEngine(actor.model)
     co = BudgetCoordinator()
     co.register(0, 10**12)
@@ -168,11 +174,9 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     every compressible unit may be L; gradients stay close to exact."""
     from openrlhf.models import Actor
 
-    from hilore_actor.grpo.microbatch import microbatch_loss
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.learner.settings import hilore_settings
-    from hilore_actor.learner.plan import plan_before_wrapping
 
     seed = torch.seed() % 2**31
     model = build_model(
@@ -184,20 +188,7 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     trainer = _trainer(orl, actor)
     g_ref, _ = _run(trainer, exp)
     hcfg = hilore_settings(calibration_batches=2, profile_repeats=1, budget="1.3")
-    plan = plan_before_wrapping(
-        model,
-        hcfg,
-        backend="hilore",
-        tokens=exp.sequences.numel(),
-        seqs_per_microbatch=4,
-        group_size=4,
-        loss_options={},
-        loss_fn=microbatch_loss,
-        std_loss_fn=microbatch_loss,
-        device=torch.device("cpu"),
-        seed=seed,
-        log=lambda *_: None,
-    )
+    plan = _plan(model, hcfg, exp.sequences.numel(), seed)
     wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
     wrapper.install(trainer)
     g, _ = _run(trainer, exp)
@@ -419,8 +410,6 @@ def test_entropy_term_weighs_its_tokens(orl, eager):
     to the exposure weight; omega stays autograd of the loss w.r.t. the log-probs."""
     from openrlhf.models import Actor
 
-    from hilore_actor.grpo.microbatch import microbatch_loss
-    from hilore_actor.learner.plan import plan_before_wrapping
     from hilore_actor.learner.settings import hilore_settings
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
@@ -436,20 +425,7 @@ def test_entropy_term_weighs_its_tokens(orl, eager):
     trainer = _trainer(orl, actor)
     trainer.args.actor.entropy_coef = 0.05
     hcfg = hilore_settings(mode="hilore", budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
-    plan = plan_before_wrapping(
-        model,
-        hcfg,
-        backend="hilore",
-        tokens=exp.sequences.numel(),
-        seqs_per_microbatch=4,
-        group_size=4,
-        loss_options={},
-        loss_fn=microbatch_loss,
-        std_loss_fn=microbatch_loss,
-        device=torch.device("cpu"),
-        seed=seed,
-        log=lambda *_: None,
-    )
+    plan = _plan(model, hcfg, exp.sequences.numel(), seed)
     seen = {}
     real = plan.actions
     plan.actions = lambda st, out, sp=None: seen.setdefault("weight", out.omega) is not None and real(st, out, sp)
@@ -533,8 +509,6 @@ def _cpu_builder(orl, seed, sabotage=None):
     """``verify.check``'s builder on CPU: the single-process trainer around OpenRLHF's Actor."""
     from openrlhf.models import Actor
 
-    from hilore_actor.grpo.microbatch import microbatch_loss
-    from hilore_actor.learner.plan import plan_before_wrapping
     from hilore_actor.learner.settings import hilore_settings
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
@@ -548,20 +522,7 @@ def _cpu_builder(orl, seed, sabotage=None):
             actor.gradient_checkpointing_enable()
             return trainer, None
         hcfg = hilore_settings(mode=method, budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
-        plan = plan_before_wrapping(
-            model,
-            hcfg,
-            backend="hilore",
-            tokens=4 * 32,
-            seqs_per_microbatch=4,
-            group_size=4,
-            loss_options={},
-            loss_fn=microbatch_loss,
-            std_loss_fn=microbatch_loss,
-            device=torch.device("cpu"),
-            seed=seed,
-            log=lambda *_: None,
-        )
+        plan = _plan(model, hcfg, 4 * 32, seed)
         wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
         wrapper.install(trainer)
         if sabotage == "gradient":  # a unit that recomputes a slightly different activation
@@ -892,7 +853,7 @@ def test_memory_watch_rebases_after_the_first_step_and_logs_reserved(orl, monkey
     metrics."""
     from types import SimpleNamespace as NS
 
-    from test_memory import FakeCudaAllocator
+    from fake_cuda import FakeCudaAllocator
 
     from hilore_actor.openrlhf.policy_actor import watch_memory
 

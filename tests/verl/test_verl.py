@@ -206,25 +206,9 @@ def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(tmp_path):
     both adopt one budget and one plan; each rank's own batch then gives the reduced gradient
     of verl's checkpointed path bitwise under the H/R plan, also when rank 1 recomputes every
     unit while rank 0 stores one, and within the tolerance in mode hilore."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     seed = torch.seed() % 2**31
     print("seed", seed)
-    model = verl_cpu.save_tiny_model(tmp_path / "tiny", seed)
-    out = tmp_path / "two.json"
-    script = Path(__file__).resolve().parents[1] / "helpers" / "verl_two_ranks.py"
-    run = subprocess.run(
-        [sys.executable, str(script), model, str(seed), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HILORE_TEST_HANG_S": "300"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = json.loads(out.read_text())["ranks"]
+    r0, r1 = verl_cpu.two_ranks("verl_two_ranks.py", tmp_path, seed, timeout=600, hang_s=300)
     print({k: (r0[k]["counts"], r1[k]["counts"]) for k in r0})
     for kind in ("hilore-hr", "hilore"):
         assert r0[kind]["plan"] == r1[kind]["plan"] and r0[kind]["budget"] == r1[kind]["budget"]

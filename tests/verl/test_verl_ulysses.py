@@ -5,11 +5,7 @@ rank and stored on the other hangs both: ``tests/helpers/verl_ulysses_ranks.py``
 processes under a timeout, and this test asserts on what they saw (``verl/attach.py``).
 """
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,18 +32,7 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     checkpointing (no step, no online choice, no gather), so counts go by the micro-batches that ran one."""
     seed = int(os.environ.get("HILORE_SEED") or torch.seed() % 2**31)  # HILORE_SEED=N reruns a printed seed
     print("seed", seed)
-    model = verl_cpu.save_tiny_model(tmp_path / "tiny", seed)
-    out = tmp_path / "ulysses.json"
-    script = Path(__file__).resolve().parents[1] / "helpers" / "verl_ulysses_ranks.py"
-    run = subprocess.run(
-        [sys.executable, str(script), model, str(seed), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HILORE_TEST_HANG_S": "600"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = json.loads(out.read_text())["ranks"]
+    r0, r1 = verl_cpu.two_ranks("verl_ulysses_ranks.py", tmp_path, seed, timeout=900, hang_s=600)
     kinds = ("hilore-hr", "overruled", "hilore")
     print({k: (r0[k]["actions"], r0[k]["all_to_all"], r0[k]["rel"]) for k in kinds})
     assert r0["verl"]["all_to_all"] == r1["verl"]["all_to_all"] == 12 * LAYERS * 2  # HF gc: 4 more per layer
