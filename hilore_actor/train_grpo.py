@@ -491,7 +491,7 @@ def print_report(path, cfg) -> None:
     for r in rows:
         line = (
             f"{r['step']:>4}  {r['reward_mean']:.3f}   {r['accuracy']:.3f}     {r['response_length']:>6.1f}  "
-            f"{r['loss']:+10.3e}  {_num(r.get('entropy'), '7.3f')}  {r['update_seconds']:>7.2f}  "
+            f"{_num(r['loss'], '+10.3e')}  {_num(r.get('entropy'), '7.3f')}  {r['update_seconds']:>7.2f}  "
             f"{r['peak_over_budget_max']:.3f}  {_zero_adv(r)}"
         )
         if "compare_speedup_vs_gc" in r:
@@ -519,8 +519,11 @@ def _zero_adv(r: Dict) -> str:
 
 
 def _num(v, fmt: str) -> str:
-    """A report cell: the number, or '-' right-aligned where the row has none."""
-    return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
+    """A report cell: the number, or '-' right-aligned where the row has none (or a step that
+    trained nothing has NaN)."""
+    if v is not None and v == v:
+        return format(v, fmt)
+    return "-".rjust(int(fmt.split(".")[0].lstrip("+")))
 
 
 def main(argv=None) -> int:
