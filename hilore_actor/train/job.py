@@ -100,7 +100,10 @@ class Job:
         t = time.perf_counter()
         share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
         parts = [p for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
-        if not parts or not any(p[a]["samples"] for p in parts for a in p):
+        if not parts:  # the zero-advantage skip left every rank only pad rows: the next step calibrates
+            print("[train] L's calibration waits for a step with trained responses", flush=True)
+            return
+        if not any(p[a]["samples"] for p in parts for a in p):
             raise JobError("L's calibration found no microbatch on any learner rank")
         cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples
         if self.cfg.hilore.calibration:

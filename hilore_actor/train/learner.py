@@ -446,7 +446,9 @@ class Learner:
 
         if not self.plan.calibration_pending or self.rec is None:
             return None
-        mbs = [self._microbatch(r) for r in self.rows if not r.get("pad")][:n]
+        mbs = [self._microbatch(r) for r in self.rows if not r.get("pad")][:n]  # a pad trains nothing
+        if not mbs:  # the skip left this rank only pads: the other ranks' samples serve
+            return None
         t = time.perf_counter()
         with self._side_runner() as runner:
             cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], room=self.plan.planner.room)
