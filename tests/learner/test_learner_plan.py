@@ -10,11 +10,10 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import torch
+from planning import plan_on_cpu  # tests/helpers
 
 from hilore_actor.allocation import Planner, Runner
 from hilore_actor.grpo.microbatch import microbatch_loss
-from hilore_actor.learner.plan import plan_before_wrapping
 from hilore_actor.learner.settings import hilore_settings
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.workloads import replayed_microbatches
@@ -39,20 +38,7 @@ def _plan(model, seed, tokens=1024, **settings):
         )
     )
     lines = []
-    plan = plan_before_wrapping(
-        model,
-        hcfg,
-        backend="hilore",
-        tokens=tokens,
-        seqs_per_microbatch=8,
-        group_size=4,
-        loss_options={},
-        loss_fn=CHUNKED,
-        std_loss_fn=microbatch_loss,
-        device=torch.device("cpu"),
-        seed=seed,
-        log=lines.append,
-    )
+    plan = plan_on_cpu(model, hcfg, tokens, 8, seed, loss_fn=CHUNKED, log=lines.append)
     print("\n".join(lines))
     return plan
 
@@ -162,19 +148,8 @@ def test_budget_counts_the_resident_bytes_in_the_device_scope(fresh_seed, scope)
     from hilore_actor.learner.scope import estimate_resident
 
     model = _model(fresh_seed)
-    plan = plan_before_wrapping(
-        model,
-        hilore_settings(budget="1.10", budget_scope=scope),
-        backend="gc",
-        tokens=256,
-        seqs_per_microbatch=4,
-        group_size=4,
-        loss_options={},
-        loss_fn=CHUNKED,
-        std_loss_fn=microbatch_loss,
-        device=torch.device("cpu"),
-        seed=fresh_seed,
-        log=lambda *_: None,
+    plan = plan_on_cpu(
+        model, hilore_settings(budget="1.10", budget_scope=scope), 256, 4, fresh_seed, CHUNKED, backend="gc"
     )
     resident = estimate_resident(model, world=1, zero_stage=0) if scope == "device" else 0
     assert plan.resident_bytes == resident and plan.budget == int(1.10 * (plan.info["gc_peak_bytes"] + resident))

@@ -21,6 +21,7 @@ import torch
 import openrlhf_shims
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.openrlhf.train_ppo_ray import PluginError, main, run_cli_main, split_flags
+from planning import plan_on_cpu  # tests/helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = [
@@ -87,27 +88,6 @@ def _grads(model):
     return torch.cat([p.grad.detach().flatten().clone() for p in model.parameters() if p.requires_grad])
 
 
-def _plan(model, hcfg, tokens: int, seed: int):
-    """The drop-in's planning before DeepSpeed on a tiny model: microbatches of 4 sequences in groups of 4."""
-    from hilore_actor.grpo.microbatch import microbatch_loss
-    from hilore_actor.learner.plan import plan_before_wrapping
-
-    return plan_before_wrapping(
-        model,
-        hcfg,
-        backend="hilore",
-        tokens=tokens,
-        seqs_per_microbatch=4,
-        group_size=4,
-        loss_options={},
-        loss_fn=microbatch_loss,
-        std_loss_fn=microbatch_loss,
-        device=torch.device("cpu"),
-        seed=seed,
-        log=lambda *_: None,
-    )
-
-
 def _run(trainer, exp):
     for p in trainer.actor.parameters():
         p.grad = None
@@ -124,10 +104,10 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     HiLoRe (allocator's H/R plan, and a random H/R map): bitwise equal gradients."""
     from openrlhf.models import Actor
 
-    from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.learner.coordinator import BudgetCoordinator
     from hilore_actor.learner.settings import hilore_settings
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
+    from hilore_actor.recovery import RecoveryEngine
 
     seed = torch.seed() % 2**31
     model = build_model(tiny_config(arch, hidden_size=64, num_layers=4, vocab_size=128), lora=LoraSpec(8, 16), seed=0)
@@ -143,7 +123,7 @@ def test_hr_gradients_equal_openrlhf_gradient_checkpointing(orl, arch):
     assert torch.equal(g_gc, g_plain)
 
     hcfg = hilore_settings(mode="hilore-hr", budget="1.3", profile_repeats=1)
-    plan = _plan(model, hcfg, exp.sequences.numel(), seed)
+    plan = plan_on_cpu(model, hcfg, exp.sequences.numel(), 4, seed)
     engine = RecoveryEngine(actor.model)
     co = BudgetCoordinator()
     co.register(0, 10**12)
@@ -174,9 +154,9 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     every compressible unit may be L; gradients stay close to exact."""
     from openrlhf.models import Actor
 
+    from hilore_actor.learner.settings import hilore_settings
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
     from hilore_actor.recovery import RecoveryEngine
-    from hilore_actor.learner.settings import hilore_settings
 
     seed = torch.seed() % 2**31
     model = build_model(
@@ -188,7 +168,7 @@ def test_online_actions_come_from_openrlhf_loss(orl):
     trainer = _trainer(orl, actor)
     g_ref, _ = _run(trainer, exp)
     hcfg = hilore_settings(calibration_batches=2, profile_repeats=1, budget="1.3")
-    plan = _plan(model, hcfg, exp.sequences.numel(), seed)
+    plan = plan_on_cpu(model, hcfg, exp.sequences.numel(), 4, seed)
     wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
     wrapper.install(trainer)
     g, _ = _run(trainer, exp)
@@ -425,7 +405,7 @@ def test_entropy_term_weighs_its_tokens(orl, eager):
     trainer = _trainer(orl, actor)
     trainer.args.actor.entropy_coef = 0.05
     hcfg = hilore_settings(mode="hilore", budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
-    plan = _plan(model, hcfg, exp.sequences.numel(), seed)
+    plan = plan_on_cpu(model, hcfg, exp.sequences.numel(), 4, seed)
     seen = {}
     real = plan.actions
     plan.actions = lambda st, out, sp=None: seen.setdefault("weight", out.omega) is not None and real(st, out, sp)
@@ -522,7 +502,7 @@ def _cpu_builder(orl, seed, sabotage=None):
             actor.gradient_checkpointing_enable()
             return trainer, None
         hcfg = hilore_settings(mode=method, budget="1.3", calibration_batches=2, profile_repeats=1, loo=False)
-        plan = _plan(model, hcfg, 4 * 32, seed)
+        plan = plan_on_cpu(model, hcfg, 4 * 32, 4, seed)
         wrapper = HiLoReTrainingStep(plan, RecoveryEngine(actor.model))
         wrapper.install(trainer)
         if sabotage == "gradient":  # a unit that recomputes a slightly different activation
@@ -744,8 +724,8 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     from hilore_actor.learner.settings import hilore_settings
     from hilore_actor.openrlhf.policy_actor import plan_wrapped
     from hilore_actor.openrlhf.training_step import HiLoReTrainingStep
-    from hilore_actor.recovery import RecoveryEngine
     from hilore_actor.openrlhf.verify import loss_batch_info
+    from hilore_actor.recovery import RecoveryEngine
 
     seed = torch.seed() % 2**31
     print("seed", seed)
