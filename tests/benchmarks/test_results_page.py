@@ -8,6 +8,8 @@ import shutil
 import statistics
 from pathlib import Path
 
+import pytest
+
 from benchmarks.bench import results_page as rp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,3 +152,38 @@ def test_the_fidelity_section_says_when_its_per_step_metrics_are_absent(tmp_path
     for r in runs:
         (tmp_path / "fidelity" / "runs" / f"{r}.metrics.jsonl").write_text("{}\n")
     assert "Not recomputable" not in results_studies.fidelity(tmp_path)
+
+
+def test_the_skip_section_reads_its_ratios_against_the_floor(tmp_path, fresh_seed):
+    """The skip demo's section: per step A / B and A / A' medians of the paired repeats, and the
+    reading against the floor (a B no faster than A is within it; a faster one above it)."""
+    from benchmarks.bench.results_runs import DemoRun
+    from benchmarks.bench.results_studies import skip_demo
+
+    print("seed", fresh_seed)
+    rng = random.Random(fresh_seed)
+    rows = []
+    noise = lambda: 1 + 0.02 * (rng.random() - 0.5)  # noqa: E731
+    for step, speed in ((1, 4.0), (2, 1.0)):
+        a = [6.0 * noise() for _ in range(7)]
+        again = [x * noise() for x in a]  # at speed 1 the skip's times are the floor's own: the same interval
+        times = {"all": a, "skip": [x / speed * noise() for x in a] if speed > 1 else list(again), "all_again": again}
+        rows.append(
+            dict(step=step, reward_mean=0.1, zero_adv_share=0.5, zero_adv_token_share=0.4, update_seconds=3.0)
+            | {"compare_skip_times": times}
+        )
+    (tmp_path / "s.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = skip_demo(tmp_path, [DemoRun(name="s", title="t", commit="c", note="n")])
+    print(text)
+    cells = {
+        ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+        for ln in text.splitlines()
+        if ln.startswith("| ")
+    }
+    for step, speed in (("1", 4.0), ("2", 1.0)):
+        ab, aa, reading = cells[step][7], cells[step][8], cells[step][9]
+        assert float(ab.split()[0][1:]) == pytest.approx(speed, rel=0.03) and float(aa.split()[0][1:]) == pytest.approx(
+            1, rel=0.03
+        )
+        assert (reading == "above the floor") == (speed > 1), (step, reading)
+    assert skip_demo(tmp_path, [DemoRun(name="missing", title="t", commit="c", note="n")]) == ""
