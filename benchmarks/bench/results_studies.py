@@ -317,7 +317,8 @@ def skip_demo(results: Path, runs: List[DemoRun]) -> str:
             pooled_aa += aa
             out.append(
                 f"| {r['step']} | {r['reward_mean']:.3f} | {r['zero_adv_share']:.0%} | "
-                f"{r['zero_adv_token_share']:.0%} | {r['update_seconds']:.2f} | {statistics.median(t['all']):.2f} | {statistics.median(t['skip']):.2f} | "
+                f"{r['zero_adv_token_share']:.0%} | {r['update_seconds']:.2f} | "
+                f"{statistics.median(t['all']):.2f} | {statistics.median(t['skip']):.2f} | "
                 f"{_ratio(ab)} | {_ratio(aa)} | {_reading(ab, aa)} |"
             )
         out += [
