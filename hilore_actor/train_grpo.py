@@ -323,7 +323,8 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
             [dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)]
         )
         job.sync_weights()
-    skip = dict(zero_advantage_shares(seqs), zero_adv_skip=int(skips_zero_advantage(cfg)), pad_microbatches=pads)
+    fresh = seqs[: len(out["seqs"])]  # the step's own responses (a replayed one never has advantage 0)
+    skip = dict(zero_advantage_shares(fresh), zero_adv_skip=int(skips_zero_advantage(cfg)), pad_microbatches=pads)
     return rewards, out, per_update, rollout_s, ref_s, replayed, skip
 
 

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .config import flatten_ns, world_size
+from .config import flatten_ns, skips_zero_advantage, world_size
 from .errors import JobError
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
@@ -100,9 +100,11 @@ class Job:
         t = time.perf_counter()
         share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
         parts = [p for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
-        if not parts:  # the zero-advantage skip left every rank only pad rows: the next step calibrates
+        if not parts and skips_zero_advantage(self.cfg):  # every rank ran only pad rows: the next step calibrates
             print("[train] L's calibration waits for a step with trained responses", flush=True)
             return
+        if not parts:
+            raise JobError("L's calibration found no microbatch on any learner rank")
         if not any(p[a]["samples"] for p in parts for a in p):
             raise JobError("L's calibration found no microbatch on any learner rank")
         cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples

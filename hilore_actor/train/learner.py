@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -305,7 +306,10 @@ class Learner:
         return [(i, r) for i, r in enumerate(self.rows) if r["update"] == u]
 
     def update(self, step: int, u: int) -> Dict:
-        """One optimizer update over rows ``[u * gas, (u + 1) * gas)``; returns its metrics."""
+        """One optimizer update over the step's rows tagged ``u`` (gas of them, or fewer after the
+        zero-advantage skip); returns its metrics. ``loss`` and ``policy_loss`` are the sum of the
+        rows' losses over gas, what DeepSpeed trains and the same with the skip or without it (a
+        skipped response adds 0); the other statistics are means over the trained rows."""
         from ..learner.microbatch_run import report
 
         _fault("learner", self.rank, step)
@@ -339,7 +343,9 @@ class Learner:
                 stats.setdefault(k, []).append(float(v))
         seconds = time.perf_counter() - t0
         grad_norm = self.ds.get_global_grad_norm()
-        total = max(1, sum(counts.values()))
+        total = sum(counts.values())  # 0: this rank ran only pad rows
+        for k in SUMMED:  # ... whose losses are 0, as the skipped responses' are
+            stats.setdefault(k, [])
         # DeepSpeed's ZeRO optimizer skips a step whose all-reduced gradient norm is not finite
         # (fp32, and bf16 with its check_grad_overflow), on every rank alike
         reruns, self.oom_reruns = self.oom_reruns, 0
@@ -349,11 +355,11 @@ class Learner:
             "tokens": tokens,
             "skipped": not self.ds.was_step_applied(),
             "oom_reruns": reruns,
-            **{k: statistics.fmean(v) for k, v in stats.items()},
+            **{k: math.fsum(v) / self.gas if k in SUMMED else statistics.fmean(v) for k, v in stats.items()},
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "peak_bytes": max(peaks),
             "peak_over_budget": max(peaks) / self.budget,
-            **{f"fraction_{a}": counts[a] / total for a in ACTIONS},
+            **{f"fraction_{a}": counts[a] / total if total else None for a in ACTIONS},
             **_split(by_kind, clip),
             "lr": self.ds.get_lr()[0],
         }
@@ -486,7 +492,9 @@ class Learner:
 
         if self.rec is None:
             return None
-        mbs = [self._microbatch(r) for _, r in self._rows(u)]
+        mbs = [self._microbatch(r) for _, r in self._rows(u) if not r.get("pad")]  # a pad's gradient is 0
+        if not mbs:
+            return None
         return update_gradient_error(self.plan, self.rec, self.ds.module, self.loss_fn, mbs, self.device)
 
     def compare(self, repeats: int = 1) -> Dict[str, float]:
@@ -612,6 +620,9 @@ def _split(by_kind: Dict[str, Dict[str, int]], clip: Dict[str, List[float]]) -> 
             out[f"{kind}_clip_fraction"] = statistics.fmean(clip[kind])
         out[f"{kind}_rows"] = len(clip[kind])
     return out
+
+
+SUMMED = ("loss", "policy_loss")  # per update: the rows' sum over gas (a skipped row's loss is 0)
 
 
 class _NoEngine:

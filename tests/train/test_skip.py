@@ -149,6 +149,7 @@ def test_the_job_with_the_skip_trains_the_weights_it_trains_without(skip_runs):
     for a, b in zip(on, off):
         assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-9)  # the update's loss, skip or not
     w_on, w_off = (load_file(str(skip_runs[s] / "final" / "adapter_model.safetensors")) for s in ("on", "off"))
     assert set(w_on) == set(w_off)
     num = sum(float((w_on[k].double() - w_off[k].double()).pow(2).sum()) for k in w_on)
