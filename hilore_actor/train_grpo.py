@@ -299,8 +299,8 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
     replayed = draw_replay(buffer, cfg, step)
     seqs += [(it.ids, it.prompt_len, it.advantage, it.old_log_probs, it.ref_log_probs) for it in replayed]
     ranks = shard_rows(seqs, cfg)  # fresh rollouts first: every fresh rollout is in the step's batch
-    pads, unskipped = 0, [None] * len(ranks)
-    if skips_zero_advantage(cfg):  # responses with advantage 0 add nothing to the gradient: not run
+    pads, unskipped, skipping = 0, [None] * len(ranks), skips_zero_advantage(cfg)
+    if skipping:  # responses with advantage 0 add nothing to the gradient: not run
         if cfg.compare_skip:
             unskipped = ranks
         ranks, pads = skip_rows(ranks, seqs)
@@ -324,7 +324,7 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
         )
         job.sync_weights()
     fresh = seqs[: len(out["seqs"])]  # the step's own responses (a replayed one never has advantage 0)
-    skip = dict(zero_advantage_shares(fresh), zero_adv_skip=int(skips_zero_advantage(cfg)), pad_microbatches=pads)
+    skip = dict(zero_advantage_shares(fresh), zero_adv_skip=int(skipping), pad_microbatches=pads)
     return rewards, out, per_update, rollout_s, ref_s, replayed, skip
 
 

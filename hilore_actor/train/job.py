@@ -103,8 +103,6 @@ class Job:
         if not parts and skips_zero_advantage(self.cfg):  # every rank ran only pad rows: the next step calibrates
             print("[train] L's calibration waits for a step with trained responses", flush=True)
             return
-        if not parts:
-            raise JobError("L's calibration found no microbatch on any learner rank")
         if not any(p[a]["samples"] for p in parts for a in p):
             raise JobError("L's calibration found no microbatch on any learner rank")
         cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples

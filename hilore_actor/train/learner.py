@@ -512,18 +512,9 @@ class Learner:
         times = {"gc": [], self.backend: []}  # one entry when the backend is gc
         for _ in range(repeats):
             for name in times:
-                t = 0.0
-                for mb in mbs:
-                    if name == "gc":
-                        t += gc.run(mb, "gc").seconds
-                    elif name == "hilore":
-                        sp = self.plan.for_tokens(mb.num_tokens)
-                        t += ours.run(
-                            mb, sp.plan, partial(self.plan.actions, sp=sp), track_tokens=self.plan.track_tokens
-                        ).seconds
-                    else:  # none: the model as it is, everything stored
-                        t += ours.run(mb, "as-is").seconds
-                times[name].append(t)
+                times[name].append(
+                    sum(gc.run(mb, "gc").seconds if name == "gc" else self._timed_run(ours, mb) for mb in mbs)
+                )
         return {f"compare_{k}_seconds": statistics.median(v) for k, v in times.items()}
 
     def compare_skip(self, repeats: int) -> Dict[str, List[float]]:
@@ -548,7 +539,8 @@ class Learner:
         return times
 
     def _timed_run(self, runner, mb) -> float:
-        """One forward and backward of ``mb`` as the backend trains it; seconds."""
+        """One forward and backward of ``mb`` as the backend trains it (none: the model as it is,
+        everything stored); seconds."""
         if self.backend == "gc":
             return runner.run(mb, "gc").seconds
         if self.backend == "hilore":
