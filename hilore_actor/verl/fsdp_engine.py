@@ -60,6 +60,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         self.hilore_cfg, self.hilore_job = from_env()
         self.hilore = None  # the training engine's Microbatches, once initialized
+        self._skip = None  # the zero-advantage skip, resolved at the first training mini-batch
         _need_device()
         object.__setattr__(engine_config, "strategy", self.hilore_job.get("fsdp", "fsdp2"))
         if not engine_config.forward_only and getattr(model_config, "enable_activation_offload", False):
@@ -93,8 +94,30 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if forward_only or self.hilore is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        with self.hilore.batch() as wrap:
+        overrides, skipped = {}, None
+        if self._skips(data, loss_function):
+            from verl.utils import tensordict_utils as tu
+            from verl.utils.device import get_device_id
+
+            from .skip import skip_batch
+
+            sp = self.ulysses_sequence_parallel_size
+            tu.assign_non_tensor(data, sp_size=sp)
+            data, overrides, skipped = skip_batch(data, self.get_data_parallel_group(), get_device_id(), sp)
+        with self.hilore.batch(overrides, skipped) as wrap:
             return super().forward_backward_batch(data, wrap(loss_function), forward_only)
+
+    def _skips(self, data, loss_function) -> bool:
+        """Whether this mini-batch leaves its zero-advantage responses out (``skip.py``): the
+        setting resolved once against the worker's loss; never when the caller wants the model
+        output of every response back."""
+        if self._skip is None:
+            from .skip import resolve
+
+            self._skip = resolve(self.hilore_cfg.skip_zero_advantage, loss_function)
+        from verl.utils import tensordict_utils as tu
+
+        return self._skip and not tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
 
     @contextlib.contextmanager
     def _gradient_sync_context(self, *, is_last_micro_batch: bool):

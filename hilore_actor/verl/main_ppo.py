@@ -31,6 +31,7 @@ import sys
 import textwrap
 from typing import Dict, List, Optional, Tuple
 
+from ..grpo.skip import skip_active
 from .settings import CONFIG_ENV, PREFIX, VERL_KEYS, parse, split_overrides, to_env
 
 REGISTER = "hilore_actor.verl.register"
@@ -151,6 +152,22 @@ def replaced(cfg, rest: List[str]) -> Tuple[List[str], List[str]]:
     return rest, notes
 
 
+def skip_setting(cfg, setting: str) -> bool:
+    """The zero-advantage skip under the composed ``cfg`` (``skip.py``): whether ``auto`` or
+    ``on`` is exact there; ``ValueError`` with one line for ``on`` where it is not."""
+    from omegaconf import OmegaConf
+
+    from .skip import blockers
+
+    distillation = bool(OmegaConf.select(cfg, "distillation.enabled", default=False))
+    try:
+        return skip_active(setting, blockers(cfg.actor_rollout_ref.actor, distillation))
+    except ValueError as e:
+        raise ValueError(
+            str(e).replace("--hilore.skip_zero_advantage on", f"+{PREFIX}skip_zero_advantage=on")
+        ) from None
+
+
 def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     """(verl's overrides, environment to set) for ``argv``; ``ValueError`` on a bad override."""
     rest, ours = split_overrides(argv)
@@ -165,11 +182,7 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
             f"HiLoRe runs as verl's FSDP actor engine; this config's actor strategy is {strategy} "
             f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true"
         )
-    if settings.get("skip_zero_advantage") == "on":
-        raise ValueError(
-            f"+{PREFIX}skip_zero_advantage=on: the verl backend trains every response (the skip runs in "
-            "python -m hilore_actor.train_grpo); use auto or off"
-        )
+    skip_setting(cfg, settings.get("skip_zero_advantage", "auto"))
     facts = job_facts(cfg)
     rest, notes = replaced(cfg, rest)
     for note in notes:

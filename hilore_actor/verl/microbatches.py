@@ -41,17 +41,24 @@ class Microbatches:
         self.weights: Dict = {}  # the last microbatch's token weights (tests, diagnostics)
         self._open = None  # (ExitStack, record) of the running microbatch
         self._metrics = None  # the running micro-batch's metrics dict, as verl's loss returned it
+        self.overrides: Dict = {}
+        self.skip: Optional[Dict] = None  # the skip's metrics of the current (or last) batch
 
     @contextlib.contextmanager
-    def batch(self):
-        """One ``forward_backward_batch`` (a verl mini-batch); yields the loss wrapper."""
+    def batch(self, overrides: Optional[Dict] = None, skip: Optional[Dict] = None):
+        """One ``forward_backward_batch`` (a verl mini-batch); yields the loss wrapper.
+        ``overrides``: non-tensor keys set on each micro-batch before verl's loss (the whole
+        mini-batch's counts when the zero-advantage skip left responses out, ``skip.py``);
+        ``skip``: that skip's metrics, reported with every micro-batch."""
         self.active, self.index, self.batch_peaks = True, 0, []
+        self.overrides, self.skip = dict(overrides or {}), skip
         try:
             yield self.wrap
         finally:
             self.close()
             self.active = False
             self.step += 1
+            self.overrides = {}
 
     def open(self, micro_batch) -> None:
         """Called by the engine's ``forward_step`` before verl's forward."""
@@ -81,7 +88,7 @@ class Microbatches:
         }
         self.batch_peaks.append(self.last["peak_over_budget"])
         if self._metrics is not None:
-            self._metrics.update(metrics(self.last))
+            self._metrics.update(metrics(self.last, self.skip))
             self._metrics = None
         report(self.plan, self.coordinator, self.rank, self.step, self.index, rec)
         self.index += 1
@@ -90,6 +97,10 @@ class Microbatches:
         """verl's loss, with the actions set between it and verl's backward."""
 
         def loss_with_actions(model_output, data, dp_group=None):
+            if self.overrides:
+                from verl.utils import tensordict_utils as tu
+
+                tu.assign_non_tensor(data, **self.overrides)
             originals = dict(model_output)
             held = differentiable(model_output)
             loss, out = loss_function(model_output=model_output, data=data, dp_group=dp_group)
@@ -127,13 +138,16 @@ class Microbatches:
         return self.plan.actions(SimpleNamespace(token_norms=lambda: norms), out, rec.sp)
 
 
-def metrics(last: Dict) -> Dict:
+def metrics(last: Dict, skip: Optional[Dict] = None) -> Dict:
     """A micro-batch's HiLoRe metrics for verl's logger, under the OpenRLHF drop-in's names
     with verl's ``actor/`` prefix: peak / B (max over micro-batches and ranks) and the fraction
-    of units per action (mean)."""
+    of units per action (mean); under the zero-advantage skip, the mini-batch's shares of
+    responses and tokens left out and its pad responses (the same on every rank)."""
     from verl.utils.metric import Metric
 
     n = max(1, len(last["actions"]))
     out = {"actor/hilore_peak_over_budget": Metric("max", last["peak_over_budget"])}
     out.update({f"actor/hilore_fraction_{a}": Metric("mean", c / n) for a, c in last["counts"].items()})
+    if skip is not None:
+        out.update({f"actor/hilore_{k}": Metric("max" if k == "pad_samples" else "mean", v) for k, v in skip.items()})
     return out

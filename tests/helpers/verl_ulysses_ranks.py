@@ -19,7 +19,8 @@ between its all-to-alls is ``cpu_varlen`` (causal SDPA within each packed sequen
 Per rank: verl's engine with its gradient checkpointing under Ulysses 2, the same without SP (a
 check of the stand-in and of verl's all-to-alls), then HiLoRe's engine in modes hilore-hr and
 hilore; one ``forward_backward_batch`` each (two micro-batches); the whole LoRA gradient, the
-plan, the actions taken on each micro-batch and the all-to-alls run.
+plan, the actions taken on each micro-batch and the all-to-alls run; then the zero-advantage skip
+against the same engine without it.
 
 The ranks measure peaks with the storage meter (``runtime/storage_meter.py``), not the profiler
 one: the profiler records the allocator events of the thread that runs the region, and gloo's
@@ -158,20 +159,36 @@ def hilore_record(engine, g, ref, a2a, actions) -> dict:
     }
 
 
+def skip_against_off(on, off, gradient, td) -> dict:
+    """The zero-advantage skip (``on``: the setting's default, auto) under Ulysses: both ranks of
+    the SP group leave out the same two responses of four; the gradient of ``off`` on the same
+    batch, and each engine's micro-batch count."""
+    batch = td.clone()
+    batch["advantages"][[0, 2]] = 0.0
+    g_on, _ = gradient(on, batch)
+    g_off, _ = gradient(off, batch)
+    return {
+        "rel": float((g_on - g_off).norm() / g_off.norm()),
+        "microbatches": [len(on.hilore.batch_peaks), len(off.hilore.batch_peaks)],
+        "share": on.hilore.skip["zero_adv_share"],
+    }
+
+
 def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     from hilore_actor.verl import verify
     from hilore_actor.verl.settings import CONFIG_ENV
 
-    def build(kind, sp):
+    def build(kind, sp, skip="auto"):
         try:
             with ulysses(sp):
-                return verify.build_engine(kind, path, seed, attn=ATTN, settings=SETTINGS, job=JOB)
+                settings = {**SETTINGS, "skip_zero_advantage": skip}
+                return verify.build_engine(kind, path, seed, attn=ATTN, settings=settings, job=JOB)
         finally:
             os.environ.pop(CONFIG_ENV, None)
 
-    def gradient(engine):
+    def gradient(engine, batch=td):
         ALL_TO_ALL[0] = 0
-        return verify.batch_gradient(engine, td.clone(), loss_fn), ALL_TO_ALL[0]
+        return verify.batch_gradient(engine, batch.clone(), loss_fn), ALL_TO_ALL[0]
 
     ref, ref_a2a = gradient(build("verl", SP))
     no_sp, _ = gradient(build("verl", 1))
@@ -187,6 +204,7 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
             engine.hilore.disagreements = 0
             g, a2a = gradient(engine)
             seen["overruled"] = dict(hilore_record(engine, g, ref, a2a, actions), stepped=list(stepped))
+            seen["skip"] = skip_against_off(engine, build("hilore-hr", SP, skip="off"), gradient, td)
     local = torch.arange(3.0).reshape(1, 3) + 10 * rank
     seen["gathered"] = engine.hilore._whole_norms({"b": 2 * local, "a": local})["a"].tolist()
     return seen

@@ -203,7 +203,7 @@ def test_help_lists_every_hilore_override_with_its_default():
         ("actor_rollout_ref.actor.strategy=megatron", "Megatron is not supported"),
         ("--config-name=ppo_megatron_trainer", "Megatron is not supported"),
         ("actor_rollout_ref.actor.no_such_option=1", "no_such_option"),
-        ("+actor_rollout_ref.actor.hilore.skip_zero_advantage=on", "the verl backend trains every response"),
+        ("+actor_rollout_ref.actor.hilore.skip_zero_advantage=on", "use_kl_loss=true adds a KL term"),
     ],
 )
 def test_the_launchers_error_is_its_last_line(bad, word):

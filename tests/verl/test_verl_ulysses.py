@@ -29,7 +29,8 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     gradient is verl's checkpointed one bitwise, also when the ranks' own choices differ (rank 0's
     recomputes attention, so its all-to-alls run again in backward: the group takes rank 0's);
     mode hilore's is within 0.015. A micro-batch whose sized plan stores nothing runs plain layer
-    checkpointing (no step, no online choice, no gather), so counts go by the micro-batches that ran one."""
+    checkpointing (no step, no online choice, no gather), so counts go by the micro-batches that ran one.
+    The zero-advantage skip under Ulysses gives the gradient of the same engine without it."""
     seed = int(os.environ.get("HILORE_SEED") or torch.seed() % 2**31)  # HILORE_SEED=N reruns a printed seed
     print("seed", seed)
     r0, r1 = verl_cpu.two_ranks("verl_ulysses_ranks.py", tmp_path, seed, timeout=900, hang_s=600)
@@ -62,3 +63,5 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     assert hl0["disagreements"] == hl1["disagreements"] == 0  # the same problem on both ranks
     assert r0["hilore"]["rel"] <= 0.015 and r1["hilore"]["rel"] <= 0.015
     assert r0["gathered"] == r1["gathered"] == [[0.0, 1.0, 2.0, 10.0, 11.0, 12.0]]
+    for r in (r0, r1):  # the zero-advantage skip: both ranks leave out the same two responses of four
+        assert r["skip"]["rel"] <= 1e-6 and r["skip"]["microbatches"] == [1, 2] and r["skip"]["share"] == 0.5

@@ -1,0 +1,121 @@
+"""Two FSDP2 ranks over gloo: HiLoRe's verl engine with the zero-advantage skip on and off.
+
+``python tests/helpers/verl_skip_ranks.py MODEL_DIR SEED OUT.json`` spawns two processes (verl
+0.9.1's real engine on the CPU platform of ``verl_cpu.py``) and writes what each rank saw;
+``tests/verl/test_verl_skip.py`` runs it with a timeout (a rank that ran fewer micro-batches than the
+other would hang both in FSDP's collectives) and asserts on the file.
+
+Per rank: one engine in mode hilore-hr with the skip on, one with it off (same weights), and on
+each the same three mini-batches of 8 responses, verl's ``ppo_loss`` without KL or entropy:
+
+- ``fixed``: micro-batches of 2; rank 0's advantages all 0, rank 1 keeps 3 of 8 (so rank 1
+  runs 3 kept and 1 pad, rank 0 four pads: two micro-batches each);
+- ``dynamic``: the same responses under verl's dynamic batch size (two responses per
+  micro-batch by tokens);
+- ``nothing``: every advantage 0 on both ranks (one micro-batch of pads each).
+
+For each: the whole (reduced) LoRA gradient, which parameters have one, the micro-batch count
+and the skip's metrics; then three optimizer steps (``train_batch``, AdamW) on the three and the
+final LoRA weights.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import verl_cpu  # noqa: E402
+from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+
+SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
+JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
+B, P, R = 8, 8, 24
+KEPT = {"fixed": {0: [], 1: [1, 4, 6]}, "dynamic": {0: [], 1: [1, 4, 6]}, "nothing": {0: [], 1: []}}
+
+
+def batch(kind: str, rank: int, seed: int, vocab: int):
+    from verl.utils import tensordict_utils as tu
+
+    from hilore_actor.verl import verify
+
+    td = verify.grpo_batch(seed + 100 + rank, vocab=vocab, B=B, P=P, R=R, full=True)
+    zero = [i for i in range(B) if i not in KEPT[kind][rank]]
+    td["advantages"][zero] = 0.0
+    if kind == "dynamic":
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=2 * (P + R))
+    return td
+
+
+def lora(engine) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().float().cpu()
+            for p in engine.module.parameters()
+            if p.requires_grad
+        ]
+    )
+
+
+def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True
+    )  # a hang: say where
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    from verl.plugin.platform import platform_manager
+
+    platform_manager.set_platform(verl_cpu.cpu_platform())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from hilore_actor.verl import verify
+    from hilore_actor.verl.fsdp_engine import register_for
+    from hilore_actor.verl.settings import CONFIG_ENV
+
+    register_for(("cpu",))
+    vocab = verl_cpu.TINY["vocab_size"]
+    loss_fn = verify.ppo_loss_fn(batch_size=B)
+    seen = {}
+    results = {}
+    for setting in ("off", "on"):
+        try:
+            engine = verify.build_engine(
+                "hilore-hr", path, seed, settings={**SETTINGS, "skip_zero_advantage": setting}, job=JOB
+            )
+        finally:
+            os.environ.pop(CONFIG_ENV, None)
+        for kind in KEPT:
+            td = batch(kind, rank, seed, vocab)
+            g = verify.batch_gradient(engine, td, loss_fn)
+            mb = engine.hilore
+            results[setting, kind] = g
+            seen[f"{setting}/{kind}"] = {
+                "grad_numel": g.numel(),
+                "norm": float(g.norm()),
+                "microbatches": len(mb.batch_peaks),
+                "skip": mb.skip,
+            }
+        with engine.train_mode():  # then three optimizer steps (AdamW) on the same mini-batches
+            before = lora(engine)
+            for kind in KEPT:
+                engine.train_batch(batch(kind, rank, seed, vocab), loss_fn)
+            results[setting, "weights"] = lora(engine)
+        seen[f"{setting}/moved"] = float((results[setting, "weights"] - before).norm() / before.norm())
+    for kind in (*KEPT, "weights"):
+        on, off = results["on", kind], results["off", kind]
+        seen[kind] = {
+            "rel": float((on - off).norm() / off.norm()) if off.norm() > 0 else float(on.norm()),
+            "equal": bool(torch.equal(on, off)),
+        }
+    write_ranks(seen, out, world)
+
+
+def main(argv) -> None:
+    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
