@@ -91,13 +91,18 @@ def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dic
     import torch
     from verl.utils import tensordict_utils as tu
 
-    advantages = list(data["advantages"].unbind())
-    masks = list(data["loss_mask"].unbind())
+    adv, mask = data["advantages"], data["loss_mask"]  # on the CPU: verl moves each micro-batch
+    if adv.is_nested or mask.is_nested:
+        pairs = list(zip(adv.unbind(), mask.unbind()))
+        signal = [bool(((a != 0) & (m != 0)).any()) for a, m in pairs]
+        tokens = [int(m.sum()) for _, m in pairs]
+    else:
+        signal = ((adv != 0) & (mask != 0)).any(-1).tolist()
+        tokens = mask.sum(-1).tolist()
     seq_lens = data["input_ids"].offsets().diff().tolist()
-    tokens = [int(m.sum()) for m in masks]
-    kept = [i for i, (a, m) in enumerate(zip(advantages, masks)) if bool(((a != 0) & (m != 0)).any())]
+    kept = [i for i, s in enumerate(signal) if s]
     kept_set = set(kept)
-    skipped = sorted((i for i in range(len(masks)) if i not in kept_set), key=lambda i: (seq_lens[i], i))
+    skipped = sorted((i for i in range(len(signal)) if i not in kept_set), key=lambda i: (seq_lens[i], i))
     dynamic = bool(tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True))
     if dynamic:
         limit = int(data["max_token_len_per_gpu"]) * sp_size
@@ -106,7 +111,7 @@ def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dic
         micro = int(data["micro_batch_size_per_gpu"])
         need = -(-len(kept) // micro)
     counts = torch.tensor(
-        [sum(tokens), sum(tokens[i] for i in kept), len(masks), len(kept), 0], dtype=torch.int64, device=device
+        [sum(tokens), sum(tokens[i] for i in kept), len(signal), len(kept), 0], dtype=torch.int64, device=device
     )
     need_t = torch.tensor([need], dtype=torch.int64, device=device)
     distributed = torch.distributed.is_initialized()
