@@ -35,7 +35,7 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     print("seed", seed)
     r0, r1 = verl_cpu.two_ranks("verl_ulysses_ranks.py", tmp_path, seed, timeout=900, hang_s=600)
     kinds = ("hilore-hr", "overruled", "hilore")
-    print({k: (r0[k]["actions"], r0[k]["all_to_all"], r0[k]["rel"]) for k in kinds})
+    print({k: (r0[k]["actions"], r0[k]["all_to_all"], r0[k]["rel"]) for k in kinds}, "skip", r0["skip"], r1["skip"])
     assert r0["verl"]["all_to_all"] == r1["verl"]["all_to_all"] == 12 * LAYERS * 2  # HF gc: 4 more per layer
     assert r0["verl"]["no_sp_rel"] <= 1e-5
     for kind in kinds:
