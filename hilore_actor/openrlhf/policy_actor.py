@@ -29,11 +29,13 @@ rank enters ``fit`` together. Planning then runs
 
 Then the recovery engine is attached to the DeepSpeed module and the trainer's
 ``training_step`` wrapped (``training_step.py``), peaks going to the shared budget
-coordinator (a named Ray actor). With ``--hilore.chunked_head`` (default; not under ZeRO-3,
-whose head weight is partitioned outside the head's own forward) the ``Actor`` gets a forward
-that never builds the full logits (``chunked_head.py``). ``watch_memory`` rebases B once after
-the first step (ZeRO's buckets and partitions exist from the first backward on) and puts each
-step's maximum allocated and reserved bytes into OpenRLHF's metrics.
+coordinator (a named Ray actor); where ``--hilore.skip_zero_advantage`` resolves on for the
+recipe, the trainer's ``ppo_train`` leaves out the responses with advantage 0 (``skip.py``).
+With ``--hilore.chunked_head`` (default; not under ZeRO-3, whose head weight is partitioned
+outside the head's own forward) the ``Actor`` gets a forward that never builds the full logits
+(``chunked_head.py``). ``watch_memory`` rebases B once after the first step (ZeRO's buckets and
+partitions exist from the first backward on) and puts each step's maximum allocated and reserved
+bytes into OpenRLHF's metrics.
 
 Allocator settings (``allocator_settings``): the actor's process gets ``expandable_segments:True``
 unless the user set allocator settings or its weights go to vLLM by CUDA IPC
@@ -271,6 +273,7 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
         """The recovery engine, the coordinator and the step wrappers, once OpenRLHF built the trainer."""
         from ..learner.coordinator import call
         from ..learner.plan import make_engine
+        from .skip import ZeroAdvantageSkip, resolve
         from .training_step import HiLoReTrainingStep
 
         engine = make_engine(self.actor.model, hcfg)
@@ -286,7 +289,12 @@ class _HiLoRePolicyModelActor(PolicyModelActor.__ray_actor_class__):
             from .actor_forward import install
 
             install(self.actor)
-        strategy.print(f"[hilore] rank {rank}: B = {plan.budget / 2**30:.2f} GiB, plan {plan.info.get('plan')}")
+        if resolve(hcfg.skip_zero_advantage, strategy.args):  # the recipe is authoritative (the launcher checked)
+            self.hilore.skip = ZeroAdvantageSkip(self.trainer).install()
+        skipping = ", responses with advantage 0 skipped" if self.hilore.skip is not None else ""
+        strategy.print(
+            f"[hilore] rank {rank}: B = {plan.budget / 2**30:.2f} GiB, plan {plan.info.get('plan')}{skipping}"
+        )
 
     @staticmethod
     def _coordinator():

@@ -219,17 +219,13 @@ def unsupported(args, settings: Optional[Dict] = None) -> List[str]:
             "--ds.tensor_parallel_size > 1: DeepSpeed AutoTP puts collectives inside the recovery units, and "
             "ranks recomputing different units would deadlock"
         )
-    if (settings or {}).get("skip_zero_advantage") == "on":
-        out.append(
-            "--hilore.skip_zero_advantage on: the OpenRLHF drop-in trains every response (the skip runs in "
-            "python -m hilore_actor.train_grpo); use auto or off"
-        )
     return out
 
 
 def use_hilore(args, settings: Optional[Dict] = None):
     """Called with OpenRLHF's parsed args (also by the patched ``train_ppo_ray.py``): refuse the
-    settings the drop-in cannot run, start Ray with the HiLoRe settings in the workers'
+    settings the drop-in cannot run (also ``--hilore.skip_zero_advantage on`` where skipping would
+    change the update, ``skip.py``), start Ray with the HiLoRe settings in the workers'
     environment, check that the cluster has GPUs (OpenRLHF's actors run on GPU workers; the
     driver itself may be a CPU-only head node), return the actor class that replaces
     ``PolicyModelActor``."""
@@ -239,6 +235,12 @@ def use_hilore(args, settings: Optional[Dict] = None):
     bad = unsupported(args, settings)
     if bad:
         raise PluginError("--actor_backend hilore cannot run with " + "; ".join(bad))
+    from .skip import resolve
+
+    try:  # `on` where skipping would change the update; the workers resolve it again from the recipe
+        resolve((settings or {}).get("skip_zero_advantage") or "auto", args)
+    except ValueError as e:
+        raise PluginError(str(e)) from None
     import ray
 
     from .policy_actor import CONFIG_ENV, HiLoRePolicyModelActor

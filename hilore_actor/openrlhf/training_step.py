@@ -15,6 +15,8 @@ KL loss), ``strategy.backward`` and ``strategy.optimizer_step``. The wrapper
    microbatch.
 
 Steps 1 and 4 are the learner room's microbatch sequence (``learner/microbatch_run.py``).
+Under the zero-advantage skip (``skip.py``) a pad micro-batch reports no action tokens and no
+samples, so ``ppo_train``'s weighted metrics cover the trained responses.
 
 Imports torch and this package only: the tests drive it with OpenRLHF's real trainer code.
 """
@@ -48,6 +50,7 @@ class HiLoReTrainingStep:
         self.last: Dict = {}
         self.weights: Dict = {}
         self.zero3 = False  # set by install: ranks agree on every unit's action (lockstep.agree_actions)
+        self.skip = None  # the zero-advantage skip (skip.py), when it runs
 
     def install(self, trainer) -> None:
         """Replace ``trainer.training_step`` (an instance attribute shadows the method)."""
@@ -149,4 +152,9 @@ class HiLoReTrainingStep:
             for a, n in counts.items():
                 result["metrics"][f"hilore_fraction_{a}"] = n / max(1, len(rec.actions))
                 result["weights"][f"hilore_fraction_{a}"] = None
+        pad, kept_anywhere = self.skip.step_flags(step) if self.skip is not None else (False, True)
+        if pad and kept_anywhere and isinstance(result, dict):
+            # a pad trains nothing: ppo_train's token- and sample-weighted metrics then cover the trained
+            # responses (where no rank kept anything they are the pads', or ppo_train would divide by 0)
+            result["num_action_tokens"] = result["num_samples"] = 0.0
         return result

@@ -11,7 +11,7 @@ optimizer step begins (``safe_get_full_grad``, a collective). The drop-in plans 
 ``fit``, in lockstep; the second ``fit`` runs an alternating H/R map; in the third only rank 0's
 plan stores nothing (as after a ``tighten`` of its own), which every rank must follow.
 
-CPU stand-ins, and only these: ``torch.cuda`` device calls (``set_device``,
+CPU stand-ins, and only these (``cpu_stand_ins``): ``torch.cuda`` device calls (``set_device``,
 ``current_device`` -> the CPU, ``synchronize``), OpenRLHF's ``init_device_mesh("cuda")`` on the
 CPU, OpenRLHF's ZeRO-3 loading patch for transformers 5.15 left out (see ``rank_main``),
 DeepSpeed's ``torch_adam`` (its fused Adam is a CUDA/JIT kernel), the budget coordinator
@@ -35,15 +35,16 @@ from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 MICRO, SAMPLES, P, A, VOCAB = 2, 4, 12, 20, 128
 
 
-def recipe(model_dir: str):
-    """OpenRLHF's documented RL flags (ZeRO-3, packing off: its flash-attn path is GPU-only)."""
+def recipe(model_dir: str, stage: int = 3, kl: bool = True):
+    """OpenRLHF's documented RL flags (ZeRO-3, packing off: its flash-attn path is GPU-only);
+    ``stage`` and ``kl`` (``--algo.kl.use_loss``) for ``openrlhf_skip_ranks.py``."""
     return [
         "--actor.model_name_or_path",
         model_dir,
         "--data.prompt_dataset",
         "unused",
         "--ds.zero_stage",
-        "3",
+        str(stage),
         "--ds.param_dtype",
         "bf16",
         "--ds.attn_implementation",
@@ -54,7 +55,7 @@ def recipe(model_dir: str):
         "4",
         "--algo.advantage.estimator",
         "group_norm",
-        "--algo.kl.use_loss",
+        *(["--algo.kl.use_loss"] if kl else []),
         "--algo.kl.estimator",
         "k3",
         "--actor.num_gpus_per_node",
@@ -77,10 +78,13 @@ def recipe(model_dir: str):
     ]
 
 
-def cpu_stand_ins(pa) -> None:
-    """The CUDA calls OpenRLHF's actor path makes, on the CPU (module docstring)."""
+def cpu_stand_ins(pa, fp32: bool = False) -> None:
+    """The CUDA calls OpenRLHF's actor path makes, on the CPU (module docstring). With ``fp32``
+    the model and DeepSpeed train in float32 (OpenRLHF's ``--ds.param_dtype`` offers only bf16 and
+    fp16), so comparisons within 1e-6 mean something."""
     import openrlhf.trainer.ppo_utils.replay_buffer as rb
     import openrlhf.utils.deepspeed.deepspeed as ods
+    import openrlhf.utils.utils as outils
     from torch.distributed.device_mesh import init_device_mesh
 
     cpu = lambda: torch.device("cpu")  # noqa: E731
@@ -96,7 +100,12 @@ def cpu_stand_ins(pa) -> None:
         cfg = real(self, *a, **k)
         if "optimizer" in cfg:
             cfg["optimizer"]["params"]["torch_adam"] = True
+        if fp32:
+            cfg["bf16"]["enabled"] = cfg["fp16"]["enabled"] = False
         return cfg
+
+    if fp32:  # Actor loads the model in convert_to_torch_dtype(param_dtype), imported when it loads
+        outils.convert_to_torch_dtype = lambda _dtype: torch.float32
 
     ods.DeepspeedStrategy.get_ds_train_config = train_config
     buffer_init = rb.NaiveReplayBuffer.__init__
@@ -112,7 +121,8 @@ def cpu_stand_ins(pa) -> None:
     rb.NaiveReplayBuffer.__init__ = replay_buffer
 
 
-def rank_main(rank, world, port, model_dir, out):
+def start_rank(rank, world, port) -> None:
+    """The rank's environment, the import shims and its gloo process group."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -132,6 +142,10 @@ def rank_main(rank, world, port, model_dir, out):
 
     skip_cpu_shm_kernel()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def rank_main(rank, world, port, model_dir, out):
+    start_rank(rank, world, port)
     import openrlhf.cli.train_ppo_ray as cli
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf.utils import get_strategy

@@ -233,7 +233,6 @@ def test_plugin_without_gpu_fails_with_a_message(orl, capsys):
         ({"ring_attn_size": 2}, {}, "ring attention puts collectives"),
         ({"tensor_parallel_size": 2}, {}, "AutoTP puts collectives"),
         ({"zero_stage": 3}, {"compile": True}, "hooks that torch.compile would trace"),
-        ({}, {"skip_zero_advantage": "on"}, "the OpenRLHF drop-in trains every response"),
     ],
 )
 def test_unsupported_parallelism_stops_with_one_message(ds, settings, message):
@@ -1034,3 +1033,165 @@ def test_planning_sizes_the_microbatch_as_the_recipe_trains(orl):
         train=NS(micro_batch_size=1, dynamic_batch_enable=True, max_tokens_per_gpu=16192), data=NS(max_len=2048)
     )
     assert microbatch_shape(dynamic) == (16192, 7)
+
+
+def test_skip_on_with_a_kl_loss_stops_with_one_line_before_ray(orl, capsys):
+    """``--hilore.skip_zero_advantage on`` where a loss term reaches the responses it would skip
+    (here the recipe's ``--algo.kl.use_loss``): one ``error:`` line naming the flag, exit 2,
+    before Ray starts."""
+    import ray
+
+    assert main(RECIPE + ["--actor_backend", "hilore", "--hilore.skip_zero_advantage", "on"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith("error: --hilore.skip_zero_advantage on: --algo.kl.use_loss adds a KL term")
+    assert not ray.is_initialized()
+
+
+def test_skip_blockers_read_openrlhfs_parsed_recipe(orl):
+    """The skip is exact, so ``auto`` skips, with OpenRLHF's PPO loss alone (the recipe without
+    its KL loss; also a KL loss of coefficient 0 and an entropy coefficient of 0, which only logs
+    it; dynamic batches under ZeRO-3, also with EMA, which then moves once per optimizer step); a KL
+    loss, an entropy or MoE auxiliary term, EMA over fixed micro-batches, or dynamic batches under
+    ZeRO-2 make ``auto`` train everything and ``on`` a one-line ``ValueError`` naming the flag.
+    ``off`` never skips."""
+    import openrlhf.cli.train_ppo_ray as cli
+
+    from hilore_actor.openrlhf.skip import blockers, resolve
+
+    def parsed(*extra):
+        seen = {}
+        recipe = [a for a in RECIPE if a != "--algo.kl.use_loss"] + list(extra)
+        run_cli_main(cli, recipe, lambda args: seen.setdefault("args", args))
+        return seen["args"]
+
+    args = parsed()
+    assert blockers(args) == [] and resolve("auto", args) and resolve("on", args) and not resolve("off", args)
+    assert blockers(parsed("--actor.entropy_coef", "0", "--algo.kl.use_loss", "--algo.kl.init_coef", "0")) == []
+    assert blockers(parsed("--train.dynamic_batch_enable", "--ds.zero_stage", "3", "--train.enable_ema")) == []
+    for extra in (
+        ["--algo.kl.use_loss"],
+        ["--actor.entropy_coef", "0.01"],
+        ["--actor.aux_loss_coef", "0.01"],
+        ["--train.enable_ema"],
+        ["--train.dynamic_batch_enable", "--ds.zero_stage", "2"],  # DeepSpeed keeps a step's last micro-batch
+    ):
+        args = parsed(*extra)
+        assert not resolve("auto", args) and not resolve("off", args)
+        with pytest.raises(ValueError, match=f"^--hilore.skip_zero_advantage on: {extra[0]}") as e:
+            resolve("on", args)
+        assert "\n" not in str(e.value)
+
+
+def _samples(n, zero, seed=0):
+    """``n`` single samples as OpenRLHF's replay buffer holds them, advantage 0 at ``zero``."""
+    from openrlhf.trainer.ppo_utils.experience import remove_padding_in_sequences, split_experience_batch
+
+    from hilore_actor.openrlhf.verify import experience
+
+    exp = experience(seed, B=n, P=12, A=20, vocab=128)
+    exp.advantages[zero] = 0.0
+    exp.total_length = exp.attention_mask.sum(-1)
+    return remove_padding_in_sequences(split_experience_batch(exp))
+
+
+def test_skip_windows_keep_each_steps_totals_and_boundary(orl):
+    """The fixed micro-batch path on one rank, gas 2, two samples per micro-batch: each window
+    gets OpenRLHF's own totals (``iter_grad_accum_global_norm``'s, counted before the skip) and
+    runs its kept samples, collated in order, in as few micro-batches as they need; a window
+    with nothing kept runs one pad (its shortest sample) and one that keeps everything runs
+    OpenRLHF's own micro-batches. The engine's boundary falls on each window's last
+    micro-batch, and where the buffer is not a multiple of gas (the trailing window) where
+    DeepSpeed's own count has it; then it is handed back."""
+    from types import SimpleNamespace as NS
+
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+    from hilore_actor.openrlhf.skip import ZeroAdvantageSkip
+
+    items = _samples(14, [0, 2, 3, 4, 5, 6, 7, 12])  # windows: samples 0-3 keep 1, 4-7 none, 8-11 all; 12-13 keep 13
+    batches = [make_experience_batch(items[i : i + 2]) for i in range(0, 14, 2)]
+    calls = []
+    trainer = NS(
+        actor=NS(model=NS(micro_steps=0, set_gradient_accumulation_boundary=calls.append)),
+        replay_buffer=NS(sample_batch_size=2, packing_samples=False),
+    )
+    skip = ZeroAdvantageSkip(trainer)
+    mask = lambda e: e.action_mask
+    want = [info for _, info in iter_grad_accum_global_norm(iter(batches), NS(), 2, mask)]
+    got = list(skip.windows(iter(batches), NS(), 2, mask))
+    assert [info for _, info in got] == [want[0], want[2], want[4], want[5], want[6]]
+    shortest = min(items[4:8], key=lambda s: s.sequences.numel())
+    assert [len(b.sequences) for b, _ in got] == [1, 1, 2, 2, 1]
+    for (b, _), sample in zip(got, [items[1], shortest, None, None, items[13]]):
+        if sample is not None:
+            assert torch.equal(b.sequences[0], sample.sequences) and torch.equal(b.advantages[0], sample.advantages)
+    assert got[2][0] is batches[4] and got[3][0] is batches[5]  # nothing left out: OpenRLHF's own
+    assert calls == [True, True, False, True, False, None]  # the trailing window ends no step (DeepSpeed's count)
+    assert skip.flags == {0: (False, True), 1: (True, False), 2: (False, True), 3: (False, True), 4: (False, True)}
+    m = skip.metrics(NS())
+    assert m["hilore_zero_adv_share"] == 8 / 14 and m["hilore_pad_microbatches"] == 1
+    zero_tokens = sum(int(items[i].action_mask.sum()) for i in [0, 2, 3, 4, 5, 6, 7, 12])
+    assert m["hilore_zero_adv_token_share"] == zero_tokens / sum(int(s.action_mask.sum()) for s in items)
+
+
+@pytest.fixture
+def world_one(monkeypatch):
+    """One gloo rank in this process, and the CPU for OpenRLHF's ``torch.cuda.current_device()``."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    fresh = not dist.is_initialized()
+    if fresh:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    if fresh:
+        dist.destroy_process_group()
+
+
+def test_skip_rebuilds_dynamic_batches_from_the_kept_samples(orl, world_one, monkeypatch):
+    """Dynamic batching (``setup_dynamic_batch``, OpenRLHF's own first): each optimizer step's
+    micro-batches hold exactly its kept samples, each within ``--train.max_tokens_per_gpu``, as
+    few as the first-fit count OpenRLHF sizes by; every micro-batch keeps the step's own token
+    and sample totals; the optimizer steps after each step's last one; a step with nothing kept
+    runs one pad, its shortest sample."""
+    from types import SimpleNamespace as NS
+
+    import torch.distributed as dist
+    from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+    from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size
+
+    from hilore_actor.openrlhf.skip import ZeroAdvantageSkip
+
+    with monkeypatch.context() as m:  # the buffer names its device f"cuda:{current_device()}"
+        m.setattr(torch.cuda, "current_device", lambda: 0)
+        buf = NaiveReplayBuffer(1, cpu_offload=False, dynamic_batch=True)
+    buf.items = _samples(8, [0, 1, 2, 3, 5])  # step 1: nothing kept; step 2: 4, 6, 7
+    args = NS(
+        train=NS(batch_size=4, max_tokens_per_gpu=64),
+        rollout=NS(batch_size=2, n_samples_per_prompt=4),
+        ds=NS(ring_attn_size=1, tensor_parallel_size=1),
+    )
+
+    def all_reduce(t, op="mean"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    strategy = NS(args=args, ds_device_mesh={"dp": NS(get_group=lambda: None)}, all_reduce=all_reduce)  # 1 rank
+    NaiveReplayBuffer.setup_dynamic_batch(buf, strategy)
+    before = {"tokens": list(buf.dynamic_batch_num_tokens), "samples": list(buf.dynamic_global_batch_size)}
+    first_step = buf.dynamic_optimizer_step.index(1) + 1
+    skip = ZeroAdvantageSkip(NS(replay_buffer=buf, actor=NS(model=None), max_epochs=1))
+    skip.setup_dynamic_batch(strategy)
+    length = lambda j: int(buf.items[j].total_length)
+    k = get_minimum_num_micro_batch_size([length(j) for j in (4, 6, 7)], 64, 1, 1)
+    assert buf.dynamic_indices[0] == [min(range(4), key=length)]
+    assert sorted(j for p in buf.dynamic_indices[1:] for j in p) == [4, 6, 7] and len(buf.dynamic_indices) == 1 + k
+    assert all(sum(length(j) for j in p) <= 64 for p in buf.dynamic_indices[1:])
+    assert buf.dynamic_optimizer_step == [1] + [0] * (k - 1) + [1]
+    assert buf.dynamic_batch_num_tokens == [before["tokens"][0]] + [before["tokens"][first_step]] * k
+    assert buf.dynamic_global_batch_size == [before["samples"][0]] + [before["samples"][first_step]] * k
+    assert skip.step_flags(0) == (True, False) and all(skip.step_flags(i) == (False, True) for i in range(1, 1 + k))
+    assert skip.counts.pads == 1 and skip.counts.zero_samples == 5

@@ -1,9 +1,11 @@
 """The OpenRLHF drop-in under DeepSpeed ZeRO-3 on two gloo ranks (``openrlhf_zero3_ranks.py``):
 OpenRLHF 0.11.2's real ``init_model_from_pretrained`` (the model partitioned at load) and three
 real ``fit`` calls, once as OpenRLHF runs them with its gradient checkpointing and once under
-``HiLoRePolicyModelActor``, which plans at its first ``fit`` with both ranks in lockstep."""
+``HiLoRePolicyModelActor``, which plans at its first ``fit`` with both ranks in lockstep. And the
+zero-advantage skip on against off under ZeRO-2 and ZeRO-3 (``openrlhf_skip_ranks.py``)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,3 +54,56 @@ def test_zero3_drop_in_hr_gradients_equal_openrlhf_gc_on_two_ranks(model_dir, tm
         assert r["hilore"]["actions"][1] == ["H", "R"]  # the alternating map ran both
         assert r["hilore"]["actions"][2] == ["R"]  # rank 0's all-R plan, on both ranks
     assert ranks[0]["hilore"]["plan"] == ranks[1]["hilore"]["plan"]
+
+
+# dynamic batching under ZeRO-3 only: under ZeRO-1/2 with its gas 1 DeepSpeed keeps only a step's last
+# micro-batch's gradient (skip.py), so the skip stays off there (test_openrlhf.py: its blockers)
+SKIP_RUNS = {2: "fixed", 3: "fixed,dynamic"}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_advantage_skip_keeps_every_update_on_two_ranks(model_dir, tmp_path, stage):
+    """``--hilore.skip_zero_advantage`` on against off through OpenRLHF 0.11.2's real trainer
+    (``openrlhf_skip_ranks.py``: ZeRO ``stage``, no KL loss, float32, fixed micro-batches and, under
+    ZeRO-3, dynamic ones; three ``fit`` calls of one optimizer step each, advantages 0 for half of
+    each rank's samples, then all of rank 0's, then all): per step the whole gradient and after
+    every ``fit`` the weights agree within 1e-6 (the last step's gradient is 0 and AdamW still
+    moves the weights, on its momentum); with the skip each ``fit`` runs 1, 2, 1 micro-batches per
+    rank instead of 2 (rank 0 two pads in the second, one pad per rank in the third), DeepSpeed
+    steps once per ``fit`` and the accumulation boundary is handed back; the ``fit`` reports the
+    zero-advantage shares and the pads, and its sample means cover the trained samples."""
+    pytest.importorskip("openrlhf")
+    out = tmp_path / "ranks.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    args = [str(model_dir), str(out), str(stage), "off,on", SKIP_RUNS[stage]]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "openrlhf_skip_ranks.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    for rank, r in enumerate(ranks):
+        for batching in SKIP_RUNS[stage].split(","):
+            off, on = r[f"{batching}-off"], r[f"{batching}-on"]
+            print(stage, batching, rank, on["grad_rel_err"], on["weight_rel_err"], on["micro"])
+            assert not off["skip"] and on["skip"]
+            assert off["n_steps"] == on["n_steps"] == 3
+            assert all(e < 1e-6 for e in on["grad_rel_err"] + on["weight_rel_err"]), (on["grad_rel_err"], on)
+            assert on["grad_norm"][0] > 0 and on["grad_norm"][1] > 0 and on["grad_norm"][2] == 0
+            assert on["moved"][2] > 0 and off["moved"][2] > 0  # the all-zero step still moved AdamW
+            assert off["micro"] == [2, 2, 2] and on["micro"] == [1, 2, 1]
+            assert on["reset"] == [True, True, True]
+            status = on["status"]
+            assert [s["hilore_zero_adv_share"] for s in status] == [0.5, 0.5, 1.0]
+            assert 0 < status[0]["hilore_zero_adv_token_share"] < 1 and status[2]["hilore_zero_adv_token_share"] == 1
+            assert [s["hilore_pad_microbatches"] for s in status] == [0, 2, 2]
+            assert all(set(s) == {"response_length"} for s in off["status"])
+    for batching in SKIP_RUNS[stage].split(","):  # ppo_train's sample means: the trained samples', pads not counted
+        for i in range(2):  # (the third fit trains only pads: they are its samples)
+            tokens, count = (sum(r[f"{batching}-on"]["trained"][i][j] for r in ranks) for j in range(2))
+            assert math.isclose(ranks[0][f"{batching}-on"]["status"][i]["response_length"], tokens / count)
