@@ -11,9 +11,11 @@ reduces after the last backward), so each rank tops its kept responses up with p
 shortest skipped ones with their loss mask zeroed (advantage 0: loss and gradient exactly 0),
 to a count for which verl's own micro-batching gives every rank the same number:
 fixed micro-batches: ``k x micro`` with ``k = max over ranks of ceil(kept / micro)``;
-dynamic batch size: ``m = max over ranks of min(kept, ceil(kept tokens / max_token_len))``
-micro-batches, which verl's ``rearrange_micro_batches`` (the same min, then its MAX over the
-group) reaches exactly when every rank holds at least ``m`` responses. With nothing kept
+dynamic batch size: ``m`` = the largest over the ranks of the micro-batch count verl's
+``rearrange_micro_batches`` settles on for the rank's kept responses alone (its lower bound
+``min(kept, ceil(kept tokens / max_token_len))``, raised until its balanced partition fits
+``max_token_len``), every rank holding at least ``m`` responses: verl's own search over the group
+then stops at ``m`` or before, within the smallest rank's count (``micro_batch_count``). With nothing kept
 anywhere each rank runs one micro-batch of pads, so every gradient is materialized as zeros
 and the optimizer steps as it would have.
 
@@ -85,6 +87,25 @@ def _zero_from(t, start: int) -> None:
         t[start:].zero_()
 
 
+def micro_batch_count(lengths: List[int], limit: int) -> int:
+    """The micro-batch count verl 0.9.1's ``rearrange_micro_batches`` takes for sequences of
+    ``lengths`` on one rank: ``min(n, ceil(tokens / limit))``, raised until the balanced
+    partition (by verl's workloads) puts at most ``limit`` tokens in each; at most n (one each)."""
+    if not lengths:
+        return 0
+    import torch
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    work = calculate_workload(torch.tensor(lengths)).tolist()
+    count = min(len(lengths), -(-sum(lengths) // limit))
+    while count < len(lengths):
+        parts = get_seqlen_balanced_partitions(work, count, equal_size=False)
+        if all(sum(lengths[j] for j in part) <= limit for part in parts):
+            break
+        count += 1
+    return count
+
+
 def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dict]:
     """(``data`` with its kept responses then its pads, the loss's counts of the whole
     mini-batch, metrics); collectives over ``group`` (verl's data-parallel group)."""
@@ -105,8 +126,7 @@ def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dic
     skipped = sorted((i for i in range(len(signal)) if i not in kept_set), key=lambda i: (seq_lens[i], i))
     dynamic = bool(tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True))
     if dynamic:
-        limit = int(data["max_token_len_per_gpu"]) * sp_size
-        need = min(len(kept), -(-sum(seq_lens[i] for i in kept) // limit))
+        need = micro_batch_count([seq_lens[i] for i in kept], int(data["max_token_len_per_gpu"]) * sp_size)
     else:
         micro = int(data["micro_batch_size_per_gpu"])
         need = -(-len(kept) // micro)

@@ -10,8 +10,9 @@ each the same three mini-batches of 8 responses, verl's ``ppo_loss`` without KL 
 
 - ``fixed``: micro-batches of 2; rank 0's advantages all 0, rank 1 keeps 3 of 8 (so rank 1
   runs 3 kept and 1 pad, rank 0 four pads: two micro-batches each);
-- ``dynamic``: the same responses under verl's dynamic batch size (two responses per
-  micro-batch by tokens);
+- ``dynamic``: the same responses under verl's dynamic batch size, at most 1.5 responses' tokens
+  per micro-batch (rank 1's three kept need three micro-batches, not the ceil(3 / 1.5) = 2 of
+  verl's first guess, so rank 0 runs three pads);
 - ``nothing``: every advantage 0 on both ranks (one micro-batch of pads each).
 
 For each: the whole (reduced) LoRA gradient, which parameters have one, the micro-batch count
@@ -44,7 +45,7 @@ def batch(kind: str, rank: int, seed: int, vocab: int):
     zero = [i for i in range(B) if i not in KEPT[kind][rank]]
     td["advantages"][zero] = 0.0
     if kind == "dynamic":
-        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=2 * (P + R))
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=3 * (P + R) // 2)
     return td
 
 

@@ -26,10 +26,11 @@ def test_two_ranks_with_the_skip_train_the_weights_they_train_without(tmp_path):
         for kind in ("fixed", "dynamic"):
             assert r[kind]["rel"] <= 1e-6, (kind, r[kind])
             assert r[f"off/{kind}"]["norm"] > 0
-            assert r[f"on/{kind}"]["microbatches"] == 2 < r[f"off/{kind}"]["microbatches"] == 4
             assert r[f"on/{kind}"]["skip"]["zero_adv_share"] == pytest.approx(13 / 16)
+        assert r["on/fixed"]["microbatches"] == 2 < r["off/fixed"]["microbatches"] == 4
+        assert r["on/dynamic"]["microbatches"] == 3 < r["off/dynamic"]["microbatches"] == 8  # 1.5 responses each
         assert r["on/fixed"]["skip"]["pad_samples"] == 5  # rank 0: four, rank 1: one beside its three
-        assert r["on/dynamic"]["skip"]["pad_samples"] == 2  # rank 0: two, for verl's two micro-batches
+        assert r["on/dynamic"]["skip"]["pad_samples"] == 3  # rank 0: three, for rank 1's three micro-batches
         assert r["on/nothing"]["microbatches"] == 1 and r["on/nothing"]["skip"]["zero_adv_share"] == 1.0
         assert r["on/nothing"]["grad_numel"] == r["off/nothing"]["grad_numel"] == r["off/fixed"]["grad_numel"]
         assert r["off/moved"] > 1e-5 and r["weights"]["rel"] <= 1e-6, r["weights"]
@@ -88,3 +89,23 @@ def test_one_rank_keeps_its_responses_then_pads_to_verls_micro_batch_count(dynam
     n = len(kept)
     assert out["loss_mask"][:n].sum() == td["loss_mask"][kept].sum() and out["loss_mask"][n:].sum() == 0
     assert metrics["pad_samples"] == pads and metrics["zero_adv_share"] == 1 - n / 8
+
+
+def test_the_micro_batch_count_is_the_one_verl_settles_on():
+    """``micro_batch_count`` against verl's own ``rearrange_micro_batches`` (one rank): random
+    lengths and limits, including limits where verl's first guess does not fit."""
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(20):
+        td = verify.grpo_batch(
+            seed + i, vocab=verl_cpu.TINY["vocab_size"], B=int(torch.randint(1, 9, (1,), generator=g))
+        )
+        lens = td["input_ids"].offsets().diff().tolist()
+        limit = int(torch.randint(max(lens), 2 * max(lens) + 1, (1,), generator=g))
+        batches, _ = rearrange_micro_batches(td, max_token_len=limit)
+        assert skip.micro_batch_count(lens, limit) == len(batches), (lens, limit)
+    full = verify.grpo_batch(seed, vocab=verl_cpu.TINY["vocab_size"], B=3, P=8, R=24, full=True)
+    assert skip.micro_batch_count([32] * 3, 48) == len(rearrange_micro_batches(full, max_token_len=48)[0]) == 3
