@@ -116,22 +116,37 @@ def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
     return {g: (sxy[g] / sxx[g] if sxx[g] > 0 else 0.0) for g in sxy}
 
 
+INTERVENTION = {"grads": True, "track_error": True, "track_tokens": True}  # what a single-unit L pass measures
+
+
 def calibration_prefix(runner, mb, level: str, room: int, margin: float = 1.15):
-    """The longest prefix of ``mb`` (a multiple of 64 tokens, or ``mb`` itself) whose all-L pass
-    fits the ``room`` (the in-microbatch peak allowed), found from up to three measured
-    prefixes and a polynomial through their peaks (times ``margin``): every single-unit
-    intervention holds less than all-L. Exposure is a sum of |omega| normalised by the
-    microbatch's tokens, so it does not grow with the prefix; recon and gradient errors are
-    relative."""
+    """The longest prefix of ``mb`` (a multiple of 64 tokens, or ``mb`` itself) whose heaviest
+    calibration pass fits the ``room`` (the in-microbatch peak allowed), found from up to four
+    measured prefixes, each at most twice the last (a peak grows faster than its tokens: attention's
+    scores), and a polynomial through their peaks (times ``margin``). The heaviest is
+    the all-L pass or a single-unit intervention (``calibrate``: the others R, the unit's exact
+    copy kept beside its L one to measure the error) on the earliest unit of a kind: its bundle
+    is held through every later unit's recompute, which all-L never runs. Exposure is a sum of
+    |omega| normalised by the microbatch's tokens, so it does not grow with the prefix; recon and
+    gradient errors are relative."""
     from .profiling import _poly_at
 
     names = runner.engine.unit_names
+    specs = {u.name: u for layer in runner.engine.layer_specs for u in layer.units}
+    earliest = list({specs[n].kind: n for n in reversed(names)}.values())  # the first unit of each kind
+    all_r = {n: "R" for n in names}
     plan = {n: plan_for_label(level) for n in names}
     T, rows = mb.input_ids.shape[1], mb.input_ids.shape[0]
     t, xs, ys, best = min(T, max(64, T // 8)), [], [], None
-    for _ in range(3):
+    for _ in range(4):
         part = mb.prefix(t) if t < T else mb
-        peak = runner.run(part, plan, measure_peak=True).peak_bytes
+        peak = max(
+            [runner.run(part, plan, measure_peak=True).peak_bytes]
+            + [
+                runner.run(part, dict(all_r, **{u: level}), **INTERVENTION, measure_peak=True).peak_bytes
+                for u in earliest
+            ]
+        )
         if peak > room:
             break
         best = part
@@ -139,7 +154,8 @@ def calibration_prefix(runner, mb, level: str, room: int, margin: float = 1.15):
             return mb
         xs.append(part.num_tokens)
         ys.append(peak)
-        fits = [c for c in list(range(t + 64, T, 64)) + [T] if _poly_at(xs, ys, 2, c * rows) * margin <= room]
+        larger = [c for c in range(t + 64, min(T, 2 * t) + 1, 64)] + ([T] if T <= 2 * t else [])
+        fits = [c for c in larger if _poly_at(xs, ys, 2, c * rows) * margin <= room]
         if not fits:
             break
         t = max(fits)
@@ -173,7 +189,7 @@ def calibrate(
         done += 1
         gnorm = float(ref.grad.norm())
         for name in names:
-            res = runner.run(mb, dict(all_r, **{name: level}), grads=True, track_error=True, track_tokens=True, seed=b)
+            res = runner.run(mb, dict(all_r, **{name: level}), **INTERVENTION, seed=b)
             e = res.reconstruction.get(name, 0.0)
             y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
             E = unit_exposure(ref.omega, res.token_norms[name], ref.mask)

@@ -44,9 +44,11 @@ def _plan(model, seed, tokens=1024, **settings):
 
 
 def test_planning_stays_within_the_budget(fresh_seed):
+    """On two layers and 1024 tokens L's calibration interventions peak highest (a unit's exact and
+    L copies held through the later units' recompute): they too stay within B."""
     print("seed", fresh_seed)
-    model = _model(fresh_seed)
-    plan = _plan(model, fresh_seed, tokens=512, loo=True)
+    model = _model(fresh_seed, layers=2)
+    plan = _plan(model, fresh_seed, tokens=1024, loo=True)
     info = plan.info
     print(
         f"plan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B ({info['plan_peak_phase']}); "
@@ -59,9 +61,9 @@ def test_planning_stays_within_the_budget(fresh_seed):
     assert all(p.grad is None for p in model.parameters())  # nothing left for the first real update
     assert info["plan_peak_bytes"] >= info["gc_peak_bytes"]  # the gc pass is one of them
     # what planning used to run as its references would not have fitted
-    mb = replayed_microbatches(model, 1, 512, seed=fresh_seed)[0]
+    mb = replayed_microbatches(model, 1, 1024, seed=fresh_seed)[0]
     assert Runner(model, loss_fn=CHUNKED).run(mb, "all-h", measure_peak=True).peak_bytes > info["budget_bytes"]
-    assert plan.sp.costs.probe_tokens and max(plan.sp.costs.probe_tokens) < 512
+    assert plan.sp.costs.probe_tokens and max(plan.sp.costs.probe_tokens) < 1024
 
 
 def test_a_shorter_microbatch_gets_a_plan_sized_to_it(fresh_seed):
