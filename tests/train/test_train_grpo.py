@@ -228,9 +228,9 @@ def test_l_is_calibrated_once_on_real_rollouts_and_resumed_from_the_checkpoint(t
     assert saved[0]["calibrations"] == saved[1]["calibrations"]  # one calibration for the job
     assert {s["batch"] for s in saved[0]["calibrations"]["L"]["samples"]} == {0, 1, 2, 3}
     assert saved[0]["info"]["calibration"] == "job"
-    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "3", "--resume")
+    r = job(tmp_path, "--hilore.mode", "hilore", "--max_steps", "3", "--hilore.calibration_batches", "4", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout and "calibrated L's risk" not in r.stdout
+    assert "resuming from" in r.stdout and "calibrated L's risk" not in r.stdout and "plans anew" not in r.stdout
     again = json.loads((tmp_path / "checkpoints" / "step_3" / "hilore_rank0.json").read_text())
     assert again["calibrations"] == saved[0]["calibrations"]
 
