@@ -144,7 +144,8 @@ def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dic
     if distributed:
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM, group=group)
     total, kept_tokens, samples, kept_samples, pad_samples = counts.tolist()
-    out = tu.index_select_tensor_dict(data, kept + pads)
+    # a rank that skips nothing needs no pads either (every rank holds as many responses)
+    out = data if len(kept) == len(signal) else tu.index_select_tensor_dict(data, kept + pads)
     if pads:
         for key in {"loss_mask", "response_mask"} & set(out.keys()):
             _zero_from(out[key], len(kept))
