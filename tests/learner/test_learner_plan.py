@@ -48,7 +48,7 @@ def test_planning_stays_within_the_budget(fresh_seed):
     L copies held through the later units' recompute): they too stay within B."""
     print("seed", fresh_seed)
     model = _model(fresh_seed, layers=2)
-    plan = _plan(model, fresh_seed, tokens=1024, loo=True)
+    plan = _plan(model, fresh_seed, tokens=1024, loo=True, calibration_batches=1)
     info = plan.info
     print(
         f"plan {info['plan']}; planning peak {info['plan_peak_over_budget']:.3f} B ({info['plan_peak_phase']}); "
