@@ -20,6 +20,9 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+# HiLoRe's settings and job facts for the tiny model's engines (one planning pass each, no leave-one-out)
+SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
+JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
 
 
 def cpu_platform():
@@ -89,6 +92,27 @@ def cpu_platform():
             yield
 
     return PlatformCPU()
+
+
+def start_rank(rank: int, world: int, port: int) -> None:
+    """One gloo rank of a two-rank script: a hang dumps its stacks and exits after
+    ``HILORE_TEST_HANG_S`` (a collective the other rank skipped), the CPU platform, the process
+    group, and HiLoRe's engine registered for the CPU."""
+    import faulthandler
+    import os
+
+    import torch.distributed as dist
+    from verl.plugin.platform import platform_manager
+
+    from hilore_actor.verl.fsdp_engine import register_for
+
+    faulthandler.dump_traceback_later(float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    platform_manager.set_platform(cpu_platform())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    register_for(("cpu",))
 
 
 def save_tiny_model(path, seed: int) -> str:

@@ -24,14 +24,11 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import verl_cpu  # noqa: E402
 from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
-SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
-JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
 B, P, R = 8, 8, 24
 KEPT = {"fixed": {0: [], 1: [1, 4, 6]}, "dynamic": {0: [], 1: [1, 4, 6]}, "nothing": {0: [], 1: []}}
 
@@ -60,23 +57,10 @@ def lora(engine) -> torch.Tensor:
 
 
 def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(
-        float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True
-    )  # a hang: say where
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    from verl.plugin.platform import platform_manager
-
-    platform_manager.set_platform(verl_cpu.cpu_platform())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    verl_cpu.start_rank(rank, world, port)
     from hilore_actor.verl import verify
-    from hilore_actor.verl.fsdp_engine import register_for
     from hilore_actor.verl.settings import CONFIG_ENV
 
-    register_for(("cpu",))
     vocab = verl_cpu.TINY["vocab_size"]
     loss_fn = verify.ppo_loss_fn(batch_size=B)
     seen = {}
@@ -84,7 +68,11 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
     for setting in ("off", "on"):
         try:
             engine = verify.build_engine(
-                "hilore-hr", path, seed, settings={**SETTINGS, "skip_zero_advantage": setting}, job=JOB
+                "hilore-hr",
+                path,
+                seed,
+                settings={**verl_cpu.SETTINGS, "skip_zero_advantage": setting},
+                job=verl_cpu.JOB,
             )
         finally:
             os.environ.pop(CONFIG_ENV, None)

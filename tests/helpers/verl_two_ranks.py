@@ -16,41 +16,26 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import verl_cpu  # noqa: E402
 from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
-SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
-JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
-
 
 def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(
-        float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True
-    )  # a hang: say where
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    from verl.plugin.platform import platform_manager
-
-    platform_manager.set_platform(verl_cpu.cpu_platform())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    verl_cpu.start_rank(rank, world, port)
     from hilore_actor.verl import verify
-    from hilore_actor.verl.fsdp_engine import register_for
     from hilore_actor.verl.settings import CONFIG_ENV
 
-    register_for(("cpu",))
     vocab = verl_cpu.TINY["vocab_size"]
     td = verify.grpo_batch(seed + 100 + rank, vocab=vocab, full=True)  # each rank its own data
     loss_fn = verify.ppo_loss_fn()
 
     def build(kind, budget="1.2"):
         try:
-            return verify.build_engine(kind, path, seed, settings={**SETTINGS, "budget": budget}, job=JOB)
+            return verify.build_engine(
+                kind, path, seed, settings={**verl_cpu.SETTINGS, "budget": budget}, job=verl_cpu.JOB
+            )
         finally:
             os.environ.pop(CONFIG_ENV, None)
 

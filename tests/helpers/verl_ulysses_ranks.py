@@ -36,7 +36,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import verl_cpu  # noqa: E402
@@ -44,8 +43,6 @@ from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 ATTN = "hilore_cpu_varlen"
 SP = 2
-SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
-JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
 ALL_TO_ALL = [0]  # verl's all-to-alls run on this rank (forward, backward, recompute)
 
 
@@ -181,8 +178,8 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     def build(kind, sp, skip="auto"):
         try:
             with ulysses(sp):
-                settings = {**SETTINGS, "skip_zero_advantage": skip}
-                return verify.build_engine(kind, path, seed, attn=ATTN, settings=settings, job=JOB)
+                settings = {**verl_cpu.SETTINGS, "skip_zero_advantage": skip}
+                return verify.build_engine(kind, path, seed, attn=ATTN, settings=settings, job=verl_cpu.JOB)
         finally:
             os.environ.pop(CONFIG_ENV, None)
 
@@ -211,24 +208,13 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
 
 
 def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("HILORE_TEST_HANG_S", "240")) + 5 * rank, exit=True)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    from verl.plugin.platform import platform_manager
-
-    platform_manager.set_platform(verl_cpu.cpu_platform())
+    verl_cpu.start_rank(rank, world, port)
     import verl.workers.engine.fsdp.transformer_impl as impl
 
     impl.device_name = "cpu"  # read at import, before the CPU platform: only the Ulysses mesh uses it
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from hilore_actor.runtime import memory
     from hilore_actor.verl import verify
-    from hilore_actor.verl.fsdp_engine import register_for
 
-    register_for(("cpu",))
     use_stand_ins()
     memory.CPU_METER = "storage"  # the module docstring
     td = verify.grpo_batch(seed + 100, vocab=verl_cpu.TINY["vocab_size"])  # one DP rank: the same batch on both

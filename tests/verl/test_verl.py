@@ -18,8 +18,7 @@ import verl_cpu  # noqa: E402
 from hilore_actor.verl import verify  # noqa: E402
 
 VOCAB = verl_cpu.TINY["vocab_size"]
-SETTINGS = {"budget": "1.2", "loo": False, "profile_repeats": 1, "calibration_batches": 2}
-JOB = {"plan_tokens": 64, "group_size": 4, "fsdp": "fsdp2"}
+SETTINGS, JOB = verl_cpu.SETTINGS, verl_cpu.JOB
 
 
 def _free_port():
