@@ -96,14 +96,12 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only)
         overrides, skipped = {}, None
         if self._skips(data, loss_function):
-            from verl.utils import tensordict_utils as tu
             from verl.utils.device import get_device_id
 
             from .skip import skip_batch
 
-            sp = self.ulysses_sequence_parallel_size
-            tu.assign_non_tensor(data, sp_size=sp)
-            data, overrides, skipped = skip_batch(data, self.get_data_parallel_group(), get_device_id(), sp)
+            group, sp = self.get_data_parallel_group(), self.ulysses_sequence_parallel_size
+            data, overrides, skipped = skip_batch(data, group, get_device_id(), sp)
         with self.hilore.batch(overrides, skipped) as wrap:
             return super().forward_backward_batch(data, wrap(loss_function), forward_only)
 

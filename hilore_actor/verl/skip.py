@@ -4,7 +4,7 @@ verl's ``ppo_loss`` divides by the whole mini-batch's counts: ``batch_num_tokens
 mask summed over the data-parallel group, token-mean), the trainer's ``global_batch_size``
 (the seq-mean modes) and ``dp_size``; FSDP averages the ranks' gradients. So leaving a response
 with advantage 0 out of a rank's mini-batch keeps the gradient when the loss keeps the count
-taken before the skip (``loss_overrides``; verl recounts from the data it is given).
+taken before the skip (``skip_batch`` returns it for the loss; verl recounts from the data it is given).
 
 Every rank must still run the same number of micro-batches (FSDP gathers per forward and
 reduces after the last backward), so each rank tops its kept responses up with pads, its
@@ -130,9 +130,6 @@ def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dic
     else:
         micro = int(data["micro_batch_size_per_gpu"])
         need = -(-len(kept) // micro)
-    counts = torch.tensor(
-        [sum(tokens), sum(tokens[i] for i in kept), len(signal), len(kept), 0], dtype=torch.int64, device=device
-    )
     need_t = torch.tensor([need], dtype=torch.int64, device=device)
     distributed = torch.distributed.is_initialized()
     if distributed:
@@ -140,7 +137,9 @@ def skip_batch(data, group, device, sp_size: int = 1) -> Tuple[object, Dict, Dic
     need = max(1, int(need_t))
     target = max(len(kept), need) if dynamic else need * micro
     pads = skipped[: target - len(kept)]
-    counts[4] = len(pads)
+    counts = torch.tensor(
+        [sum(tokens), sum(tokens[i] for i in kept), len(signal), len(kept), len(pads)], dtype=torch.int64, device=device
+    )
     if distributed:
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM, group=group)
     total, kept_tokens, samples, kept_samples, pad_samples = counts.tolist()
