@@ -132,7 +132,7 @@ def calibration_prefix(runner, mb, level: str, room: int, margin: float = 1.15):
     from .profiling import _poly_at
 
     names = runner.engine.unit_names
-    specs = {u.name: u for layer in runner.engine.layer_specs for u in layer.units}
+    specs = runner.engine.unit_specs
     earliest = list({specs[n].kind: n for n in reversed(names)}.values())  # the first unit of each kind
     all_r = {n: "R" for n in names}
     plan = {n: plan_for_label(level) for n in names}
@@ -179,7 +179,7 @@ def calibrate(
     if room is not None:
         batches = [calibration_prefix(runner, mb, level, room) for mb in batches]
     names = list(units or engine.unit_names)
-    specs = {u.name: u for layer in engine.layer_specs for u in layer.units}
+    specs = engine.unit_specs
     n_layers = len(engine.layer_specs)
     groups = {n: unit_group(n, n_layers, specs[n].layer, specs[n].kind) for n in engine.unit_names}
     samples, done, total = [], 0, len(batches) * (len(names) + 1)

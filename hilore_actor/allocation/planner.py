@@ -188,7 +188,7 @@ class Planner:
         self.partial = bool(config.partial)
         self.kinds = ("H", *(P_LABELS if self.partial else ()), *self.levels)  # the non-R options per unit
         self.shares = tuple(float(f) for f in config.token_rows) if self.levels else ()
-        self.token_wise = {u.name for layer in self.engine.layer_specs for u in layer.units if u.token_wise}
+        self.token_wise = {n for n, u in self.engine.unit_specs.items() if u.token_wise}
         # static has no online trimming, so its plan may not take more risk than delta
         self.scales = {
             "hilore-hr": (0.0,),

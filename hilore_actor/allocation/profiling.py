@@ -113,7 +113,7 @@ def profile_units(
             )
     if partial and mb.num_tokens not in probes:
         spare = (room - peak) / 2 if room is not None else float("inf")
-        kinds = {u.name: u.kind for layer in runner.engine.layer_specs for u in layer.units}
+        kinds = {n: u.kind for n, u in runner.engine.unit_specs.items()}
         for a in P_LABELS:
             share = _partial_shares(
                 runner, mb, repeats, kinds, a, {n: costs.dm[n][a] for n in names if a in costs.dm[n]}, spare

@@ -71,7 +71,8 @@ class RecoveryEngine:
         (``rules.KEEP_EXACT``); off only to measure what that rule buys."""
         self.model = model
         self.layer_specs = discover_units(model)
-        self.unit_names = [u.name for layer in self.layer_specs for u in layer.units]
+        self.unit_specs = {u.name: u for layer in self.layer_specs for u in layer.units}  # name -> its UnitSpec
+        self.unit_names = list(self.unit_specs)
         self.codec = get_codec(codec)
         self.attention_core_exact = attention_core_exact
         self.compiled = False  # unit forwards compiled (compiled.compile_units): L restores saved strides
