@@ -40,7 +40,6 @@ expandable-segment memory through ``pidfd_getfd``, which containers and Yama ref
 
 from __future__ import annotations
 
-import gc
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar, Union
@@ -133,14 +132,8 @@ class MemoryMeter:
         else:
             self._prof.__exit__(*exc)
             peak, net, since, before = cpu_peak_from_events(self._prof)
+            _drop_events(self._prof)
             self._prof = None
-            # The profiler object sits in a reference cycle, so its event data (every op and
-            # allocation of the region) outlives it until Python's cyclic collector happens to
-            # run; tensors allocated meanwhile land between those blocks, and glibc's heap grew
-            # by ~6 GB per HiLoRe preparation, 24 GB over a benchmark (cpu-ref-a piece 5, killed
-            # for memory). Collect now: on CPU the meter serves measurement (the profiler already
-            # slows the region far more than one collection; a CPU training job pays both).
-            gc.collect()
         self.report = MemoryReport(
             str(self.device),
             int(max(peak, 0)),
@@ -334,6 +327,18 @@ def _cpu_events(prof) -> Tuple[list, list]:
         elif e.name.startswith(MARK_PREFIX):
             marks.append((e.start_time_ns, e.name[len(MARK_PREFIX) :]))
     return sorted(allocs, key=lambda a: a[0]), sorted(marks)
+
+
+def _drop_events(prof) -> None:
+    """Free the region's event data (every op and allocation) now. ``torch.profiler.profile``
+    sits in a reference cycle, so the data would outlive it until Python's cyclic collector
+    runs; tensors allocated meanwhile land between those blocks, and glibc's heap grew by
+    gigabytes over a planning pass. Dropping the one reference to the results frees them
+    without a full ``gc.collect()``, which costs a quarter of a second per region in a process
+    that has imported transformers and DeepSpeed."""
+    inner = getattr(prof, "profiler", None)
+    if inner is not None:
+        inner.kineto_results = None
 
 
 def cpu_peak_from_events(prof) -> Tuple[int, int, Dict[str, int], Dict[str, int]]:
