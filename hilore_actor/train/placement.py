@@ -18,7 +18,6 @@ whose disk is not shared (the test of ``check_shared``).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import uuid
 from typing import List, Tuple
@@ -33,10 +32,10 @@ def _rendezvous_address(local: bool) -> Tuple[str, int]:
     """(address, free port) on the node this runs on."""
     import ray
 
+    from ..runtime.distributed import free_port
+
     addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return addr, s.getsockname()[1]
+    return addr, free_port(addr)
 
 
 def learner_placement(ray, world: int, num_nodes: int, cuda: bool) -> Tuple[object, List[dict], str, int]:

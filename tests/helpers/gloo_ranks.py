@@ -3,18 +3,17 @@
 one JSON file written by rank 0."""
 
 import json
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hilore_actor.runtime.distributed import free_port
+
 
 def spawn_two(rank_main, *args) -> None:
     """``rank_main(rank, 2, port, *args)`` in two processes, ``port`` a free local one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torch.set_num_threads(1)
     mp.spawn(rank_main, args=(2, port, *args), nprocs=2, join=True)
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ports import free_port
+from hilore_actor.runtime.distributed import free_port
 
 HELPERS = Path(__file__).resolve().parent
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hilore_actor.learner.coordinator import BudgetCoordinator
-from ports import free_port
+from hilore_actor.runtime.distributed import free_port
 
 
 def test_directives_match_brute_force():

@@ -182,7 +182,7 @@ def test_ranks_share_one_calibration(fresh_seed, tmp_path):
     """Two gloo ranks split three calibration microbatches (2 + 1) and both adopt the same
     calibration: the one pooled from single-process calibrations of the same shares."""
     import json
-    import socket
+    from hilore_actor.runtime.distributed import free_port
 
     import torch.multiprocessing as mp
 
@@ -190,9 +190,7 @@ def test_ranks_share_one_calibration(fresh_seed, tmp_path):
     from hilore_actor.recovery import RecoveryEngine
 
     print("seed", fresh_seed)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_calibrate_rank, args=(2, port, fresh_seed, str(tmp_path)), nprocs=2, join=True)
     got = [Calibration(**json.loads((tmp_path / f"rank{r}.json").read_text())) for r in range(2)]
     assert got[0] == got[1]

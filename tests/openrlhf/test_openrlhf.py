@@ -10,7 +10,7 @@ run; the README says so.
 
 import os
 import shutil
-import socket
+from hilore_actor.runtime.distributed import free_port
 import subprocess
 import sys
 from pathlib import Path
@@ -534,12 +534,6 @@ def test_verification_fails_on_a_wrong_gradient_or_a_peak_over_b(orl, sabotage):
         assert len(result["failures"]) == 1 and word in result["failures"][0]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     """After ``strategy.prepare`` the Actor's model is a DeepSpeed engine (ZeRO-2): the chunked
     head runs inside the engine's forward, whose output hooks start ZeRO's backward; the
@@ -554,7 +548,7 @@ def test_chunked_head_through_a_deepspeed_engine(orl, monkeypatch):
     for k, v in dict(
         DS_ACCELERATOR="cpu",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from ports import free_port
+from hilore_actor.runtime.distributed import free_port
 
 SCRIPT = textwrap.dedent("""
     import torch.distributed as dist

@@ -102,16 +102,15 @@ def test_resume_refuses_a_changed_model_or_data_and_replans_a_changed_budget(uni
 
 
 RESUMED_RANK = """
-import json, socket, sys
+import json, sys
+from hilore_actor.runtime.distributed import free_port
 from hilore_actor.models.chunked_head import head_is_linear
 from hilore_actor.train.config import flatten_ns, parse_config
 from hilore_actor.train.learner import Learner
 
 cfg = parse_config(["--preset", "tiny", "--hilore.mode", "hilore-hr", "--actor.num_gpus_per_node", "1"])
 cfg.hilore.plan_tokens = json.load(open(sys.argv[1] + "/meta.json"))["config"]["hilore.plan_tokens"]
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+port = free_port()
 rank = Learner(flatten_ns(cfg), 0, "127.0.0.1", port, None, sys.argv[1])  # rank 0's saved plan, restored
 print("chunked head:", rank.chunked_head, head_is_linear(rank.ds))
 """

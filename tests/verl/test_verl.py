@@ -5,7 +5,7 @@ only the device platform is supplied (``verl_cpu.py``). The reference is verl's 
 gradient checkpointing."""
 
 import os
-import socket
+from hilore_actor.runtime.distributed import free_port
 
 import pytest
 import torch
@@ -21,12 +21,6 @@ VOCAB = verl_cpu.TINY["vocab_size"]
 SETTINGS, JOB = verl_cpu.SETTINGS, verl_cpu.JOB
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def verl_env(tmp_path_factory):
     import torch.distributed as dist
@@ -35,7 +29,7 @@ def verl_env(tmp_path_factory):
     from hilore_actor.verl.fsdp_engine import register_for
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     platform_manager.set_platform(verl_cpu.cpu_platform())
     fresh = not dist.is_initialized()
     if fresh:
