@@ -54,7 +54,7 @@ def init_deepspeed_distributed(device_type: str) -> None:
 RAY_WORKER_PORTS_END = 19999  # Ray's default --max-worker-port
 
 
-def _ephemeral_start() -> int:
+def ephemeral_start() -> int:
     """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -66,7 +66,7 @@ def _ephemeral_start() -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` that binds now and that no outgoing connection will take before a rank
     binds it (module docstring); the kernel's own choice where no such port is free."""
-    low, high = RAY_WORKER_PORTS_END + 1, _ephemeral_start() - 1
+    low, high = RAY_WORKER_PORTS_END + 1, ephemeral_start() - 1
     draw = random.SystemRandom()  # leaves the job's seeded random state alone
     for _ in range(64 if high > low else 0):
         port = draw.randint(low, high)

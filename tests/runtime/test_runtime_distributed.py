@@ -1,5 +1,6 @@
-"""runtime/distributed.py: a learner's process group on CPU starts without compiling DeepSpeed's
-shared-memory kernel, so a lock file left by a killed compile cannot block it."""
+"""runtime/distributed.py: a rendezvous port outside the ephemeral range; a learner's process group
+on CPU starts without compiling DeepSpeed's shared-memory kernel, so a lock file left by a killed
+compile cannot block it."""
 
 import os
 import subprocess
@@ -39,3 +40,21 @@ def test_cpu_init_ignores_a_stale_shm_build_lock(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backend gloo world 1 shm None" in out.stdout, out.stdout[-2000:]
     assert sorted(p.name for p in build.iterdir()) == ["lock"]  # nothing was compiled there
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_leaves_the_seeded_random_state():
+    """Outgoing connections take their source ports from the ephemeral range, so a rendezvous port
+    drawn there can be gone before rank 0 binds it; the draw must not move a seeded job's random state."""
+    import random
+    import socket
+
+    from hilore_actor.runtime.distributed import RAY_WORKER_PORTS_END, ephemeral_start
+
+    random.seed(3)
+    want = random.random()
+    random.seed(3)
+    ports = {free_port() for _ in range(8)}
+    assert random.random() == want
+    assert all(RAY_WORKER_PORTS_END < p < ephemeral_start() for p in ports) and len(ports) > 1, ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
