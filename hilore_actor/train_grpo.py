@@ -153,11 +153,13 @@ def run(cfg) -> int:
 
     import ray
 
+    local_ray = False
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=cfg.log_workers)  # inside `ray job submit`, or an explicit cluster
         else:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=cfg.log_workers)
+            local_ray = True
     t0 = time.perf_counter()
     how = (
         "restores its budget and plan from the checkpoint"
@@ -171,7 +173,7 @@ def run(cfg) -> int:
         f"each learner {how}",
         flush=True,
     )
-    job = Job(cfg, resume_dir, str(ckpts.root))
+    job = Job(cfg, resume_dir, str(ckpts.root), local_ray)
     if resume_dir:
         job.get([l.load.remote(resume_dir) for l in job.learners])
     info = job.infos[0]

@@ -22,7 +22,8 @@ commas):
   after ``--train.max_skipped_updates`` in a row (``SkipCounter``).
 
 - ``unshared:<rank>``: that rank's node cannot see the checkpoint folder; the job stops before
-  any learner starts (``placement.check_shared``).
+  any learner starts (``placement.check_shared``, on a Ray cluster: the job's own one-node
+  instance runs no probe).
 
 ``*`` stands for any rank or step (``learner/fault_injection.py`` reads the variable).
 

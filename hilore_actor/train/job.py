@@ -29,7 +29,8 @@ PASS_ENV = (
 class Job:
     """The Ray actors of one run and the calls the recipe makes on them."""
 
-    def __init__(self, cfg, resume_dir: Optional[str], checkpoints: str):
+    def __init__(self, cfg, resume_dir: Optional[str], checkpoints: str, local_ray: bool = False):
+        """``local_ray``: Ray is the instance this process started (one node: no placement tasks)."""
         import ray
 
         from ..learner.coordinator import BudgetCoordinator
@@ -48,8 +49,9 @@ class Job:
             .remote(checkpoints=checkpoints, resume_from=resume_dir)
         )
         try:  # ranks placed (one bundle each), checkpoint storage checked, then the learners start
-            self.pg, place, addr, port = learner_placement(ray, world_size(cfg), cfg.actor.num_nodes, cuda)
-            check_shared(ray, place, checkpoints, **env)
+            self.pg, place, addr, port = learner_placement(ray, world_size(cfg), cfg.actor.num_nodes, cuda, local_ray)
+            if not local_ray:
+                check_shared(ray, place, checkpoints, **env)
         except RuntimeError as e:
             raise JobError(str(e)) from None
         self.learners = [

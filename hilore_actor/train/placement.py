@@ -10,6 +10,9 @@
 - Checkpoints are written by every rank into one folder, so with several nodes it must be
   storage every node reaches: ``check_shared`` has every rank write a probe file there and
   read everyone else's, and stops the job with one message if one cannot.
+- On the Ray instance the job started itself (one node, the driver's), neither task runs: the
+  port is drawn by the driver and the folder is the driver's own. Each task would start a Ray
+  worker process first (seconds on a small machine, before any learner starts).
 
 ``HILORE_FAULT=unshared:<rank>``: that rank's probe goes to a folder of its own, as on a node
 whose disk is not shared (the test of ``check_shared``).
@@ -28,18 +31,23 @@ READY_S = 300
 PROBE_DIR = ".probe"
 
 
-def _rendezvous_address(local: bool) -> Tuple[str, int]:
+def _rendezvous_address(one_node: bool) -> Tuple[str, int]:
     """(address, free port) on the node this runs on."""
-    import ray
-
     from ..runtime.distributed import free_port
 
-    addr = "127.0.0.1" if local else ray.util.get_node_ip_address()
+    if one_node:
+        return "127.0.0.1", free_port()
+    import ray
+
+    addr = ray.util.get_node_ip_address()
     return addr, free_port(addr)
 
 
-def learner_placement(ray, world: int, num_nodes: int, cuda: bool) -> Tuple[object, List[dict], str, int]:
-    """(placement group, per rank the actor options placing it, rendezvous address, port)."""
+def learner_placement(
+    ray, world: int, num_nodes: int, cuda: bool, local: bool = False
+) -> Tuple[object, List[dict], str, int]:
+    """(placement group, per rank the actor options placing it, rendezvous address, port);
+    ``local``: Ray is the job's own single-node instance, so the driver draws the port."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -62,6 +70,8 @@ def learner_placement(ray, world: int, num_nodes: int, cuda: bool) -> Tuple[obje
         )
         for r in range(world)
     ]
+    if local:
+        return pg, place, *_rendezvous_address(True)
     addr, port = ray.get(
         ray.remote(_rendezvous_address)
         .options(num_cpus=0, scheduling_strategy=place[0]["scheduling_strategy"])
