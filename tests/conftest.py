@@ -109,12 +109,23 @@ def bench_setup(arch: str, num_layers: int, n_mbs: int):
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """Three uninterrupted steps of the training job's tiny preset (``train_job.py``): the
-    reference the fault, resume and multi-node tests reproduce."""
+    """Three uninterrupted steps of the training job's tiny preset (``train_job.py``), logged to
+    W&B offline and evaluated greedily on a held-out file after every step: the reference the
+    fault, resume and multi-node tests reproduce (their runs log and evaluate nothing, so they
+    also show that neither changes what is learned), and the run the logging test reads."""
+    import json
+
     from train_job import job
 
+    held_out = tmp_path_factory.mktemp("held_out") / "held_out.jsonl"
+    held_out.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(5))
+    )
     out = tmp_path_factory.mktemp("full")
-    r = job(out, "--max_steps", "3")
+    logged = ["--use_wandb", "--wandb_run_name", "tiny-test", "--eval.dataset", str(held_out)]
+    r = job(
+        out, "--max_steps", "3", *logged, "--eval.steps", "1", "--eval.max_samples", "3", env={"WANDB_MODE": "offline"}
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r
 

@@ -678,16 +678,15 @@ def value_errors(cfg) -> List[str]:
     ):
         if flat[name] not in choices:
             errors.append(f"--{name} {flat[name]!r}: choose one of {', '.join(choices)}")
-    try:
-        from transformers import SchedulerType
+    if cfg.actor.lr_scheduler != DEFAULTS["actor.lr_scheduler"]:  # transformers' list imports peft: seconds
+        try:
+            from transformers import SchedulerType
 
-        if cfg.actor.lr_scheduler not in {t.value for t in SchedulerType}:
-            errors.append(
-                f"--actor.lr_scheduler {cfg.actor.lr_scheduler!r}: choose one of "
-                f"{', '.join(t.value for t in SchedulerType)}"
-            )
-    except ImportError:  # transformers absent: the learner reports it
-        pass
+            names = [t.value for t in SchedulerType]
+            if cfg.actor.lr_scheduler not in names:
+                errors.append(f"--actor.lr_scheduler {cfg.actor.lr_scheduler!r}: choose one of {', '.join(names)}")
+        except ImportError:  # transformers absent: the learner reports it
+            pass
     if cfg.data.task_options:
         try:
             opts = json.loads(cfg.data.task_options)

@@ -137,36 +137,16 @@ def test_a_resumed_rank_takes_the_chunked_head_as_an_uninterrupted_one(uninterru
     assert "chunked head: True True" in r.stdout, r.stdout[-2000:]
 
 
-def test_offline_wandb_tensorboard_samples_entropy_and_held_out_evaluation(tmp_path):
-    """One run with W&B offline and a held-out file evaluated every step: the .wandb file holds
-    exactly TensorBoard's scalars under the same grouped names; every step has the policy's
-    entropy, the reward spread and eval/accuracy; samples.jsonl has 2 training and 2 held-out
-    generations per step; the report prints the held-out rows."""
+def test_offline_wandb_tensorboard_samples_entropy_and_held_out_evaluation(uninterrupted):
+    """The reference run logs to W&B offline and evaluates a held-out file every step: the .wandb
+    file holds exactly TensorBoard's scalars under the same grouped names; every step has the
+    policy's entropy, the reward spread and eval/accuracy; samples.jsonl has 2 training and 2
+    held-out generations per step; the report prints the held-out rows."""
     from train_job import tensorboard_scalars, wandb_scalars
 
-    held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text(
-        "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(5))
-    )
-    out = tmp_path / "run"
-    r = job(
-        out,
-        "--max_steps",
-        "2",
-        "--use_wandb",
-        "--wandb_run_name",
-        "tiny-test",
-        "--eval.dataset",
-        str(held_out),
-        "--eval.steps",
-        "1",
-        "--eval.max_samples",
-        "3",
-        env={"WANDB_MODE": "offline"},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out, r = uninterrupted
     rows = metrics(out)
-    assert [m["step"] for m in rows] == [1, 2]
+    assert [m["step"] for m in rows] == [1, 2, 3]
     for m in rows:
         assert m["entropy"] > 0 and m["reward_std"] >= 0 and m["reward_min"] <= m["reward_mean"] <= m["reward_max"]
         assert m["response_length_max"] >= m["response_length"] and m["eval_prompts"] == 3
@@ -194,11 +174,11 @@ def test_offline_wandb_tensorboard_samples_entropy_and_held_out_evaluation(tmp_p
     } <= names
     assert tb[("actor/entropy", 2)] == pytest.approx(rows[1]["entropy"], rel=1e-6)
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
-    assert [(s["step"], s["split"]) for s in samples] == [(1, "train")] * 2 + [(1, "eval")] * 2 + [(2, "train")] * 2 + [
-        (2, "eval")
-    ] * 2
+    assert [(s["step"], s["split"]) for s in samples] == [
+        (k, split) for k in (1, 2, 3) for split in ("train", "eval") for _ in range(2)
+    ]
     assert samples[2]["prompt"] == "What is 0 + 1?" and samples[2]["answer"] == "1"
-    assert "held-out after step 2: accuracy" in r.stdout and "Traceback" not in r.stderr
+    assert "held-out after step 3: accuracy" in r.stdout and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
