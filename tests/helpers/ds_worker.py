@@ -1,5 +1,6 @@
-"""Worker for test_distributed.py: 2 CPU ranks over gloo, a DeepSpeed ZeRO engine around a tiny
-LoRA model, gradients of no-gc vs engine policies. Launched with torchrun; rank 0 prints JSON."""
+"""Worker for test_distributed.py: 2 CPU ranks over gloo, DeepSpeed ZeRO engines around a tiny
+LoRA model, gradients of no-gc vs engine policies, for each configuration named on the command
+line. Launched with torchrun; rank 0 prints one JSON object, keyed by configuration."""
 
 import json
 import os
@@ -9,8 +10,25 @@ import torch
 
 
 def main():
-    stage, dtype_name = int(sys.argv[1]), sys.argv[2]
+    """Every configuration named on the command line (``STAGE:DTYPE[:METHOD,METHOD,...]``) in turn
+    on the same two ranks: one process group and one start-up for all of them."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from hilore_actor.runtime.distributed import init_deepspeed_distributed
+
+    init_deepspeed_distributed("cpu")
+    out = {}
+    for config in sys.argv[1:]:
+        stage, dtype_name, *methods = config.split(":")
+        out[config] = run(int(stage), dtype_name, methods[0].split(",") if methods else None)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # orderly shutdown: an implicit one at exit can abort
+
+
+def run(stage: int, dtype_name: str, methods=None) -> dict:
+    """A DeepSpeed ZeRO ``stage`` engine around a fresh tiny LoRA model per method; the methods'
+    gradients against no-gc's (rank 0's summary)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -20,14 +38,11 @@ def main():
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine, apply_baseline
 
-    from hilore_actor.runtime.distributed import init_deepspeed_distributed
-
-    init_deepspeed_distributed("cpu")
     rank = torch.distributed.get_rank()
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     ids, pos = packed_microbatch(96, 128, n_seqs=3, seed=100 + rank)  # each rank its own data
     results = {}
-    methods = sys.argv[3].split(",") if len(sys.argv) > 3 else ["no-gc", "gc", "all-r", "all-h", "mixed"]
+    methods = methods or ["no-gc", "gc", "all-r", "all-h", "mixed"]
     for method in methods:
         model = build_model(
             tiny_config("qwen2", hidden_size=64, num_layers=2, vocab_size=128), lora=LoraSpec(4, 8, 0.1), seed=0
@@ -76,10 +91,7 @@ def main():
             out[m + ":rel"] = float(num / torch.cat([r.flatten() for r in ref.values()]).norm())
             out[m + ":spied"] = results[m + ":spied"]
     out["grad_norm"] = float(torch.cat([g.flatten() for g in ref.values()]).norm())
-    if rank == 0:
-        print("RESULT " + json.dumps(out), flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # orderly shutdown: an implicit one at exit can abort
+    return out
 
 
 def watch_weights(module) -> dict:
