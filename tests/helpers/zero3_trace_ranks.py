@@ -6,7 +6,7 @@ Per rank, twice on the same weights and microbatches (one optimizer step each): 
 Each run counts the coordinator's trace invalidations (``_invalidate_trace``, wrapped on the
 instance after ``deepspeed.initialize``, which invalidates once itself) and, after each step,
 reads its count of available parameter elements and the true count, as it does at every fetch.
-``python zero3_trace_ranks.py OUT.json kept|tight [PLAN,PLAN,...]``.
+``python zero3_trace_ranks.py OUT.json kept,tight [PLAN,PLAN,...]`` (the ``ZERO`` configurations to run).
 """
 
 import os
@@ -113,12 +113,15 @@ def rank_main(rank: int, world: int, port: int, out: str, zero: str, plans) -> N
     from hilore_actor.runtime.distributed import init_deepspeed_distributed
 
     init_deepspeed_distributed("cpu")
-    ref, got = run(rank, False, zero, plans), run(rank, True, zero, plans)
-    bitwise = [
-        set(g) == set(r) and all(g[n] is not None and torch.equal(g[n], r[n]) for n in r)
-        for g, r in zip(got.pop("grads"), ref.pop("grads"))
-    ]
-    write_ranks({"no-gc": ref, "hilore": got, "bitwise": bitwise}, out, world)
+    seen = {}
+    for config in zero.split(","):  # every ZERO configuration on the same two ranks, one start-up
+        ref, got = run(rank, False, config, plans), run(rank, True, config, plans)
+        bitwise = [
+            set(g) == set(r) and all(g[n] is not None and torch.equal(g[n], r[n]) for n in r)
+            for g, r in zip(got.pop("grads"), ref.pop("grads"))
+        ]
+        seen[config] = {"no-gc": ref, "hilore": got, "bitwise": bitwise}
+    write_ranks(seen, out, world)
 
 
 if __name__ == "__main__":

@@ -11,25 +11,32 @@ import pytest
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ``ZERO`` configurations on one pair of ranks: per configuration, per rank, what it saw."""
+    tmp = tmp_path_factory.mktemp("zero3_trace")
+    out = tmp / "ranks.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "zero3_trace_ranks.py"), str(out), "kept,tight"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp,
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())["ranks"]
+
+
 @pytest.mark.parametrize("zero", ["kept", "tight"])
-def test_zero3_trace_survives_changing_plans(zero, tmp_path):
+def test_zero3_trace_survives_changing_plans(zero, ranks):
     """With the R (and P) units changing every microbatch, DeepSpeed never invalidates its trace
     (it prefetches from the second step on, as without the engine); its count of available
     parameter elements is the true one at every fetch and after every step (the first step's
     offset is DeepSpeed's own: the same without the engine); gradients are no-gc's, bitwise.
     ``zero``: whether forward's weights stay gathered for backward (``zero3_trace_ranks.ZERO``)."""
-    out = tmp_path / "ranks.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "zero3_trace_ranks.py"), str(out), zero],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    for r in json.loads(out.read_text())["ranks"]:
+    for r in (rank[zero] for rank in ranks):
         ref, got = r["no-gc"], r["hilore"]
         print(got["invalidated_at"], [(s["plan"], s["counted"], s["resident"], s["drift"]) for s in got["steps"]])
         assert ref["invalidated_at"] == [] and got["invalidated_at"] == []
