@@ -174,101 +174,112 @@ def run(cfg) -> int:
         flush=True,
     )
     job = Job(cfg, resume_dir, str(ckpts.root), local_ray)
-    if resume_dir:
-        job.get([l.load.remote(resume_dir) for l in job.learners])
-    info = job.infos[0]
-    peaks = [(i["plan_peak_over_budget"], i["plan_peak_phase"]) for i in job.infos]
-    measured = [p for p in peaks if p[0] is not None]  # None: a migrated plan whose planning was not measured
-    plan_peak, peak_phase = max(measured, key=lambda x: x[0]) if measured else (None, None)
-    print(
-        f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
-        f"{info['budget_bytes'] / 2**20:.0f} MiB ({info['budget_spec']}, {info['budget_scope']} scope; "  # B in force
-        f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident "
-        f"{info['resident_bytes'] / 2**20:.0f} MiB, on a {info['plan_tokens']}-token microbatch); "
-        f"plan {info.get('plan', '-')}; planning peaked at {'-' if plan_peak is None else f'{plan_peak:.3f}'} B"
-        f"{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
-        flush=True,
-    )
-    log = MetricsLog(
-        cfg.save_path, cfg.logger.tensorboard_dir, resume_step=start if resume_dir else None, wandb=wandb_options(cfg)
-    )
-    bar = tqdm(
-        range(start, cfg.max_steps),
-        desc="grpo",
-        unit="step",
-        initial=start,
-        total=cfg.max_steps,
-        file=sys.stdout,
-        dynamic_ncols=True,
-    )
-    job.sync_weights()
-    stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
-    restarts_before = call(job.coordinator.restart_count)
-    buffer = replay_buffer(cfg, resume_dir)
-    for step in bar:
-        rewards, out, per_update, rollout_s, ref_s, replayed, skip = train_step(job, task, cfg, step, stop, buffer, tok)
-        m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
-        m.update(skip)
-        if buffer is not None:
-            from hilore_actor.rollout.replay import stats
-
-            m.update(stats(replayed, buffer, step))
-        m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info["budget_scope"]
-        m["coordinator_restarts"] = call(job.coordinator.restart_count)
-        _say_recoveries(m, step + 1, restarts_before)
-        restarts_before = m["coordinator_restarts"]
-        m["learner_nodes"] = {str(i["rank"]): i.get("node_id") for i in job.infos}
-        if cfg.compare_skip:  # per repeat, the slowest rank: the update waits for it
-            per_rank = job.get([l.compare_skip.remote(cfg.compare_skip) for l in job.learners])
-            m["compare_skip_times"] = times = {k: [max(t) for t in zip(*(r[k] for r in per_rank))] for k in per_rank[0]}
-            m["compare_skip_speedup"] = statistics.median(a / b for a, b in zip(times["all"], times["skip"]))
-        if cfg.compare_gc:
-            cmp = job.get([l.compare.remote() for l in job.learners])
-            for key in cmp[0]:
-                m[key] = max(c[key] for c in cmp)
-            m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
-        samples = pick_samples(
-            step_prompts(task, cfg, step),
-            out["texts"],
-            rewards.tolist(),
-            cfg.rollout.n_samples_per_prompt,
-            cfg.logger.samples_per_step,
-        )
-        if eval_task is not None and due(cfg, step + 1):
-            evals, eval_samples = evaluate(job, eval_task, cfg, step, partial(score, eval_task, G=1, tok=tok))
-            m.update(evals)
-            samples += eval_samples
-        log.log(step + 1, m, samples)
-        for upd in per_update:
-            skips.update(any(r["skipped"] for r in upd), step + 1)
-        if job.calibration_pending:  # the first step ran H/R; from the next one on, the wanted mode
-            job.calibrate()
-        bar.set_postfix_str(summary(m))
-        tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
-        if (
-            (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0)
-            or step + 1 == cfg.max_steps
-            or stop.requested
-        ):
-            saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num, buffer)
-        if stop.requested and step + 1 < cfg.max_steps:
-            break
-    stop.__exit__()
-    bar.close()
-    log.close()
-    if stop.requested and step + 1 < cfg.max_steps:
-        print(
-            f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
-            f"checkpoint {saved}; rerun the same command with --resume to continue",
+    try:
+        if resume_dir:
+            job.get([l.load.remote(resume_dir) for l in job.learners])
+        info = job.infos[0]
+        peaks = [(i["plan_peak_over_budget"], i["plan_peak_phase"]) for i in job.infos]
+        measured = [p for p in peaks if p[0] is not None]  # None: a migrated plan whose planning was not measured
+        plan_peak, peak_phase = max(measured, key=lambda x: x[0]) if measured else (None, None)
+        print(  # the B in force
+            f"[train] {world_size(cfg)} learner rank(s), backend {cfg.actor.backend}, budget B = "
+            f"{info['budget_bytes'] / 2**20:.0f} MiB ({info['budget_spec']}, {info['budget_scope']} scope; "
+            f"gc's in-microbatch peak {info['gc_peak_bytes'] / 2**20:.0f} MiB, resident "
+            f"{info['resident_bytes'] / 2**20:.0f} MiB, on a {info['plan_tokens']}-token microbatch); "
+            f"plan {info.get('plan', '-')}; planning peaked at {'-' if plan_peak is None else f'{plan_peak:.3f}'} B"
+            f"{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
             flush=True,
         )
+        log = MetricsLog(
+            cfg.save_path,
+            cfg.logger.tensorboard_dir,
+            resume_step=start if resume_dir else None,
+            wandb=wandb_options(cfg),
+        )
+        bar = tqdm(
+            range(start, cfg.max_steps),
+            desc="grpo",
+            unit="step",
+            initial=start,
+            total=cfg.max_steps,
+            file=sys.stdout,
+            dynamic_ncols=True,
+        )
+        job.sync_weights()
+        stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
+        restarts_before = call(job.coordinator.restart_count)
+        buffer = replay_buffer(cfg, resume_dir)
+        for step in bar:
+            rewards, out, per_update, rollout_s, ref_s, replayed, skip = train_step(
+                job, task, cfg, step, stop, buffer, tok
+            )
+            m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
+            m.update(skip)
+            if buffer is not None:
+                from hilore_actor.rollout.replay import stats
+
+                m.update(stats(replayed, buffer, step))
+            m["plan_peak_over_budget"], m["budget_scope"] = plan_peak, info["budget_scope"]
+            m["coordinator_restarts"] = call(job.coordinator.restart_count)
+            _say_recoveries(m, step + 1, restarts_before)
+            restarts_before = m["coordinator_restarts"]
+            m["learner_nodes"] = {str(i["rank"]): i.get("node_id") for i in job.infos}
+            if cfg.compare_skip:  # per repeat, the slowest rank: the update waits for it
+                per_rank = job.get([l.compare_skip.remote(cfg.compare_skip) for l in job.learners])
+                m["compare_skip_times"] = times = {
+                    k: [max(t) for t in zip(*(r[k] for r in per_rank))] for k in per_rank[0]
+                }
+                m["compare_skip_speedup"] = statistics.median(a / b for a, b in zip(times["all"], times["skip"]))
+            if cfg.compare_gc:
+                cmp = job.get([l.compare.remote() for l in job.learners])
+                for key in cmp[0]:
+                    m[key] = max(c[key] for c in cmp)
+                m["compare_speedup_vs_gc"] = m["compare_gc_seconds"] / m[f"compare_{cfg.actor.backend}_seconds"]
+            samples = pick_samples(
+                step_prompts(task, cfg, step),
+                out["texts"],
+                rewards.tolist(),
+                cfg.rollout.n_samples_per_prompt,
+                cfg.logger.samples_per_step,
+            )
+            if eval_task is not None and due(cfg, step + 1):
+                evals, eval_samples = evaluate(job, eval_task, cfg, step, partial(score, eval_task, G=1, tok=tok))
+                m.update(evals)
+                samples += eval_samples
+            log.log(step + 1, m, samples)
+            for upd in per_update:
+                skips.update(any(r["skipped"] for r in upd), step + 1)
+            if job.calibration_pending:  # the first step ran H/R; from the next one on, the wanted mode
+                job.calibrate()
+            bar.set_postfix_str(summary(m))
+            tqdm.write(f"[step {step + 1}] {summary(m)}", file=sys.stdout)
+            if (
+                (cfg.ckpt.save_steps > 0 and (step + 1) % cfg.ckpt.save_steps == 0)
+                or step + 1 == cfg.max_steps
+                or stop.requested
+            ):
+                saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num, buffer)
+            if stop.requested and step + 1 < cfg.max_steps:
+                break
+        stop.__exit__()
+        bar.close()
+        log.close()
+        if stop.requested and step + 1 < cfg.max_steps:
+            print(
+                f"[train] stopped after step {step + 1} of {cfg.max_steps} ({signal.Signals(stop.signal).name}); "
+                f"checkpoint {saved}; rerun the same command with --resume to continue",
+                flush=True,
+            )
+            return 0
+        path = job.get([l.save_hf.remote(os.path.join(cfg.save_path, "final")) for l in job.learners])[0]
+        print(
+            f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}",
+            flush=True,
+        )
+        print_report(log.path, cfg)
         return 0
-    path = job.get([l.save_hf.remote(os.path.join(cfg.save_path, "final")) for l in job.learners])[0]
-    print(
-        f"[train] done: {cfg.max_steps} steps; metrics {log.path}; weights {path}; checkpoints {ckpts.root}", flush=True
-    )
-    print_report(log.path, cfg)
-    return 0
+    finally:
+        job.close()
 
 
 def score(task, out, examples, G: int, tok=None) -> List[float]:
@@ -535,6 +546,21 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    ray_before = _ray_running()
+    try:
+        return _run(cfg)
+    finally:
+        if not ray_before and _ray_running():  # the Ray this run started or joined, whatever the outcome:
+            sys.modules["ray"].shutdown()  # left to the interpreter's exit, its workers outlived us, busy
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def _run(cfg) -> int:
+    """``run`` with each failure said in one line, and its exit status."""
     try:
         return run(cfg)
     except (JobError, FileNotFoundError, ValueError) as e:
