@@ -23,6 +23,28 @@ def job(tmp, *args, env=None, timeout=420):
     )
 
 
+def main_without_ray(argv, monkeypatch, capsys):
+    """(exit code, stdout, stderr, seconds) of the job's ``main`` run in this process with Ray's
+    start made an error: how a mistake refused before Ray is answered."""
+    import time
+
+    import ray
+
+    from hilore_actor import train_grpo
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    t = time.perf_counter()
+    try:
+        code = train_grpo.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err, time.perf_counter() - t
+
+
 def metrics(path):
     return [json.loads(ln) for ln in (Path(path) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 

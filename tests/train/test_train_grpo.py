@@ -72,10 +72,7 @@ def test_resume_refuses_a_changed_model_or_data_and_replans_a_changed_budget(
     rank plan anew, said once, and the new B is the one in force (banner, coordinator, checkpoint)."""
     import shutil
 
-    import ray
-
-    from hilore_actor import train_grpo
-    from train_job import TINY
+    from train_job import TINY, main_without_ray
 
     run = tmp_path / "run"
     shutil.copytree(uninterrupted[0], run)  # its checkpoint of step 3, with the flags it was saved with
@@ -86,14 +83,12 @@ def test_resume_refuses_a_changed_model_or_data_and_replans_a_changed_budget(
         ),
         (["--train.seed", "7"], "--train.seed 7 (the checkpoint's 42)"),
     )
-    with monkeypatch.context() as m:  # the refusals come before Ray: in this process, Ray's start an error
-        m.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
-        for args, want in refused:
-            code = train_grpo.main([*TINY, "--save_path", str(run), "--max_steps", "4", "--resume", *args])
-            out, err = capsys.readouterr()
-            assert code == 2, out[-2000:] + err[-2000:]
-            assert err.strip().splitlines() == [err.strip()] and want in err, err
-            assert "Traceback" not in err and "[train] starting" not in out
+    for args, want in refused:  # refused before Ray: in this process, with Ray's start an error
+        argv = [*TINY, "--save_path", str(run), "--max_steps", "4", "--resume", *args]
+        code, out, err, _ = main_without_ray(argv, monkeypatch, capsys)
+        assert code == 2, out[-2000:] + err[-2000:]
+        assert err.strip().splitlines() == [err.strip()] and want in err, err
+        assert "Traceback" not in err and "[train] starting" not in out
     assert (run / "checkpoints" / "latest").read_text() == "step_3" and [m["step"] for m in metrics(run)] == [1, 2, 3]
     r = job(run, "--max_steps", "4", "--resume", "--hilore.budget", "1.3")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -328,18 +323,15 @@ def test_budget_below_minimum_is_a_clear_error(tmp_path):
 
 
 def test_malformed_dataset(tmp_path, monkeypatch, capsys):
-    import ray
+    from train_job import TINY, main_without_ray
 
-    from hilore_actor import train_grpo
-    from train_job import TINY
-
-    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2",\n')
-    assert train_grpo.main([*TINY, "--save_path", str(tmp_path), "--data.prompt_dataset", str(data)]) == 2
-    assert "bad.jsonl:2: malformed JSON" in capsys.readouterr().err
-    assert train_grpo.main([*TINY, "--save_path", str(tmp_path), "--resume"]) == 2
-    assert "no complete checkpoint" in capsys.readouterr().err
+    argv = [*TINY, "--save_path", str(tmp_path)]
+    code, _, err, _ = main_without_ray([*argv, "--data.prompt_dataset", str(data)], monkeypatch, capsys)
+    assert code == 2 and "bad.jsonl:2: malformed JSON" in err
+    code, _, err, _ = main_without_ray([*argv, "--resume"], monkeypatch, capsys)
+    assert code == 2 and "no complete checkpoint" in err
 
 
 def test_flags_aliases_and_yaml(tmp_path):
