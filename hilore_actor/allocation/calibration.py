@@ -154,7 +154,7 @@ def calibration_prefix(runner, mb, level: str, room: int, margin: float = 1.15):
             return mb
         xs.append(part.num_tokens)
         ys.append(peak)
-        larger = [c for c in range(t + 64, min(T, 2 * t) + 1, 64)] + ([T] if T <= 2 * t else [])
+        larger = list(range(t + 64, min(T, 2 * t + 1), 64)) + ([T] if T <= 2 * t else [])  # T once, at most 2t
         fits = [c for c in larger if _poly_at(xs, ys, 2, c * rows) * margin <= room]
         if not fits:
             break

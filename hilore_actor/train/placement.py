@@ -44,10 +44,10 @@ def _rendezvous_address(one_node: bool) -> Tuple[str, int]:
 
 
 def learner_placement(
-    ray, world: int, num_nodes: int, cuda: bool, local: bool = False
+    ray, world: int, num_nodes: int, cuda: bool, local_ray: bool = False
 ) -> Tuple[object, List[dict], str, int]:
     """(placement group, per rank the actor options placing it, rendezvous address, port);
-    ``local``: Ray is the job's own single-node instance, so the driver draws the port."""
+    ``local_ray``: Ray is the job's own single-node instance, so the driver draws the port."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -70,7 +70,7 @@ def learner_placement(
         )
         for r in range(world)
     ]
-    if local:
+    if local_ray:
         return pg, place, *_rendezvous_address(True)
     addr, port = ray.get(
         ray.remote(_rendezvous_address)
