@@ -13,6 +13,8 @@ def main():
     """Every configuration named on the command line (``STAGE:DTYPE[:METHOD,METHOD,...]``) in turn
     on the same two ranks: one process group and one start-up for all of them."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's helpers
     from hilore_actor.runtime.distributed import init_deepspeed_distributed
 
     init_deepspeed_distributed("cpu")
@@ -32,9 +34,7 @@ def run(stage: int, dtype_name: str, methods=None) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's helpers
-    from conftest import grpo_loss, packed_microbatch
+    from conftest import grpo_loss, packed_microbatch  # on the path main set
     from hilore_actor.models import LoraSpec, build_model, tiny_config
     from hilore_actor.recovery import RecoveryEngine, apply_baseline
 
