@@ -20,20 +20,17 @@ It records the whole gradient as each optimizer step begins (``safe_get_full_gra
 before the first and after each ``fit`` (``safe_get_full_fp32_param``; both collectives), the
 micro-batches each ``fit`` ran (backward calls), the ``fit``'s status and its kept samples'
 response tokens; rank 0 writes the relative differences of the settings' gradients and weights
-against the first setting's, per rank.
-``python openrlhf_skip_ranks.py MODEL_DIR OUT.json STAGE SETTINGS BATCHINGS`` (SETTINGS e.g.
-``off,on``; BATCHINGS ``fixed`` and/or ``dynamic``, comma-separated).
+against the first setting's, per rank. ``openrlhf_zero3_ranks.py`` runs it as the case
+``skip:STAGE:SETTINGS:BATCHINGS`` (SETTINGS e.g. ``off,on``; BATCHINGS ``fixed`` and/or ``dynamic``,
+comma-separated).
 """
 
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gloo_ranks import spawn_two, write_ranks
-from openrlhf_zero3_ranks import SAMPLES, VOCAB, A, P, _with_info, cpu_stand_ins, recipe, start_rank
+from openrlhf_zero3_ranks import SAMPLES, VOCAB, A, P, _with_info, cpu_stand_ins, recipe
 
 ZEROS = [  # per fit, per rank: the samples whose advantage is 0
     {0: [0, 3], 1: [1, 2]},
@@ -62,10 +59,11 @@ def experiences(rank: int):
     return out
 
 
-def rank_main(rank, world, port, model_dir, out, stage, settings, batchings):
-    start_rank(rank, world, port)
+def skip_runs(rank, model_dir, stage: int, settings: str, batchings: str):
+    """Each (batching, setting) on this rank, compared with the first setting (module docstring)."""
     import openrlhf.cli.train_ppo_ray as cli
     from openrlhf.utils import get_strategy
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     from hilore_actor.learner.coordinator import BudgetCoordinator
     from hilore_actor.openrlhf import policy_actor as pa
@@ -76,7 +74,7 @@ def rank_main(rank, world, port, model_dir, out, stage, settings, batchings):
     pa._HiLoRePolicyModelActor._coordinator = staticmethod(lambda: coordinator)
     seen = {}
     for batching in batchings.split(","):
-        flags = recipe(model_dir, stage=int(stage), kl=False)
+        flags = recipe(model_dir, stage=stage, kl=False)
         if batching == "dynamic":
             flags += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", str(MAX_TOKENS)]
             flags += ["--vllm.num_engines", "1"]  # packing's requirement (no engine starts: no Ray here)
@@ -95,6 +93,8 @@ def rank_main(rank, world, port, model_dir, out, stage, settings, batchings):
             }
             os.environ[pa.CONFIG_ENV] = json.dumps(hilore)
             args.actor.gradient_checkpointing_enable = True  # the drop-in turns it off itself
+            # no ZeRO-3 config of an earlier case still alive: transformers would partition this load
+            assert not is_deepspeed_zero3_enabled()
             actor = pa._HiLoRePolicyModelActor.__new__(pa._HiLoRePolicyModelActor)
             torch.manual_seed(0)
             actor.init_model_from_pretrained(get_strategy(args), model_dir, max_steps=8)
@@ -109,7 +109,7 @@ def rank_main(rank, world, port, model_dir, out, stage, settings, batchings):
         run["moved"] = [float((b - a).norm()) for a, b in zip(run["weights"], run["weights"][1:])]
     for run in seen.values():
         del run["grads"], run["weights"]
-    write_ranks(seen, out, world)
+    return seen
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -167,6 +167,3 @@ def fits(actor, exps):
         "trained": trained,
     }
 
-
-if __name__ == "__main__":
-    spawn_two(rank_main, *sys.argv[1:])

@@ -19,7 +19,11 @@ a plain object (no Ray), and the vllm/flash_attn import shims (``openrlhf_shims.
 ``--ds.enable_sleep`` is left out: DeepSpeed's ``offload_states`` takes only its FusedAdam
 (``stage3.py``: "Offloading is supported only for DeepSpeed FusedAdam"), a CUDA kernel; that
 planning happens after its reload is ``test_openrlhf.py``'s order test.
-``python openrlhf_zero3_ranks.py MODEL_DIR OUT.json``.
+
+``python openrlhf_zero3_ranks.py MODEL_DIR OUT.json CASE...`` runs the cases one after the other
+on one pair of ranks (one process start and one import of the stack for all): ``drop-in`` (the
+above) and ``skip:STAGE:SETTINGS:BATCHINGS`` (``openrlhf_skip_ranks.py``); ``OUT.json`` holds
+each rank's results by case.
 """
 
 import copy
@@ -78,10 +82,18 @@ def recipe(model_dir: str, stage: int = 3, kl: bool = True):
     ]
 
 
+FP32 = [False]  # the stand-ins' precision switch (cpu_stand_ins)
+
+
 def cpu_stand_ins(pa, fp32: bool = False) -> None:
-    """The CUDA calls OpenRLHF's actor path makes, on the CPU (module docstring). With ``fp32``
-    the model and DeepSpeed train in float32 (OpenRLHF's ``--ds.param_dtype`` offers only bf16 and
-    fp16), so comparisons within 1e-6 mean something."""
+    """The CUDA calls OpenRLHF's actor path makes, on the CPU (module docstring), installed once
+    per process. With ``fp32`` the model and DeepSpeed train in float32 until the next call
+    (OpenRLHF's ``--ds.param_dtype`` offers only bf16 and fp16), so comparisons within 1e-6 mean
+    something."""
+    FP32[0] = fp32
+    if getattr(cpu_stand_ins, "installed", False):
+        return
+    cpu_stand_ins.installed = True
     import openrlhf.trainer.ppo_utils.replay_buffer as rb
     import openrlhf.utils.deepspeed.deepspeed as ods
     import openrlhf.utils.utils as outils
@@ -100,12 +112,13 @@ def cpu_stand_ins(pa, fp32: bool = False) -> None:
         cfg = real(self, *a, **k)
         if "optimizer" in cfg:
             cfg["optimizer"]["params"]["torch_adam"] = True
-        if fp32:
+        if FP32[0]:
             cfg["bf16"]["enabled"] = cfg["fp16"]["enabled"] = False
         return cfg
 
-    if fp32:  # Actor loads the model in convert_to_torch_dtype(param_dtype), imported when it loads
-        outils.convert_to_torch_dtype = lambda _dtype: torch.float32
+    # Actor loads the model in convert_to_torch_dtype(param_dtype), imported when it loads
+    convert = outils.convert_to_torch_dtype
+    outils.convert_to_torch_dtype = lambda dtype: torch.float32 if FP32[0] else convert(dtype)
 
     ods.DeepspeedStrategy.get_ds_train_config = train_config
     buffer_init = rb.NaiveReplayBuffer.__init__
@@ -144,8 +157,23 @@ def start_rank(rank, world, port) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def rank_main(rank, world, port, model_dir, out):
+def rank_main(rank, world, port, model_dir, out, *cases):
+    """Every case on this rank, in the order given; one results file."""
     start_rank(rank, world, port)
+    seen = {}
+    for case in cases:
+        if case == "drop-in":
+            seen[case] = drop_in(rank, model_dir)
+        else:
+            from openrlhf_skip_ranks import skip_runs
+
+            _, stage, settings, batchings = case.split(":")
+            seen[case] = skip_runs(rank, model_dir, int(stage), settings, batchings)
+    write_ranks(seen, out, world)
+
+
+def drop_in(rank, model_dir):
+    """OpenRLHF's actor with its gradient checkpointing, then the drop-in (module docstring)."""
     import openrlhf.cli.train_ppo_ray as cli
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf.utils import get_strategy
@@ -175,7 +203,7 @@ def rank_main(rank, world, port, model_dir, out):
     seen["bitwise"] = [torch.equal(a, b) for a, b in pairs]
     seen["rel_err"] = [float((a - b).norm() / a.norm()) for a, b in pairs]
     seen["grad_norm"] = [float(a.norm()) for a, _ in pairs]
-    write_ranks(seen, out, world)
+    return seen
 
 
 def fits(actor, exps, alternate: bool):
@@ -230,4 +258,4 @@ def _with_info(exp):
 
 
 if __name__ == "__main__":
-    spawn_two(rank_main, sys.argv[1], sys.argv[2])
+    spawn_two(rank_main, *sys.argv[1:])

@@ -2,7 +2,8 @@
 OpenRLHF 0.11.2's real ``init_model_from_pretrained`` (the model partitioned at load) and three
 real ``fit`` calls, once as OpenRLHF runs them with its gradient checkpointing and once under
 ``HiLoRePolicyModelActor``, which plans at its first ``fit`` with both ranks in lockstep. And the
-zero-advantage skip on against off under ZeRO-2 and ZeRO-3 (``openrlhf_skip_ranks.py``)."""
+zero-advantage skip on against off under ZeRO-2 and ZeRO-3 (``openrlhf_skip_ranks.py``). One pair
+of ranks runs the three cases (``ranks``): starting them and importing the stack costs more than a case."""
 
 import json
 import math
@@ -26,25 +27,39 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def test_zero3_drop_in_hr_gradients_equal_openrlhf_gc_on_two_ranks(model_dir, tmp_path):
+# dynamic batching under ZeRO-3 only: under ZeRO-1/2 with its gas 1 DeepSpeed keeps only a step's last
+# micro-batch's gradient (skip.py), so the skip stays off there (test_openrlhf.py: its blockers)
+SKIP_RUNS = {2: "fixed", 3: "fixed,dynamic"}
+
+
+@pytest.fixture(scope="module")
+def ranks(model_dir, tmp_path_factory):
+    """Each case's results on the two ranks: the drop-in, then the skip under ZeRO-2 and ZeRO-3."""
+    pytest.importorskip("openrlhf")
+    tmp = tmp_path_factory.mktemp("openrlhf_ranks")
+    out = tmp / "ranks.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    cases = ["drop-in", *(f"skip:{stage}:off,on:{b}" for stage, b in SKIP_RUNS.items())]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "openrlhf_zero3_ranks.py"), str(model_dir), str(out), *cases],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=tmp,
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    return {case: [r[case] for r in ranks] for case in cases}
+
+
+def test_zero3_drop_in_hr_gradients_equal_openrlhf_gc_on_two_ranks(ranks):
     """Per optimizer step (two microbatches each), the whole gradient under the drop-in (its
     own H/R plan, then an alternating H/R map, then an all-R plan on rank 0 alone) is bitwise
     OpenRLHF's with its gradient checkpointing, on both ranks; both ranks adopted one budget and
     one plan; where one rank's plan stores nothing, every rank recomputes everything with it
     (the same collectives), not only that rank."""
-    pytest.importorskip("openrlhf")
-    out = tmp_path / "ranks.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "openrlhf_zero3_ranks.py"), str(model_dir), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = json.loads(out.read_text())["ranks"]
+    ranks = ranks["drop-in"]
     for r in ranks:
         print(r["rel_err"], r["hilore"]["plan"]["counts"], r["hilore"]["actions"])
         assert r["openrlhf-gc"]["n_steps"] == r["hilore"]["n_steps"] == 3
@@ -56,13 +71,8 @@ def test_zero3_drop_in_hr_gradients_equal_openrlhf_gc_on_two_ranks(model_dir, tm
     assert ranks[0]["hilore"]["plan"] == ranks[1]["hilore"]["plan"]
 
 
-# dynamic batching under ZeRO-3 only: under ZeRO-1/2 with its gas 1 DeepSpeed keeps only a step's last
-# micro-batch's gradient (skip.py), so the skip stays off there (test_openrlhf.py: its blockers)
-SKIP_RUNS = {2: "fixed", 3: "fixed,dynamic"}
-
-
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_advantage_skip_keeps_every_update_on_two_ranks(model_dir, tmp_path, stage):
+def test_zero_advantage_skip_keeps_every_update_on_two_ranks(ranks, stage):
     """``--hilore.skip_zero_advantage`` on against off through OpenRLHF 0.11.2's real trainer
     (``openrlhf_skip_ranks.py``: ZeRO ``stage``, no KL loss, float32, fixed micro-batches and, under
     ZeRO-3, dynamic ones; three ``fit`` calls of one optimizer step each, advantages 0 for half of
@@ -72,21 +82,7 @@ def test_zero_advantage_skip_keeps_every_update_on_two_ranks(model_dir, tmp_path
     rank instead of 2 (rank 0 two pads in the second, one pad per rank in the third), DeepSpeed
     steps once per ``fit`` and the accumulation boundary is handed back; the ``fit`` reports the
     zero-advantage shares and the pads, and its sample means cover the trained samples."""
-    pytest.importorskip("openrlhf")
-    out = tmp_path / "ranks.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    args = [str(model_dir), str(out), str(stage), "off,on", SKIP_RUNS[stage]]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "openrlhf_skip_ranks.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = json.loads(out.read_text())["ranks"]
+    ranks = ranks[f"skip:{stage}:off,on:{SKIP_RUNS[stage]}"]
     for rank, r in enumerate(ranks):
         for batching in SKIP_RUNS[stage].split(","):
             off, on = r[f"{batching}-off"], r[f"{batching}-on"]
