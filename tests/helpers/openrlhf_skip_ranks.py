@@ -166,4 +166,3 @@ def fits(actor, exps):
         "skip": skip,
         "trained": trained,
     }
-
