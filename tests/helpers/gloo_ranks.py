@@ -1,6 +1,5 @@
-"""Shared plumbing of the two-gloo-rank worker scripts (``fsdp2_ranks.py``, ``verl_two_ranks.py``,
-``verl_ulysses_ranks.py``): spawn two ranks on a free port, and gather what each rank saw into
-one JSON file written by rank 0."""
+"""Shared plumbing of the two-gloo-rank worker scripts (``*_ranks.py``): spawn two ranks on a free
+port, and gather what each rank saw into one JSON file written by rank 0."""
 
 import json
 

@@ -1,9 +1,6 @@
-"""Two FSDP2 ranks over gloo: HiLoRe's verl engine with the zero-advantage skip on and off.
-
-``python tests/helpers/verl_skip_ranks.py MODEL_DIR SEED OUT.json`` spawns two processes (verl
-0.9.1's real engine on the CPU platform of ``verl_cpu.py``) and writes what each rank saw;
-``tests/verl/test_verl_skip.py`` runs it with a timeout (a rank that ran fewer micro-batches than the
-other would hang both in FSDP's collectives) and asserts on the file.
+"""Two FSDP2 ranks over gloo: HiLoRe's verl engine with the zero-advantage skip on and off (the
+case ``skip`` of ``verl_ranks.py``; a rank that ran fewer micro-batches than the other would hang
+both in FSDP's collectives; ``tests/verl/test_verl_skip.py`` asserts on what the ranks saw).
 
 Per rank: one engine in mode hilore-hr with the skip on, one with it off (same weights), and on
 each the same three mini-batches of 8 responses, verl's ``ppo_loss`` without KL or entropy:
@@ -21,13 +18,10 @@ final LoRA weights.
 """
 
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import verl_cpu  # noqa: E402
-from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+import verl_cpu
 
 B, P, R = 8, 8, 24
 KEPT = {"fixed": {0: [], 1: [1, 4, 6]}, "dynamic": {0: [], 1: [1, 4, 6]}, "nothing": {0: [], 1: []}}
@@ -56,8 +50,7 @@ def lora(engine) -> torch.Tensor:
     )
 
 
-def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
-    verl_cpu.start_rank(rank, world, port)
+def skip_runs(rank: int, path: str, seed: int) -> dict:
     from hilore_actor.verl import verify
     from hilore_actor.verl.settings import CONFIG_ENV
 
@@ -99,12 +92,4 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
             "rel": float((on - off).norm() / off.norm()) if off.norm() > 0 else float(on.norm()),
             "equal": bool(torch.equal(on, off)),
         }
-    write_ranks(seen, out, world)
-
-
-def main(argv) -> None:
-    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return seen

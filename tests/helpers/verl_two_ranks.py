@@ -1,9 +1,6 @@
-"""Two FSDP2 ranks over gloo on this CPU: verl's engine and HiLoRe's, planned in lockstep.
-
-``python tests/helpers/verl_two_ranks.py MODEL_DIR SEED OUT.json`` spawns two processes (one rank each,
-verl 0.9.1's real engine on the CPU platform of ``verl_cpu.py``) and writes what rank 0 saw;
-``tests/verl/test_verl.py`` runs it with a timeout (a planning pass one rank skipped would hang
-both in a collective) and asserts on the file.
+"""Two FSDP2 ranks over gloo on this CPU: verl's engine and HiLoRe's, planned in lockstep (the
+case ``lockstep`` of ``verl_ranks.py``; a planning pass one rank skipped would hang both in a
+collective; ``tests/verl/test_verl.py`` asserts on what the ranks saw).
 
 Per rank: verl's engine with its gradient checkpointing and HiLoRe's engine in mode hilore-hr,
 then in mode hilore (rank 0 plans, rank 1 replays: ``learner/lockstep.py``); one
@@ -13,17 +10,13 @@ the ranks take different actions in the same step.
 """
 
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import verl_cpu  # noqa: E402
-from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+import verl_cpu
 
 
-def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
-    verl_cpu.start_rank(rank, world, port)
+def lockstep(rank: int, path: str, seed: int) -> dict:
     from hilore_actor.verl import verify
     from hilore_actor.verl.settings import CONFIG_ENV
 
@@ -58,12 +51,4 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
                 mb._choose = lambda rec, loss, held, data: {n: "R" for n in rec.sp.plan}
             g2 = verify.batch_gradient(engine, td.clone(), loss_fn)
             seen["divergent"] = {"equal": bool(torch.equal(g2, ref)), "counts": mb.last["counts"]}
-    write_ranks(seen, out, world, ref_norm=float(ref.norm()))
-
-
-def main(argv) -> None:
-    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return seen

@@ -1,10 +1,10 @@
 """Ulysses degree 2 on two gloo ranks: verl's engine and HiLoRe's, with verl's all-to-all attention.
 
-``python tests/helpers/verl_ulysses_ranks.py MODEL_DIR SEED OUT.json`` spawns two processes (one rank
-each, verl 0.9.1's real FSDP2 engine on the CPU platform of ``verl_cpu.py``) with
-``ulysses_sequence_parallel_size=2``: one SP group of two ranks (dp 1), so both ranks get the same
-batch, as verl's dispatch by DP rank gives them; ``tests/verl/test_verl_ulysses.py`` runs it with a
-timeout (a rank left in a collective the other skipped hangs both) and asserts on the file.
+The case ``ulysses`` of ``verl_ranks.py`` (two processes, one rank each, verl 0.9.1's real FSDP2
+engine on the CPU platform of ``verl_cpu.py``) with ``ulysses_sequence_parallel_size=2``: one SP
+group of two ranks (dp 1), so both ranks get the same batch, as verl's dispatch by DP rank gives
+them; a rank left in a collective the other skipped hangs both; ``tests/verl/test_verl_ulysses.py``
+asserts on what the ranks saw. It runs last: its stand-ins and meter stay for the rest of the process.
 
 What runs is verl's own Ulysses code: its input padding and slicing
 (``ulysses_pad_and_slice_inputs``), its patched attention (``_ulysses_flash_attention_forward``:
@@ -33,13 +33,10 @@ bytes on every repeat after the first.
 
 import contextlib
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import verl_cpu  # noqa: E402
-from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+import verl_cpu
 
 ATTN = "hilore_cpu_varlen"
 SP = 2
@@ -207,8 +204,7 @@ def run_kinds(path: str, seed: int, td, loss_fn, rank: int) -> dict:
     return seen
 
 
-def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) -> None:
-    verl_cpu.start_rank(rank, world, port)
+def ulysses_runs(rank: int, path: str, seed: int) -> dict:
     import verl.workers.engine.fsdp.transformer_impl as impl
 
     impl.device_name = "cpu"  # read at import, before the CPU platform: only the Ulysses mesh uses it
@@ -220,12 +216,4 @@ def rank_main(rank: int, world: int, port: int, path: str, seed: int, out: str) 
     td = verify.grpo_batch(seed + 100, vocab=verl_cpu.TINY["vocab_size"])  # one DP rank: the same batch on both
     seen = run_kinds(path, seed, td, verify.ppo_loss_fn(), rank)
     seen["packed_tokens"] = int(td["input_ids"].values().numel())
-    write_ranks(seen, out, world)
-
-
-def main(argv) -> None:
-    spawn_two(rank_main, argv[0], int(argv[1]), argv[2])
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return seen

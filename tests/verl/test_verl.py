@@ -193,15 +193,14 @@ def test_each_micro_batch_reports_its_peak_and_actions_in_verls_metrics(verl_env
     assert m["actor/hilore_fraction_H"].values[-1] == ours.hilore.last["counts"]["H"] / len(ours.hilore.last["actions"])
 
 
-def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(tmp_path):
+def test_two_fsdp2_ranks_plan_in_lockstep_and_match_verl(verl_ranks):
     """Two ranks (``verl_two_ranks.py``, two processes over gloo): rank 0 plans, rank 1 replays
     its passes (``learner/lockstep.py``), so neither hangs in a collective the other skipped;
     both adopt one budget and one plan; each rank's own batch then gives the reduced gradient
     of verl's checkpointed path bitwise under the H/R plan, also when rank 1 recomputes every
     unit while rank 0 stores one, and within the tolerance in mode hilore."""
-    seed = torch.seed() % 2**31
-    print("seed", seed)
-    r0, r1 = verl_cpu.two_ranks("verl_two_ranks.py", tmp_path, seed, timeout=600, hang_s=300)
+    print("seed", verl_ranks["seed"])
+    r0, r1 = verl_ranks["lockstep"]
     print({k: (r0[k]["counts"], r1[k]["counts"]) for k in r0})
     for kind in ("hilore-hr", "hilore"):
         assert r0[kind]["plan"] == r1[kind]["plan"] and r0[kind]["budget"] == r1[kind]["budget"]

@@ -2,13 +2,11 @@
 
 The ranks of one SP group run verl's all-to-alls inside attention, so a unit recomputed on one
 rank and stored on the other hangs both: ``tests/helpers/verl_ulysses_ranks.py`` runs the engines in two
-processes under a timeout, and this test asserts on what they saw (``verl/attach.py``).
+processes under a timeout (the fixture ``verl_ranks``), and this test asserts on what they saw
+(``verl/attach.py``).
 """
 
-import os
-
 import pytest
-import torch
 
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
@@ -23,7 +21,7 @@ def all_to_alls(actions) -> int:
     return sum(8 * LAYERS + 4 * sum(a == "R" for n, a in acts.items() if n.endswith("self_attn")) for acts in actions)
 
 
-def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
+def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(verl_ranks):
     """Ulysses 2 over gloo: verl's Ulysses attention runs (its gradient matches verl's without SP);
     both ranks adopt one plan and take the same actions on every micro-batch; the H/R plan's
     gradient is verl's checkpointed one bitwise, also when the ranks' own choices differ (rank 0's
@@ -31,9 +29,8 @@ def test_ulysses_two_ranks_take_one_action_per_unit_and_match_verl(tmp_path):
     mode hilore's is within 0.015. A micro-batch whose sized plan stores nothing runs plain layer
     checkpointing (no step, no online choice, no gather), so counts go by the micro-batches that ran one.
     The zero-advantage skip under Ulysses gives the gradient of the same engine without it."""
-    seed = int(os.environ.get("HILORE_SEED") or torch.seed() % 2**31)  # HILORE_SEED=N reruns a printed seed
-    print("seed", seed)
-    r0, r1 = verl_cpu.two_ranks("verl_ulysses_ranks.py", tmp_path, seed, timeout=900, hang_s=600)
+    print("seed", verl_ranks["seed"])  # HILORE_SEED=N reruns a printed seed
+    r0, r1 = verl_ranks["ulysses"]
     kinds = ("hilore-hr", "overruled", "hilore")
     print({k: (r0[k]["actions"], r0[k]["all_to_all"], r0[k]["rel"]) for k in kinds}, "skip", r0["skip"], r1["skip"])
     assert r0["verl"]["all_to_all"] == r1["verl"]["all_to_all"] == 12 * LAYERS * 2  # HF gc: 4 more per layer
