@@ -11,6 +11,7 @@ test that starts a Python process or a ``multiprocessing`` one fails (``_unit_st
 import contextlib
 import importlib
 import multiprocessing.process
+import os
 import subprocess
 import sys
 import types
@@ -128,6 +129,26 @@ def uninterrupted(tmp_path_factory):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r
+
+
+# the two-rank verl cases (tests/helpers/verl_ranks.py), each read by one test file of tests/verl
+VERL_CASES = {"lockstep": "test_verl", "skip": "test_verl_skip", "ulysses": "test_verl_ulysses"}
+
+
+@pytest.fixture(scope="session")
+def verl_ranks(request, tmp_path_factory):
+    """``{"seed": seed, case: [rank 0's results, rank 1's]}`` for the ``VERL_CASES`` whose tests
+    this session runs, on one pair of ranks and one tiny model: starting the ranks and importing
+    verl cost more than a case (``HILORE_SEED=N`` reruns a printed seed)."""
+    pytest.importorskip("verl")
+    pytest.importorskip("tensordict")
+    import verl_cpu
+
+    seed = int(os.environ.get("HILORE_SEED") or torch.seed() % 2**31)
+    files = {item.path.stem for item in request.session.items if "verl_ranks" in getattr(item, "fixturenames", ())}
+    cases = [case for case, file in VERL_CASES.items() if file in files]
+    ranks = verl_cpu.two_ranks(cases, tmp_path_factory.mktemp("verl_ranks"), seed, timeout=1200, hang_s=600)
+    return {"seed": seed, **ranks}
 
 
 class _Chooser:

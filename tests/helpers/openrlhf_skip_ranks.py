@@ -20,7 +20,7 @@ It records the whole gradient as each optimizer step begins (``safe_get_full_gra
 before the first and after each ``fit`` (``safe_get_full_fp32_param``; both collectives), the
 micro-batches each ``fit`` ran (backward calls), the ``fit``'s status and its kept samples'
 response tokens; rank 0 writes the relative differences of the settings' gradients and weights
-against the first setting's, per rank. ``openrlhf_zero3_ranks.py`` runs it as the case
+against the first setting's, per rank. ``openrlhf_ranks.py`` runs it as the case
 ``skip:STAGE:SETTINGS:BATCHINGS`` (SETTINGS e.g. ``off,on``; BATCHINGS ``fixed`` and/or ``dynamic``,
 comma-separated).
 """

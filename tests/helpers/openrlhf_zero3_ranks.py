@@ -20,21 +20,14 @@ a plain object (no Ray), and the vllm/flash_attn import shims (``openrlhf_shims.
 (``stage3.py``: "Offloading is supported only for DeepSpeed FusedAdam"), a CUDA kernel; that
 planning happens after its reload is ``test_openrlhf.py``'s order test.
 
-``python openrlhf_zero3_ranks.py MODEL_DIR OUT.json CASE...`` runs the cases one after the other
-on one pair of ranks (one process start and one import of the stack for all): ``drop-in`` (the
-above) and ``skip:STAGE:SETTINGS:BATCHINGS`` (``openrlhf_skip_ranks.py``); ``OUT.json`` holds
-each rank's results by case.
+``openrlhf_ranks.py`` runs it as the case ``drop-in``.
 """
 
 import copy
 import json
 import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-from gloo_ranks import spawn_two, write_ranks  # noqa: E402
 
 MICRO, SAMPLES, P, A, VOCAB = 2, 4, 12, 20, 128
 
@@ -157,21 +150,6 @@ def start_rank(rank, world, port) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def rank_main(rank, world, port, model_dir, out, *cases):
-    """Every case on this rank, in the order given; one results file."""
-    start_rank(rank, world, port)
-    seen = {}
-    for case in cases:
-        if case == "drop-in":
-            seen[case] = drop_in(rank, model_dir)
-        else:
-            from openrlhf_skip_ranks import skip_runs
-
-            _, stage, settings, batchings = case.split(":")
-            seen[case] = skip_runs(rank, model_dir, int(stage), settings, batchings)
-    write_ranks(seen, out, world)
-
-
 def drop_in(rank, model_dir):
     """OpenRLHF's actor with its gradient checkpointing, then the drop-in (module docstring)."""
     import openrlhf.cli.train_ppo_ray as cli
@@ -255,7 +233,3 @@ def _with_info(exp):
         "total_length": exp.attention_mask.sum(-1).float(),
     }
     return exp
-
-
-if __name__ == "__main__":
-    spawn_two(rank_main, *sys.argv[1:])

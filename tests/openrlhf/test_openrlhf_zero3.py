@@ -3,7 +3,7 @@ OpenRLHF 0.11.2's real ``init_model_from_pretrained`` (the model partitioned at 
 real ``fit`` calls, once as OpenRLHF runs them with its gradient checkpointing and once under
 ``HiLoRePolicyModelActor``, which plans at its first ``fit`` with both ranks in lockstep. And the
 zero-advantage skip on against off under ZeRO-2 and ZeRO-3 (``openrlhf_skip_ranks.py``). One pair
-of ranks runs the three cases (``ranks``): starting them and importing the stack costs more than a case."""
+of ranks runs the three cases (``openrlhf_ranks.py``): starting them and importing the stack costs more than a case."""
 
 import json
 import math
@@ -41,7 +41,7 @@ def ranks(model_dir, tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     cases = ["drop-in", *(f"skip:{stage}:off,on:{b}" for stage, b in SKIP_RUNS.items())]
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "openrlhf_zero3_ranks.py"), str(model_dir), str(out), *cases],
+        [sys.executable, os.path.join(HERE, "openrlhf_ranks.py"), str(model_dir), str(out), *cases],
         capture_output=True,
         text=True,
         timeout=1200,
