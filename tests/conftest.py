@@ -131,6 +131,42 @@ def uninterrupted(tmp_path_factory):
     return out, r
 
 
+SKIP_REWARDS = """
+calls = []
+STEPS = ([0.5, 0.5, 0, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 1, 0, 1], [0.25] * 8)
+
+
+def reward_func(queries, prompts, labels):
+    calls.append(1)
+    return STEPS[len(calls) - 1]
+"""
+
+
+@pytest.fixture(scope="session")
+def skip_runs(tmp_path_factory):
+    """The tiny preset without its KL loss, three steps whose rewards are known in advance: step 1
+    leaves rank 0 one row of two (one pad), step 2 leaves rank 0 nothing (a row moves to it), step
+    3 trains nothing (a pad on each rank: AdamW still moves). ``on``: the skip on, under ZeRO-2;
+    ``off``: the skip off, under ZeRO-3 with B close to gc's peak (a plan that mixes H and R), the
+    reference of both the skip's test (``tests/train/test_skip.py``) and ZeRO-3's
+    (``test_zero3_ranks_agree_on_every_units_action``): H/R gradients are exact, so the two runs
+    differ by the reductions' order only, and one job run serves both."""
+    from train_job import job
+
+    root = tmp_path_factory.mktemp("skip")
+    reward = root / "rewards.py"
+    reward.write_text(SKIP_REWARDS)
+    settings = {"on": (), "off": ("--ds.zero_stage", "3", "--hilore.budget", "1.02")}
+    runs = {}
+    for setting, more in settings.items():
+        out = root / setting
+        args = ("--algo.kl.use_loss", "false", "--reward.path", str(reward), "--max_steps", "3")
+        r = job(out, *args, "--hilore.skip_zero_advantage", setting, *more)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[setting] = out
+    return runs
+
+
 # the two-rank verl cases (tests/helpers/verl_ranks.py), each read by one test file of tests/verl
 VERL_CASES = {"lockstep": "test_verl", "skip": "test_verl_skip", "ulysses": "test_verl_ulysses"}
 
