@@ -174,7 +174,7 @@ VERL_CASES = {"lockstep": "test_verl", "skip": "test_verl_skip", "ulysses": "tes
 @pytest.fixture(scope="session")
 def verl_ranks(request, tmp_path_factory):
     """``{"seed": seed, case: [rank 0's results, rank 1's]}`` for the ``VERL_CASES`` whose tests
-    this session runs, on one pair of ranks and one tiny model: starting the ranks and importing
+    pytest selected, on one pair of ranks and one tiny model: starting the ranks and importing
     verl cost more than a case (``HILORE_SEED=N`` reruns a printed seed)."""
     pytest.importorskip("verl")
     pytest.importorskip("tensordict")
