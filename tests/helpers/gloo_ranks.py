@@ -1,7 +1,12 @@
 """Shared plumbing of the two-gloo-rank worker scripts (``*_ranks.py``): spawn two ranks on a free
-port, and gather what each rank saw into one JSON file written by rank 0."""
+port, gather what each rank saw into one JSON file written by rank 0, and, on the test's side, run
+a script and read that file."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,3 +32,19 @@ def write_ranks(seen: dict, out: str, world: int, **extra) -> None:
             json.dump({"ranks": parts, **extra}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_ranks(script: str, *args, out, timeout: int, cwd=None, env=None) -> list:
+    """Every rank's ``seen`` from ``tests/helpers/<script> *args``, which writes ``out`` through
+    ``write_ranks``; the script's output in the assertion message when it failed. ``env``: set
+    over this process's environment."""
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+    assert run.returncode == 0 and Path(out).is_file(), run.stdout[-3000:] + run.stderr[-5000:]
+    return json.loads(Path(out).read_text())["ranks"]

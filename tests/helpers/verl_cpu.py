@@ -127,21 +127,10 @@ def two_ranks(cases, tmp_path, seed: int, timeout: int, hang_s: int) -> dict:
     """Run ``tests/helpers/verl_ranks.py`` (two gloo ranks of verl's engine) on a tiny model saved
     under ``tmp_path``: each case's results on the two ranks. ``hang_s``: the ranks dump their
     stacks and exit after that many seconds (a collective one rank skipped)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from gloo_ranks import run_ranks
 
     model = save_tiny_model(tmp_path / "tiny", seed)
     out = tmp_path / "ranks.json"
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parent / "verl_ranks.py"), model, str(seed), str(out), *cases],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HILORE_TEST_HANG_S": str(hang_s)},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = json.loads(out.read_text())["ranks"]
+    env = {"HILORE_TEST_HANG_S": str(hang_s)}
+    ranks = run_ranks("verl_ranks.py", model, seed, out, *cases, out=out, timeout=timeout, env=env)
     return {case: [r[case] for r in ranks] for case in cases}

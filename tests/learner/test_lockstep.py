@@ -1,14 +1,8 @@
 """learner/lockstep.py on 2 CPU ranks (gloo, FSDP2): rank 0 leads, rank 1 replays every pass."""
 
-import json
-import os
-import subprocess
-import sys
-
 import torch
+from gloo_ranks import run_ranks
 from torchrun import torchrun
-
-HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
 def test_followers_replay_every_pass_and_gradients_are_whole(tmp_path):
@@ -27,16 +21,5 @@ def test_zero3_ranks_agree_on_one_action_per_unit(tmp_path):
     """Where the ranks' actions differ a unit is R on both (always allowed, never more
     memory); where they agree it keeps its action."""
     out = tmp_path / "ranks.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "agree_ranks.py"),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    ranks = json.loads(out.read_text())["ranks"]
+    ranks = run_ranks("agree_ranks.py", out, out=out, timeout=120)
     assert ranks[0]["agreed"] == ranks[1]["agreed"] == {"a": "H", "b": "R", "c": "R", "d": "P"}

@@ -5,15 +5,10 @@ real ``fit`` calls, once as OpenRLHF runs them with its gradient checkpointing a
 zero-advantage skip on against off under ZeRO-2 and ZeRO-3 (``openrlhf_skip_ranks.py``). One pair
 of ranks runs the three cases (``openrlhf_ranks.py``): starting them and importing the stack costs more than a case."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
-
-HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+from gloo_ranks import run_ranks  # tests/helpers
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +33,9 @@ def ranks(model_dir, tmp_path_factory):
     pytest.importorskip("openrlhf")
     tmp = tmp_path_factory.mktemp("openrlhf_ranks")
     out = tmp / "ranks.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cases = ["drop-in", *(f"skip:{stage}:off,on:{b}" for stage, b in SKIP_RUNS.items())]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "openrlhf_ranks.py"), str(model_dir), str(out), *cases],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-        cwd=tmp,
-    )
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = json.loads(out.read_text())["ranks"]
+    ranks = run_ranks("openrlhf_ranks.py", model_dir, out, *cases, out=out, timeout=1200, cwd=tmp, env=env)
     return {case: [r[case] for r in ranks] for case in cases}
 
 

@@ -1,14 +1,10 @@
 """Parameters that a wrapper substitutes while a module runs (FSDP2's unsharded parameters,
 ZeRO-3's gathered ones) pass the engine's hooks untouched: L never compresses a weight."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from conftest import grads, grpo_loss, packed_microbatch, rel_err
+from gloo_ranks import run_ranks  # tests/helpers
 from hilore_actor.models import LoraSpec, build_model, tiny_config
 from hilore_actor.recovery import RecoveryEngine
 from hilore_actor.recovery.step import Step
@@ -72,12 +68,7 @@ def test_two_fsdp2_ranks_never_compress_a_weight(tmp_path):
     seed = torch.seed() % 2**31
     print("seed", seed)
     out = tmp_path / "fsdp2.json"
-    script = Path(__file__).resolve().parents[1] / "helpers" / "fsdp2_ranks.py"
-    run = subprocess.run(
-        [sys.executable, str(script), str(seed), str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for r in json.loads(out.read_text())["ranks"]:
+    for r in run_ranks("fsdp2_ranks.py", seed, out, out=out, timeout=600):
         print({k: (v["rel"], v["activations"], v["weights"][:3]) for k, v in r.items() if isinstance(v, dict)})
         assert r["n_grads"] > 0 and r["n_weights"] > 0
         assert r["all-h"]["equal"] and r["all-r"]["equal"]

@@ -1,14 +1,8 @@
 """DeepSpeed ZeRO-3's parameter trace under plans that change per microbatch, on two gloo ranks
 (``zero3_trace_ranks.py``): replays in backward stay out of the coordinator."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-
-HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+from gloo_ranks import run_ranks  # tests/helpers
 
 
 @pytest.fixture(scope="module")
@@ -16,17 +10,8 @@ def ranks(tmp_path_factory):
     """Both ``ZERO`` configurations on one pair of ranks: per configuration, per rank, what it saw."""
     tmp = tmp_path_factory.mktemp("zero3_trace")
     out = tmp / "ranks.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "zero3_trace_ranks.py"), str(out), "kept,tight"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp,
-    )
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())["ranks"]
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return run_ranks("zero3_trace_ranks.py", out, "kept,tight", out=out, timeout=600, cwd=tmp, env=env)
 
 
 @pytest.mark.parametrize("zero", ["kept", "tight"])
