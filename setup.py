@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "numpy",
     "pyyaml",
     "reasoning-gym>=0.1.20",
+    "pyarrow>=14",  # verl's parquet datasets (--data.prompt_dataset FILE.parquet)
     "math-verify>=0.7",
     "tqdm",
     "rich",

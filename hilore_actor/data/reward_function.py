@@ -17,6 +17,10 @@ dataset holds it; ``prompts``/``queries``: the prompt after the chat template, a
 ``load_reward_function`` checks the file, the import and the signature before anything starts
 (``RewardFunctionError``, one line); an exception inside the function during a run becomes a
 ``RewardError`` naming the function and the sample.
+
+A reward server (``--reward.remote_url``, OpenRLHF's remote reward model) is ``RemoteReward``:
+OpenRLHF's request, ``{"query": queries, "prompts": prompts, "labels": labels}`` POSTed as JSON,
+and its reply's ``"rewards"`` (else ``"scores"``), one per response.
 """
 
 from __future__ import annotations
@@ -161,6 +165,62 @@ def _batch_scores(out: Any, n: int, fn: RewardFunction) -> List[float]:
             "finite numbers (a list, a tensor, or a dict with 'rewards' or 'scores')"
         )
     return scores
+
+
+class RemoteReward:
+    """A reward server, called as OpenRLHF's ``SingleTurnAgentExecutor`` calls one: the batch is
+    split evenly over ``urls`` and each part POSTed as ``{"query", "prompts", "labels"}``;
+    ``tries`` attempts per part, ``wait`` seconds apart, each within ``timeout`` seconds."""
+
+    needs_text = True  # the rendered prompts and the queries (prompt + response), as OpenRLHF sends them
+
+    def __init__(self, urls: Sequence[str], tries: int = 5, wait: float = 1.0, timeout: float = 180.0):
+        self.urls = [u.strip() for u in urls if u.strip()]
+        self.tries, self.wait, self.timeout = tries, wait, timeout
+        self.where = f"at {', '.join(self.urls)}"
+
+    def __call__(self, response: str, example) -> float:
+        return self.score_all([response], [example])[0]
+
+    def score_all(self, responses, examples, prompts=None, queries=None) -> List[float]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        fields = [
+            _fields(r, e, None if prompts is None else prompts[i], None if queries is None else queries[i])
+            for i, (r, e) in enumerate(zip(responses, examples))
+        ]
+        size = -(-len(fields) // len(self.urls))
+        parts = [(url, fields[i * size : (i + 1) * size]) for i, url in enumerate(self.urls) if fields[i * size :]]
+        with ThreadPoolExecutor(len(parts)) as pool:
+            replies = list(pool.map(lambda part: self._post(*part), parts))
+        return [s for (_, part), out in zip(parts, replies) for s in _batch_scores(out, len(part), self)]
+
+    def _post(self, url: str, part: List[Dict]) -> Any:
+        import json
+        import time
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps(
+            {
+                "query": [f["query"] for f in part],
+                "prompts": [f["rendered_prompt"] for f in part],
+                "labels": [f["label"] for f in part],
+            }
+        ).encode()
+        why = ""
+        for attempt in range(self.tries):
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    return json.loads(reply.read().decode())
+            except (urllib.error.URLError, OSError, ValueError) as e:  # refused, HTTP error, timeout, not JSON
+                why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            if attempt + 1 < self.tries:
+                time.sleep(self.wait)
+        raise RewardError(
+            f"the reward server {url} did not answer {self.tries} requests ({why}){_on(part[0] if len(part) == 1 else part)}"
+        )
 
 
 def _import(path: str):

@@ -2,7 +2,9 @@
 
 A ``Task`` is a list of ``Example`` s plus a scorer ``score(response, example) -> float``.
 Spec strings select one: ``rg:basic_arithmetic`` (any reasoning-gym dataset name, seeded and
-offline) or a path to a ``.jsonl`` file with one ``{"prompt": ..., "answer": ...}`` per line.
+offline) or a user's file as OpenRLHF and verl users have it: JSON lines or a JSON array
+(``{"prompt": ..., "answer": ...}`` per row) or verl's parquet (a chat-list ``prompt``,
+``reward_model.ground_truth``, ``data_source``, ``extra_info``), its fields named by key or dotted path.
 """
 
 from __future__ import annotations
@@ -118,47 +120,112 @@ def _prompt(value, where: str, instruction: str):
     )
 
 
-def jsonl_task(path, prompt_key: str = "prompt", answer_key: str = "answer", instruction: str = "") -> Task:
-    """Examples from a JSONL file (prompt in ``prompt_key``, reference answer in ``answer_key``),
+FILE_TYPES = (".jsonl", ".json", ".parquet")  # a user's dataset file: OpenRLHF's JSON(L), verl's parquet
+MISSING = object()  # a field a row does not have
+
+
+def field_value(row: Dict[str, Any], key: str):
+    """``row[key]``, or the dotted path ``key`` through nested objects (verl's
+    ``reward_model.ground_truth``); ``MISSING`` where neither exists. A key holding a dot is
+    read as it is first, so a flat column named ``a.b`` still wins."""
+    if key in row:
+        return row[key]
+    node: Any = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return MISSING
+        node = node[part]
+    return node
+
+
+def field_paths(row: Dict[str, Any], prefix: str = "", depth: int = 2) -> List[str]:
+    """The keys a ``--data.*_key`` can name in ``row``: top-level keys and dotted paths into
+    nested objects (two levels), for the missing-field message."""
+    out = []
+    for k, v in row.items():
+        out.append(prefix + k)
+        if isinstance(v, dict) and depth > 1:
+            out += field_paths(v, f"{prefix}{k}.", depth - 1)
+    return out
+
+
+def _json_rows(p: Path):
+    """(where, row) per line of a JSONL file, or per element of a ``.json`` file holding one
+    array of objects (a ``.json`` file of one object per line is read as JSONL, as HF datasets does)."""
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        start = data.rfind(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{p}:{line}: not valid UTF-8 (byte {e.start - start + 1} of the line)") from None
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{p}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        for i, row in enumerate(rows):
+            yield f"{p}[{i}]", row
+        return
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{p}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        yield f"{p}:{lineno}", row
+
+
+def _parquet_rows(p: Path):
+    """(where, row) per row of a parquet file (verl's data files), nested columns as dicts and lists."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{p}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(p)
+    except Exception as e:  # pyarrow's ArrowInvalid and OSError on a file that is not parquet
+        raise DatasetError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{p}[row {i}]", row
+
+
+def file_task(path, prompt_key: str = "prompt", answer_key: str = "answer", instruction: str = "") -> Task:
+    """Examples from a user's file (``FILE_TYPES``: JSON lines, a JSON array, parquet), the prompt
+    in ``prompt_key`` and the reference answer in ``answer_key`` (each a field or a dotted path),
     scored with math-verify against the answer. Each example keeps its whole row in
-    ``metadata["row"]`` (a user's reward function gets it as ``extra_info``)."""
+    ``metadata["row"]`` (a user's reward function gets its ``data_source`` and ``extra_info``)."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{p}: dataset file not found")
+    if p.suffix not in FILE_TYPES:
+        raise DatasetError(
+            f"{p}: unsupported file type {p.suffix or '(none)'!r}; a dataset file is {', '.join(FILE_TYPES)}"
+        )
     examples = []
-    with p.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{p}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in (prompt_key, answer_key) if k not in row]
-            if missing:
-                raise DatasetError(
-                    f"{where}: missing field(s) {missing}; found {sorted(row)} (choose the fields "
-                    "with --data.input_key and --data.label_key)"
-                )
-            if row[answer_key] is None:
-                raise DatasetError(f"{where}: the answer field {answer_key!r} is null")
-            prompt = _prompt(row[prompt_key], where, instruction)
-            examples.append(
-                Example(
-                    prompt=prompt,
-                    answer=str(row[answer_key]),
-                    metadata={"line": lineno, "source": where, "dataset": str(p), "row": row, "label": row[answer_key]},
-                )
+    for where, row in _parquet_rows(p) if p.suffix == ".parquet" else _json_rows(p):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        values = {k: field_value(row, k) for k in (prompt_key, answer_key)}
+        missing = [k for k, v in values.items() if v is MISSING]
+        if missing:
+            raise DatasetError(
+                f"{where}: missing field(s) {missing}; found {field_paths(row)} (choose the fields "
+                "with --data.input_key and --data.label_key; a dotted path reads a nested one)"
             )
+        if values[answer_key] is None:
+            raise DatasetError(f"{where}: the answer field {answer_key!r} is null")
+        prompt = _prompt(values[prompt_key], where, instruction)
+        examples.append(
+            Example(
+                prompt=prompt,
+                answer=str(values[answer_key]),
+                metadata={"source": where, "dataset": str(p), "row": row, "label": values[answer_key]},
+            )
+        )
     if not examples:
-        raise DatasetError(f"{p}: empty dataset (no JSON lines)")
+        raise DatasetError(f"{p}: empty dataset (no rows)")
     return Task(name=str(p), examples=examples, scorer=lambda response, ex: math_verify_reward(response, ex.answer))
 
 
@@ -187,16 +254,17 @@ def load_task(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
 ) -> Task:
-    """``rg:<name>`` for reasoning-gym, else a JSONL path (its fields ``prompt_key`` and
-    ``answer_key``). ``instruction`` is appended to every prompt (default: ask for an
-    ``<answer>`` tag on reasoning-gym, nothing on JSONL)."""
+    """``rg:<name>`` for reasoning-gym, ``toy:vowels``, else a dataset file (``file_task``: its
+    fields ``prompt_key`` and ``answer_key``). ``instruction`` is appended to every prompt
+    (default: ask for an ``<answer>`` tag on reasoning-gym, nothing on a file)."""
     if spec.startswith("rg:"):
         instr = ANSWER_FORMAT if instruction is None else instruction
         return reasoning_gym_task(spec[3:], size=size, seed=seed, instruction=instr, **(options or {}))
     if spec == "toy:vowels":
         return vowels_task(size=size, seed=seed)
-    if spec.endswith(".jsonl") or Path(spec).exists():
-        return jsonl_task(spec, prompt_key, answer_key, instruction=instruction or "")
+    if Path(spec).suffix in FILE_TYPES or Path(spec).exists():
+        return file_task(spec, prompt_key, answer_key, instruction=instruction or "")
     raise DatasetError(
-        f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic), toy:vowels or a .jsonl path"
+        f"unknown task {spec!r}: use rg:<reasoning-gym name> (e.g. rg:basic_arithmetic), toy:vowels or a "
+        f"dataset file ({', '.join(FILE_TYPES)})"
     )

@@ -1,7 +1,8 @@
 """Held-out evaluation during training (``--eval.dataset``, ``--eval.steps``, ``--eval.max_samples``).
 
 The held-out file is read as the training data is (``train_grpo.load_prompts``: the same
-``--data.*`` keys, instruction and chat template, the same reward, ``--reward.*`` included), so
+instruction and chat template, the same reward, ``--reward.*`` included; its fields
+``--eval.input_key``/``--eval.label_key``, by default the training ones), so
 ``eval/reward_mean`` is on the training reward's scale. Responses are greedy (temperature 0,
 one per prompt) from the rollout workers with the weights of the step just trained: a fixed
 policy's score, not a sample of it, so curves from step to step differ by the training only.
@@ -22,7 +23,8 @@ def load_eval_task(cfg, load_prompts: Callable):
     loader, so a missing or malformed file fails before Ray starts; None without ``--eval.dataset``."""
     if not cfg.eval.dataset:
         return None
-    task = load_prompts(cfg, cfg.eval.dataset)
+    keys = (cfg.eval.input_key or cfg.data.input_key, cfg.eval.label_key or cfg.data.label_key)
+    task = load_prompts(cfg, cfg.eval.dataset, keys)
     task.examples = task.examples[: cfg.eval.max_samples]
     return task
 

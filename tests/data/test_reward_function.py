@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hilore_actor.data import jsonl_task
+from hilore_actor.data import file_task
 from hilore_actor.data.reward_function import RewardError, RewardFunctionError, load_reward_function
 
 
@@ -17,7 +17,7 @@ def task(tmp_path):
         {"question": [{"role": "user", "content": "2+2"}], "solution": "4", "extra_info": {"id": 7}},
     ]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return jsonl_task(p, "question", "solution")
+    return file_task(p, "question", "solution")
 
 
 def write(tmp_path, body, name="r.py"):
@@ -109,3 +109,45 @@ def test_an_exception_or_a_bad_value_names_the_function_and_the_sample(tmp_path,
     fn = load_reward_function(write(tmp_path, "def reward_func(queries):\n    return [1.0]\n", "b.py"))
     with pytest.raises(RewardError, match="expected 2 finite numbers"):
         fn.score_all(["a", "b"], task.examples)
+
+
+@pytest.fixture
+def servers():
+    from reward_server import reward_servers  # tests/helpers
+
+    with reward_servers(2) as (urls, state):
+        yield urls, state
+
+
+def test_a_remote_reward_gets_openrlhfs_request_shared_over_its_servers(task, servers):
+    from hilore_actor.data.reward_function import RemoteReward
+
+    urls, state = servers
+    fn = RemoteReward(urls)
+    examples = [task.examples[0], task.examples[1], task.examples[0]]
+    prompts, responses = ["P0", "P1", "P0"], ["r", "rr", "rrr"]
+    queries = [p + r for p, r in zip(prompts, responses)]
+    assert fn.score_all(responses, examples, prompts, queries) == [len(q) / 100 for q in queries]
+    order = {int(u.rsplit(":", 1)[1].split("/")[0]): i for i, u in enumerate(urls)}
+    got = sorted(
+        state["bodies"], key=lambda b: order[b[0]]
+    )  # the first server takes the first two, the second the last
+    assert [b for _, b in got] == [
+        {"query": queries[:2], "prompts": prompts[:2], "labels": [2, "4"]},
+        {"query": queries[2:], "prompts": prompts[2:], "labels": [2]},
+    ]
+    state["reply"] = {"scores": [0.5]}  # OpenRLHF reads 'scores' too; one number for two responses is wrong
+    with pytest.raises(RewardError, match=r"returned \[0.5\] for 2 responses: expected 2 finite numbers"):
+        RemoteReward(urls[:1]).score_all(responses[:2], examples[:2], prompts[:2], queries[:2])
+
+
+def test_a_remote_reward_that_does_not_answer_is_one_error(task):
+    import socket
+
+    from hilore_actor.data.reward_function import RemoteReward
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/"
+    with pytest.raises(RewardError, match=r"the reward server http://127.0.0.1:\d+/ did not answer 2 requests"):
+        RemoteReward([url], tries=2, wait=0.0).score_all(["r"], task.examples[:1], ["p"], ["pr"])

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hilore_actor.data import DatasetError, extract_answer, jsonl_task, load_task, math_verify_reward
+from hilore_actor.data import DatasetError, extract_answer, file_task, load_task, math_verify_reward
 
 
 def test_reasoning_gym_arithmetic_is_seeded_and_scored():
@@ -31,7 +31,7 @@ def test_unknown_reasoning_gym_name():
 def test_jsonl_roundtrip_and_math_verify(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text("\n".join(json.dumps({"prompt": f"{i}+1=?", "answer": str(i + 1)}) for i in range(3)) + "\n\n")
-    task = jsonl_task(p)
+    task = file_task(p)
     assert len(task) == 3
     assert task.score("The answer is \\boxed{2}", task.examples[1]) == 1.0
     assert task.score("<answer>3</answer>", task.examples[1]) == 0.0
@@ -51,7 +51,7 @@ def test_bad_jsonl_names_file_and_line(tmp_path, content, match):
     p = tmp_path / "d.jsonl"
     p.write_text(content)
     with pytest.raises(DatasetError, match=match):
-        jsonl_task(p)
+        file_task(p)
 
 
 def test_missing_file_and_unknown_spec(tmp_path):
@@ -99,3 +99,65 @@ def test_restating_the_question_earns_no_reward():
         question = ex.prompt.split("Calculate ")[1].split(". Answer")[0]
         assert task.score(f"To calculate {question}, we need to perform the operation.", ex) == 0.0, ex.prompt
         assert task.score(f"The result is {ex.answer}.", ex) == 1.0
+
+
+VERL_ROWS = [  # verl's GSM8K preprocessing writes rows of this shape
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+        "extra_info": {"split": "train", "index": i},
+    }
+    for i in range(3)
+]
+
+
+def test_a_verl_parquet_reads_as_its_rows(tmp_path):
+    """The parquet's rows, read back through pyarrow, are the rows written: the chat list as the
+    prompt, the nested label through its dotted path, the whole row kept for the reward."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    p = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(VERL_ROWS), p)
+    task = file_task(p, "prompt", "reward_model.ground_truth")
+    assert [e.prompt for e in task.examples] == [r["prompt"] for r in VERL_ROWS]
+    assert [e.answer for e in task.examples] == [r["reward_model"]["ground_truth"] for r in VERL_ROWS]
+    assert [e.metadata["row"] for e in task.examples] == VERL_ROWS
+    assert task.examples[2].metadata["source"] == f"{p}[row 2]"
+    with pytest.raises(
+        DatasetError,
+        match=r"train.parquet\[row 0\]: missing field\(s\) \['answer'\]; found \[.*"
+        r"'reward_model.ground_truth'",
+    ):
+        file_task(p)
+
+
+def test_json_array_json_lines_and_jsonl_read_alike(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(VERL_ROWS, indent=2))
+    (tmp_path / "b.json").write_text("".join(json.dumps(r) + "\n" for r in VERL_ROWS))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in VERL_ROWS))
+    tasks = [file_task(tmp_path / n, "prompt", "reward_model.ground_truth") for n in ("a.json", "b.json", "c.jsonl")]
+    for t in tasks:
+        assert [(e.prompt, e.answer, e.metadata["row"]) for e in t.examples] == [
+            (r["prompt"], r["reward_model"]["ground_truth"], r) for r in VERL_ROWS
+        ]
+
+
+def test_a_flat_key_with_a_dot_wins_over_the_path(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"q": "x", "a.b": "flat", "a": {"b": "nested"}}) + "\n")
+    assert file_task(p, "q", "a.b").examples[0].answer == "flat"
+    p.write_text(json.dumps({"q": "x", "a": {"b": "nested"}}) + "\n")
+    assert file_task(p, "q", "a.b").examples[0].answer == "nested"
+    with pytest.raises(DatasetError, match=r"missing field\(s\) \['a.c'\]; found \['q', 'a', 'a.b'\]"):
+        file_task(p, "q", "a.c")
+
+
+def test_an_unsupported_file_type_names_the_types(tmp_path):
+    p = tmp_path / "d.csv"
+    p.write_text("prompt,answer\n1+1,2\n")
+    with pytest.raises(DatasetError, match=r"unsupported file type '.csv'; a dataset file is .jsonl, .json, .parquet"):
+        load_task(str(p))
+    (tmp_path / "x.parquet").write_text("not parquet")
+    with pytest.raises(DatasetError, match=r"x.parquet: not a readable parquet file"):
+        load_task(str(tmp_path / "x.parquet"))
