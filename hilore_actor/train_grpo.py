@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 
 from hilore_actor.data.reward_function import RewardError
-from hilore_actor.train.config import parse_config, plan_tokens, skips_zero_advantage, world_size
+from hilore_actor.train.config import ignored_notes, parse_config, plan_tokens, skips_zero_advantage, world_size
 from hilore_actor.train.errors import ConfigError, JobError
 from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
 from hilore_actor.train.job import Job
@@ -43,21 +43,23 @@ def checkpoint_root(cfg) -> str:
     return os.path.abspath(cfg.ckpt.path or os.path.join(cfg.save_path, "checkpoints"))
 
 
-def load_prompts(cfg, dataset=None):
-    """The task (``dataset``, default ``--data.prompt_dataset``) with its reward: the task's
-    verifier, or ``--reward.path``'s function. Checked before any worker starts: a malformed
-    dataset or reward function fails here."""
+def load_prompts(cfg, dataset=None, keys=None):
+    """The task (``dataset``, default ``--data.prompt_dataset``; its prompt and answer fields
+    ``keys``, default ``--data.input_key``/``--data.label_key``) with its reward: the task's
+    verifier, ``--reward.path``'s function or ``--reward.remote_url``'s server. Checked before any
+    worker starts: a malformed dataset or reward function fails here."""
     from hilore_actor.data import DatasetError, load_task
 
     options = json.loads(cfg.data.task_options) if cfg.data.task_options else None
+    prompt_key, answer_key = keys or (cfg.data.input_key, cfg.data.label_key)
     task = load_task(
         dataset or cfg.data.prompt_dataset,
         size=cfg.data.max_samples,
         seed=cfg.train.seed,
         options=options,
         instruction=cfg.data.instruction,
-        prompt_key=cfg.data.input_key,
-        answer_key=cfg.data.label_key,
+        prompt_key=prompt_key,
+        answer_key=answer_key,
     )
     chat = next((e for e in task.examples if isinstance(e.prompt, list)), None)
     if chat is not None and not cfg.data.apply_chat_template:
@@ -69,6 +71,10 @@ def load_prompts(cfg, dataset=None):
         from hilore_actor.data.reward_function import load_reward_function
 
         task.scorer = load_reward_function(cfg.reward.path, cfg.reward.name)
+    elif cfg.reward.remote_url:
+        from hilore_actor.data.reward_function import RemoteReward
+
+        task.scorer = RemoteReward(cfg.reward.remote_url.split(","))
     return task
 
 
@@ -131,6 +137,8 @@ def run(cfg) -> int:
             f"{cfg.data.prompt_max_len}; raise it or shorten the prompts"
         )
     cfg.hilore.plan_tokens = plan_tokens(cfg, longest)  # the largest microbatch these prompts can make
+    probe_reward(task, cfg, tok)
+    check_budget_floor(cfg, tok)
     run_dir.resolve(cfg)  # the last of the checks before Ray: it creates the run's folder
     ckpts = CheckpointDir(checkpoint_root(cfg))
     start, resume_dir, replan = 0, None, []
@@ -280,6 +288,57 @@ def run(cfg) -> int:
         return 0
     finally:
         job.close()
+
+
+def probe_reward(task, cfg, tok, n: int = 2) -> None:
+    """Call a user's reward (``--reward.path``, ``--reward.remote_url``) once before Ray starts,
+    on the first ``n`` prompts with their reference answers as responses, as the run will call
+    it: a wrong return type or length, or a server that does not answer, fails in seconds."""
+    from hilore_actor.data.reward_function import RewardError
+    from hilore_actor.rollout.hf_generate import apply_chat
+
+    if not (cfg.reward.path or cfg.reward.remote_url):
+        return
+    examples = task.examples[:n]
+    seqs = []
+    for e in examples:
+        prompt = apply_chat(tok, e.prompt, cfg.data.apply_chat_template)
+        seqs.append((list(prompt) + tok.encode(e.answer, add_special_tokens=False), len(prompt), None))
+    try:
+        score(task, {"texts": [e.answer for e in examples], "seqs": seqs}, examples, G=1, tok=tok)
+    except RewardError as e:
+        raise JobError(
+            f"{e}; found before any worker started, by scoring the answers of {len(examples)} prompts"
+        ) from None
+
+
+def check_budget_floor(cfg, tok) -> None:
+    """A ``--hilore.budget`` size (device scope) below the bytes a rank holds between microbatches,
+    read from the model's config on the meta device (``scope.resident_floor``), is refused here:
+    no plan could meet it, and finding that out would take Ray, the weights and a gc pass."""
+    from hilore_actor.allocation.budget import parse_budget
+    from hilore_actor.learner.scope import resident_floor
+    from hilore_actor.models.source import meta_policy
+    from hilore_actor.train.config import lora_spec, param_dtype
+
+    spec = str(cfg.hilore.budget).strip().lower()
+    if spec == "auto" or cfg.hilore.budget_scope != "device" or parse_budget(spec)[0] != "bytes":
+        return
+    model = meta_policy(cfg.actor.model_name_or_path, tok, dtype=param_dtype(cfg), lora=lora_spec(cfg))
+    if model is None:
+        return
+    dtype = param_dtype(cfg)
+    floor = resident_floor(
+        model, world=world_size(cfg), zero_stage=cfg.ds.zero_stage, mixed_precision=dtype != torch.float32
+    )
+    budget = parse_budget(spec)[1]
+    if budget < floor:
+        raise JobError(
+            f"--hilore.budget {cfg.hilore.budget}: below the {floor / 2**20:.1f} MiB a rank holds between "
+            f"microbatches (weights, gradients and AdamW state of {cfg.actor.model_name_or_path} under ZeRO-"
+            f"{cfg.ds.zero_stage} on {world_size(cfg)} rank(s), before any activation); give a larger size, a "
+            "ratio of gc's peak (1.10) or auto"
+        )
 
 
 def score(task, out, examples, G: int, tok=None) -> List[float]:
@@ -546,6 +605,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in ignored_notes(cfg):
+        print(note, flush=True)
     ray_before = _ray_running()
     try:
         return _run(cfg)

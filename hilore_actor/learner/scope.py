@@ -63,6 +63,24 @@ def estimate_resident(model, *, world: int = 1, zero_stage: int = 2, mixed_preci
     return int(weights + (grad / world if zero_stage >= 2 else grad) + (state / world if zero_stage >= 1 else state))
 
 
+def resident_floor(model, *, world: int = 1, zero_stage: int = 2, mixed_precision: bool = False) -> int:
+    """The least a rank can hold between microbatches: ``estimate_resident``'s count with the
+    weights partitioned too under ZeRO-3, and no buffers, padding or persistent weights. Read
+    from shapes alone (``model`` may live on the meta device): a budget in bytes below it can
+    never be met, whatever the plan."""
+    params = list(model.parameters())  # each shared (tied) parameter once
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    grad = sum(p.numel() * p.element_size() for p in trainable)
+    state = sum(p.numel() for p in trainable) * 4 * (3 if mixed_precision else 2)
+    world = max(1, int(world))
+    return int(
+        (weights / world if zero_stage >= 3 else weights)
+        + (grad / world if zero_stage >= 2 else grad)
+        + (state / world if zero_stage >= 1 else state)
+    )
+
+
 def optimizer_tensors(optimizer):
     """Tensors an optimizer (or DeepSpeed's ZeRO optimizer around one) holds."""
     out, seen = [], set()

@@ -33,6 +33,20 @@ def boolean(value) -> bool:
 
 boolean.__name__ = "true|false"
 
+
+def auto_on_off(value) -> str:
+    """``auto``, ``on`` or ``off``, with a boolean's spellings read as on/off (``true``, ``false``,
+    1/0, yes/no), so ``--flag true`` means ``on``; anything else is left for the check that
+    names the choices."""
+    v = str(value).strip().lower()
+    try:
+        return v if v == "auto" else "on" if boolean(v) else "off"
+    except ValueError:
+        return v
+
+
+auto_on_off.__name__ = "auto|on|off"
+
 PLANNER = "planner"  # metadata key: a field taken from ``Planner.Config``
 
 
@@ -145,11 +159,12 @@ class Settings:
     loo: bool = planner_field("loo")
     skip_zero_advantage: str = field(
         default="auto",
-        metadata=_help(
-            "leave every response whose advantage is exactly 0 (a group of equal rewards) out of the forward and "
-            "backward, keeping the update's denominators: auto (exactly when no KL or entropy term reaches such a "
-            "response, so the update is unchanged), on (refused where it is not exact), off"
-        ),
+        metadata={
+            "help": "leave every response whose advantage is exactly 0 (a group of equal rewards) out of the forward "
+            "and backward, keeping the update's denominators: auto (exactly when no KL or entropy term reaches such "
+            "a response, so the update is unchanged), on (refused where it is not exact; also true), off (also false)",
+            "type": auto_on_off,
+        },
     )
 
 
@@ -164,7 +179,12 @@ def flag_table(cls=Settings, prefix: str = "hilore.") -> List[Tuple]:
     """``(flag, type, default, help)`` per field of ``cls``, in its order (the job's flag table's form)."""
     hints = get_type_hints(cls)
     return [
-        (prefix + f.name, _flag_type(hints[f.name]), None if f.default is MISSING else f.default, f.metadata["help"])
+        (
+            prefix + f.name,
+            f.metadata.get("type") or _flag_type(hints[f.name]),
+            None if f.default is MISSING else f.default,
+            f.metadata["help"],
+        )
         for f in fields(cls)
     ]
 

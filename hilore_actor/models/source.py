@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -61,18 +62,7 @@ def load_policy(
     tok = load_tokenizer(spec)
     torch.manual_seed(seed)
     if spec.startswith("tiny:"):
-        cfg = tiny_config(
-            spec[5:],
-            hidden_size=64,
-            num_layers=4,
-            num_heads=4,
-            vocab_size=len(tok),
-            tie_word_embeddings=True,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-        model = build_model(cfg, dtype=dtype, seed=seed)
+        model = build_model(policy_config(spec, tok), dtype=dtype, seed=seed)
     elif spec == "smollm2":
         from .smollm2 import convert_smollm2
 
@@ -83,3 +73,46 @@ def load_policy(
         torch.manual_seed(seed)
         model = apply_lora(model, lora)
     return model, tok
+
+
+def policy_config(spec: str, tok):
+    """The HF config of ``spec`` (read from its files; a tiny model's built), or None for a
+    ``.gguf`` file, whose config transformers reads only with its weights."""
+    import json
+
+    import transformers
+
+    if spec.startswith("tiny:"):
+        return tiny_config(
+            spec[5:],
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            vocab_size=len(tok),
+            tie_word_embeddings=True,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    if spec == "smollm2":
+        from .smollm2 import convert_smollm2
+
+        return transformers.AutoConfig.from_pretrained(str(convert_smollm2()), local_files_only=True)
+    p = Path(spec).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return None
+    cfg_file = p if p.is_file() else p / "config.json"
+    return transformers.AutoConfig.for_model(**json.loads(cfg_file.read_text()))
+
+
+def meta_policy(spec: str, tok, *, dtype: torch.dtype = torch.float32, lora: Optional[LoraSpec] = None):
+    """``load_policy``'s model on the meta device (shapes and dtypes, no memory, no weights read),
+    or None where its config cannot be read without the weights: what the resident bytes are
+    computed from before any worker starts."""
+    config = policy_config(spec, tok)
+    if config is None:
+        return None
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft's call of a renamed transformers method
+        model = build_model(config, dtype=dtype, seed=None)
+        return apply_lora(model, lora) if lora is not None else model

@@ -40,13 +40,26 @@ FLAGS = [
         "data.prompt_dataset",
         str,
         "rg:basic_arithmetic",
-        "task: rg:<reasoning-gym name>, toy:vowels, or a .jsonl file with prompt/answer fields",
+        "task: rg:<reasoning-gym name>, toy:vowels, or a dataset file: .jsonl or .json (OpenRLHF's), .parquet "
+        "(verl's: chat-list prompt, reward_model.ground_truth, data_source, extra_info)",
     ),
-    ("data.input_key", str, "prompt", "JSONL field holding the prompt"),
-    ("data.label_key", str, "answer", "JSONL field holding the reference answer"),
+    ("data.input_key", str, "prompt", "dataset field holding the prompt (a dotted path reads a nested field)"),
+    (
+        "data.label_key",
+        str,
+        "answer",
+        "dataset field holding the reference answer (a dotted path reads a nested field: verl's "
+        "reward_model.ground_truth)",
+    ),
     ("data.max_samples", int, 1024, "prompts drawn from the task (procedural tasks generate this many)"),
     ("data.prompt_max_len", int, 256, "prompts longer than this (in tokens) are an error"),
-    ("data.instruction", str, None, "text appended to every prompt (default: the task's answer-format line)"),
+    (
+        "data.instruction",
+        str,
+        None,
+        "text appended to every prompt (default: a reasoning-gym task's answer-format line; nothing on a "
+        "dataset file, whose prompts stay as written)",
+    ),
     ("data.task_options", str, None, "reasoning-gym dataset options as JSON, e.g. '{\"max_digits\": 1}'"),
     (
         "data.apply_chat_template",
@@ -64,6 +77,13 @@ FLAGS = [
         "reward_func(queries, prompts, labels) batched (default: the task's own verifier)",
     ),
     ("reward.name", str, None, "the function's name in --reward.path (default: compute_score, else reward_func)"),
+    (
+        "reward.remote_url",
+        str,
+        None,
+        "a reward server, as OpenRLHF's: each batch of responses is POSTed as JSON {query, prompts, labels} "
+        "and the reply's 'rewards' (else 'scores') are the rewards; several URLs, comma-separated, share the batch",
+    ),
     # rollout
     ("rollout.batch_size", int, 4, "prompts per training step"),
     ("rollout.n_samples_per_prompt", int, 4, "responses sampled per prompt (the GRPO group size G)"),
@@ -97,6 +117,13 @@ FLAGS = [
     ),
     ("actor.lr_warmup_ratio", float, 0.0, "warmup share of the steps"),
     ("actor.max_norm", float, 1.0, "gradient clipping norm"),
+    (
+        "actor.gradient_checkpointing_enable",
+        "flag",
+        False,
+        "OpenRLHF's gradient checkpointing switch, accepted so recipes port: --actor_backend gc is that; under "
+        "hilore the plan's per-unit recompute replaces it (one line says so)",
+    ),
     ("actor.num_nodes", int, 1, "learner nodes"),
     ("actor.num_gpus_per_node", int, 1, "learner ranks per node (processes on CPU, GPUs on CUDA)"),
     (
@@ -222,12 +249,15 @@ FLAGS = [
         "eval.dataset",
         str,
         None,
-        "held-out prompts: a .jsonl file read as --data.prompt_dataset is (same keys and "
-        "reward); greedy responses through the rollout workers, scored every --eval.steps steps and after the last "
-        "(eval/accuracy: share of reward 1, eval/reward_mean)",
+        "held-out prompts: a dataset file read as --data.prompt_dataset is (same instruction, chat template "
+        "and reward; its fields --eval.input_key and --eval.label_key); greedy responses through the rollout "
+        "workers, scored every --eval.steps steps and after the last (eval/accuracy: share of reward 1, "
+        "eval/reward_mean)",
     ),
     ("eval.steps", int, 0, "evaluate every N steps (0 or -1: only after the last step)"),
     ("eval.max_samples", int, 256, "held-out prompts evaluated: the first N of --eval.dataset"),
+    ("eval.input_key", str, None, "--eval.dataset's prompt field (default: --data.input_key)"),
+    ("eval.label_key", str, None, "--eval.dataset's answer field (default: --data.label_key)"),
 ]
 FLAGS += HILORE_FLAGS  # the --hilore.* flags, shared with the OpenRLHF drop-in (learner/settings.py)
 ALIASES = {
@@ -292,6 +322,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     },
 }
 
+
+# A preset's settings of its own task: they follow the preset's task and never reach a user's
+# --data.prompt_dataset, whose prompts stay as written.
+PRESET_TASK_KEYS = ("data.instruction", "data.task_options")
 
 ZERO3_COMPILE = (
     "--hilore.compile does not run under --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in "
@@ -440,12 +474,16 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> SimpleNamespace:
     """Parse flags (defaults < preset < YAML < command line), validate, return a namespace."""
     args = vars(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
     flat = dict(DEFAULTS)
-    if "preset" in args:
-        flat.update(PRESETS[args["preset"]])
+    preset = PRESETS.get(args.get("preset"), {})
+    flat.update(preset)
     given = {k: v for k, v in args.items() if k not in ("config", "preset")}
     yaml_flags = load_yaml(args["config"]) if "config" in args else {}
     flat.update(yaml_flags)
     flat.update(given)
+    if flat["data.prompt_dataset"] != preset.get("data.prompt_dataset", flat["data.prompt_dataset"]):
+        for k in PRESET_TASK_KEYS:  # the user's own data: none of the preset's task settings
+            if k in preset and k not in yaml_flags and k not in given:
+                flat[k] = DEFAULTS[k]
     flat["preset"] = args.get("preset")
     for k in ("actor.adam.betas", "actor.eps_clip_low_high"):
         if flat[k] is not None:
@@ -586,7 +624,7 @@ def validate(cfg) -> None:
                 f"--replay.ratio {r.ratio} x {cfg.rollout.batch_size * G} fresh rollouts is less than one update "
                 f"of --train.batch_size {cfg.train.batch_size}: nothing would be replayed"
             )
-    errors += logging_errors(cfg) + eval_errors(cfg)
+    errors += logging_errors(cfg) + eval_errors(cfg) + ignored_errors(cfg)
     errors += value_errors(cfg)
     errors += hilore_errors(cfg.hilore)
     if cfg.hilore.skip_zero_advantage in SKIP_SETTINGS:  # (a bad choice is hilore_errors')
@@ -694,14 +732,14 @@ def value_errors(cfg) -> List[str]:
             opts = e
         if not isinstance(opts, dict):
             errors.append(f"--data.task_options {cfg.data.task_options!r}: expected a JSON object ({opts})")
-    ignored = [k for k in getattr(cfg, "user_set", ()) if k.startswith("replay.") and k != "replay.enable"]
-    if ignored and not cfg.replay.enable:
-        errors.append(
-            f"{', '.join('--' + k for k in ignored)} given without --replay.enable: add it, or drop "
-            f"{'them' if len(ignored) > 1 else 'it'}"
-        )
     if cfg.reward.name and not cfg.reward.path:
         errors.append("--reward.name names a function of --reward.path: pass the file or module too")
+    if cfg.reward.remote_url:
+        if cfg.reward.path:
+            errors.append("--reward.remote_url and --reward.path are two rewards: choose one")
+        bad = [u for u in cfg.reward.remote_url.split(",") if not u.strip().startswith(("http://", "https://"))]
+        if bad:
+            errors.append(f"--reward.remote_url {bad[0]!r}: an http:// or https:// URL (several: comma-separated)")
     if cfg.vllm.num_engines > 0:
         import importlib.util
 
@@ -721,10 +759,92 @@ def eval_errors(cfg) -> List[str]:
         errors.append(f"--eval.max_samples must be >= 1, got {e.max_samples}")
     if e.dataset and e.dataset.split(":")[0] in ("rg", "toy"):
         errors.append(
-            f"--eval.dataset {e.dataset}: a held-out set is a .jsonl file (a generated task would draw "
+            f"--eval.dataset {e.dataset}: a held-out set is a dataset file (a generated task would draw "
             "its problems with the training task's seed)"
         )
     return errors
+
+
+# The --hilore.* settings every backend reads: B, what it counts, the planning microbatch (gc's
+# peak is measured on it) and the zero-advantage skip. The others shape HiLoRe's plan, which
+# gc and none do not make.
+ANY_BACKEND = ("hilore.budget", "hilore.budget_scope", "hilore.plan_tokens", "hilore.skip_zero_advantage")
+# Flags that act only beside another: (the dependent flags' prefix, the flags that turn the
+# feature on, the one to name, whether it is on).
+REQUIRES = (
+    ("replay.", ("replay.enable",), "--replay.enable", lambda cfg: cfg.replay.enable),
+    ("eval.", ("eval.dataset",), "--eval.dataset", lambda cfg: bool(cfg.eval.dataset)),
+    (
+        "logger.wandb.",
+        ("logger.wandb.enable", "logger.wandb.key"),
+        "--use_wandb",
+        lambda cfg: cfg.logger.wandb.enable or bool(cfg.logger.wandb.key),
+    ),
+)
+FILE_KEYS = ("data.input_key", "data.label_key")  # fields of a dataset file
+COMPILE_ONLY = ("hilore.compile_activation_budget", "hilore.compile_layer_regions")  # with --hilore.compile
+L_ONLY = ("hilore.codec", "hilore.calibration", "hilore.calibration_batches", "hilore.delta", "hilore.token_rows")
+
+
+def _is_file_task(spec: str) -> bool:
+    return not spec.startswith(("rg:", "toy:"))
+
+
+def ignored_errors(cfg) -> List[str]:
+    """Flags the user gave that would have no effect in this combination: refused, so nothing
+    is silently ignored (``ignored_notes``: the harmless ones, said in one line each)."""
+    user, errors = set(getattr(cfg, "user_set", ())), []
+    for prefix, switches, needed, present in REQUIRES:
+        given = sorted(k for k in user if k.startswith(prefix) and k not in switches)
+        if given and not present(cfg):
+            them = "them" if len(given) > 1 else "it"
+            errors.append(f"{', '.join('--' + k for k in given)} given without {needed}: add it, or drop {them}")
+    spec = cfg.data.prompt_dataset
+    if "data.task_options" in user and not spec.startswith("rg:"):
+        errors.append(
+            f"--data.task_options sets a reasoning-gym task's options; --data.prompt_dataset {spec} is not one"
+        )
+    keys = sorted(k for k in user if k in FILE_KEYS)
+    if keys and not _is_file_task(spec):
+        name = "name fields" if len(keys) > 1 else "names a field"
+        errors.append(f"{', '.join('--' + k for k in keys)} {name} of a dataset file; {spec} has none")
+    compiled = sorted(k for k in user if k in COMPILE_ONLY)
+    if compiled and cfg.actor.backend == "hilore" and not cfg.hilore.compile:
+        them = "them" if len(compiled) > 1 else "it"
+        errors.append(
+            f"{', '.join('--' + k for k in compiled)} given without --hilore.compile true: add it, or drop {them}"
+        )
+    if cfg.actor.gradient_checkpointing_enable and cfg.actor.backend == "none":
+        errors.append(
+            "--actor.gradient_checkpointing_enable asks for gradient checkpointing and --actor_backend none stores "
+            "every activation: choose one (--actor_backend gc checkpoints every layer)"
+        )
+    return errors
+
+
+def ignored_notes(cfg) -> List[str]:
+    """One line per flag the chosen combination leaves without effect where that is harmless
+    (a command kept the same across backends, as in a comparison)."""
+    user, notes = set(getattr(cfg, "user_set", ())), []
+    if cfg.actor.backend != "hilore":
+        plan_only = sorted(k for k in user if k.startswith("hilore.") and k not in ANY_BACKEND)
+        if plan_only:
+            notes.append(
+                f"[train] --actor_backend {cfg.actor.backend}: {', '.join('--' + k for k in plan_only)} "
+                f"ha{'ve' if len(plan_only) > 1 else 's'} no effect (HiLoRe's plan only; "
+                f"{'gc recomputes every layer' if cfg.actor.backend == 'gc' else 'none stores every activation'})"
+            )
+    low = sorted(k for k in user if k in L_ONLY)
+    if low and cfg.actor.backend == "hilore" and cfg.hilore.mode == "hilore-hr":
+        notes.append(
+            f"[train] --hilore.mode hilore-hr: {', '.join('--' + k for k in low)} ha{'ve' if len(low) > 1 else 's'} "
+            "no effect (L's settings; hilore-hr stores or recomputes only)"
+        )
+    if cfg.actor.gradient_checkpointing_enable and cfg.actor.backend == "hilore":
+        notes.append("[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute")
+    if "data.instruction" in user and cfg.data.prompt_dataset == "toy:vowels":
+        notes.append("[train] --data.instruction has no effect on toy:vowels, whose prompts are fixed")
+    return notes
 
 
 WANDB_ONLINE = ("online", "run", "shared")

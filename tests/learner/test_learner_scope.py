@@ -57,3 +57,23 @@ def test_auto_budget_in_both_scopes_on_cpu():
     assert dev == int(CPU_AUTO_RATIO * 1500) and act == dev - 500 and "auto on CPU" in logs[0]
     assert _budget(hilore_settings(budget="1.10"), 1000, 500, 500, "cpu", logs.append) == int(1.1 * 1500)
     assert _budget(hilore_settings(budget="1.10", budget_scope="activations"), 1000, 500, 0, "cpu", logs.append) == 1100
+
+
+@pytest.mark.parametrize("zero_stage, world", [(0, 1), (2, 4), (3, 4)])
+def test_the_floor_from_shapes_alone_is_the_estimate_without_its_buffers(zero_stage, world, fresh_seed):
+    """``resident_floor`` of the model built on the meta device (no memory, no weights) against
+    the real model's ``estimate_resident``: equal but for the buffers below ZeRO-3, and under
+    ZeRO-3 lower by the weights the other ranks hold."""
+    from hilore_actor.learner.scope import resident_floor
+
+    print("seed", fresh_seed)
+    real = _model(fresh_seed)
+    with torch.device("meta"):
+        meta = _model(None)
+    assert next(meta.parameters()).is_meta
+    buffers = sum(b.numel() * b.element_size() for b in real.buffers())
+    weights = sum(p.numel() * p.element_size() for p in real.parameters())
+    floor = resident_floor(meta, world=world, zero_stage=zero_stage)
+    est = estimate_resident(real, world=world, zero_stage=zero_stage)
+    others = weights * (1 - 1 / world) if zero_stage == 3 else 0
+    assert floor == pytest.approx(est - buffers - others, abs=1)  # each rounds to whole bytes once

@@ -35,6 +35,17 @@ def _files(tmp: Path) -> None:
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}) + "\n")
     (tmp / "wrong_signature.py").write_text("def compute_score(text):\n    return 1.0\n")
     (tmp / "raises_on_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp / "says_yes.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'yes'\n"
+    )
+    (tmp / "one_for_all.py").write_text("def reward_func(queries, prompts, labels):\n    return [1.0]\n")
+    (tmp / "qa2.jsonl").write_text('{"question": "1+1", "solution": "2"}\n{"question": "2+2", "solution": "4"}\n')
+    (tmp / "table.csv").write_text("prompt,answer\n1+1,2\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    verl_row = {"prompt": [{"role": "user", "content": "1+1"}], "reward_model": {"ground_truth": "2"}}
+    pq.write_table(pa.Table.from_pylist([verl_row]), tmp / "verl.parquet")
 
 
 # (mistake, flags after the tiny preset; {tmp} is a folder holding _files, message part)
@@ -55,7 +66,11 @@ CASES = [
     ("an unknown KL estimator", ["--algo.kl.estimator", "k9"], "choose one of k1, k2, k3"),
     ("an unknown scheduler", ["--actor.lr_scheduler", "fastest"], "--actor.lr_scheduler 'fastest': choose one of"),
     ("a replay setting without replay", ["--replay.ratio", "2"], "--replay.ratio given without --replay.enable"),
-    ("task options that are not JSON", ["--data.task_options", "{x"], "--data.task_options '{x': expected a JSON"),
+    (
+        "task options that are not JSON",
+        ["--data.prompt_dataset", "rg:basic_arithmetic", "--data.task_options", "{x"],
+        "--data.task_options '{x': expected a JSON",
+    ),
     (
         "gradient error with an exact backend",
         ["--measure_grad_error", "--actor_backend", "gc"],
@@ -137,6 +152,74 @@ CASES = [
         ["--reward.name", "score"],
         "--reward.name names a function of --reward.path",
     ),
+    (
+        "a reward that returns a string",
+        [
+            "--data.prompt_dataset",
+            "{tmp}/qa2.jsonl",
+            *("--data.input_key", "question", "--data.label_key", "solution"),
+            "--reward.path",
+            "{tmp}/says_yes.py",
+        ],
+        "returned 'yes', not a finite number or a dict with 'score' (on the sample {tmp}/qa2.jsonl:1, response '2'); "
+        "found before any worker started",
+    ),
+    (
+        "a batched reward of the wrong length",
+        [
+            "--data.prompt_dataset",
+            "{tmp}/qa2.jsonl",
+            *("--data.input_key", "question", "--data.label_key", "solution"),
+            "--reward.path",
+            "{tmp}/one_for_all.py",
+        ],
+        "returned [1.0] for 2 responses: expected 2 finite numbers",
+    ),
+    (
+        "a reward server and a reward file",
+        ["--reward.remote_url", "http://127.0.0.1:1/", "--reward.path", "x.py"],
+        "--reward.remote_url and --reward.path are two rewards: choose one",
+    ),
+    ("a reward URL that is not one", ["--reward.remote_url", "localhost:5000"], "an http:// or https:// URL"),
+    (
+        "a dataset file of another type",
+        ["--data.prompt_dataset", "{tmp}/table.csv"],
+        "unsupported file type '.csv'; a dataset file is .jsonl, .json, .parquet",
+    ),
+    (
+        "verl's nested label without its path",
+        ["--data.prompt_dataset", "{tmp}/verl.parquet"],
+        "verl.parquet[row 0]: missing field(s) ['answer']; found ['prompt', 'reward_model', "
+        "'reward_model.ground_truth']",
+    ),
+    ("held-out settings without a held-out set", ["--eval.steps", "1"], "--eval.steps given without --eval.dataset"),
+    ("W&B settings without W&B", ["--wandb_project", "mine"], "--logger.wandb.project given without --use_wandb"),
+    (
+        "task options on a dataset file",
+        ["--data.prompt_dataset", "{tmp}/qa.jsonl", "--data.task_options", "{}"],
+        "--data.task_options sets a reasoning-gym task's options",
+    ),
+    (
+        "dataset fields on a generated task",
+        ["--data.label_key", "solution"],
+        "--data.label_key names a field of a dataset file; toy:vowels has none",
+    ),
+    (
+        "compile settings without compiling",
+        ["--hilore.compile_layer_regions", "true"],
+        "--hilore.compile_layer_regions given without --hilore.compile true",
+    ),
+    (
+        "gradient checkpointing beside storing everything",
+        ["--actor.gradient_checkpointing_enable", "--actor_backend", "none"],
+        "--actor.gradient_checkpointing_enable asks for gradient checkpointing and --actor_backend none",
+    ),
+    (
+        "a budget size below the model's own bytes",
+        ["--hilore.budget", "1MiB"],
+        "--hilore.budget 1MiB: below the 13.4 MiB a rank holds between microbatches (weights, gradients and AdamW "
+        "state of tiny:qwen2 under ZeRO-2 on 2 rank(s)",
+    ),
 ]
 
 
@@ -198,3 +281,20 @@ def test_the_docs_table_is_these_cases(inputs, monkeypatch, capsys):
         DOCS.write_text(head + table + rest.split(END, 1)[1])
         text = DOCS.read_text()
     assert table in text, "docs/training-job.md's table is stale: rerun with HILORE_WRITE_DOCS=1"
+
+
+def test_a_reward_server_is_asked_before_ray_as_openrlhf_asks(inputs, monkeypatch, capsys):
+    """``--reward.remote_url`` on the loopback: before Ray starts, the job POSTs OpenRLHF's
+    request for the first prompts (their answers as responses): the prompts after the chat
+    template, prompt + response as the query, the labels as the file holds them."""
+    from reward_server import reward_servers  # tests/helpers
+
+    keys = ["--data.input_key", "question", "--data.label_key", "solution"]
+    with reward_servers(1) as (urls, state):
+        argv = _argv(["--data.prompt_dataset", "{tmp}/qa2.jsonl", *keys, "--reward.remote_url", urls[0]], inputs)
+        with pytest.raises(AssertionError, match="Ray was started"):  # the probe passed; Ray was next
+            main_without_ray(argv, monkeypatch, capsys)
+    [(_, body)] = state["bodies"]
+    assert sorted(body) == ["labels", "prompts", "query"] and body["labels"] == ["2", "4"]
+    for prompt, query, question, answer in zip(body["prompts"], body["query"], ["1+1", "2+2"], ["2", "4"]):
+        assert f"user\n{question}" in prompt and query == prompt + answer, (prompt, query)
