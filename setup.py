@@ -40,8 +40,21 @@ EXTRAS = {
     # Weights & Biases logging (--use_wandb); imported only when it is on
     "wandb": ["wandb>=0.31"],
     # verl 0.9.1 itself goes in with --no-deps (its transformers<5.11 pin excludes OpenRLHF's
-    # 5.15.0 and this project's range); these are the imports of its actor path.
-    "verl": ["tensordict>=0.8.0,<=0.10.0,!=0.9.0", "hydra-core>=1.3", "codetiming", "datasets"],
+    # 5.15.0 and this project's range); these are the imports of its actor path and of its default
+    # (v1) trainer, which verl lists in its `verl-core` extra: TransferQueue with its pyzmq and
+    # msgspec, the rollout server's fastapi and uvicorn, the rollout router's cachetools.
+    "verl": [
+        "tensordict>=0.8.0,<=0.10.0,!=0.9.0",
+        "hydra-core>=1.3",
+        "codetiming",
+        "datasets",
+        "TransferQueue==0.1.11",
+        "pyzmq==27.3.0",
+        "msgspec==0.23.0",
+        "fastapi==0.165.0",
+        "uvicorn==0.55.0",
+        "cachetools==8.0.3",
+    ],
 }
 
 setup(
