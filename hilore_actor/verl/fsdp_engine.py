@@ -38,6 +38,7 @@ import torch
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from .settings import PREFIX, from_env
+from .stops import NEEDS_CUDA
 
 BACKEND = "hilore"
 
@@ -50,9 +51,8 @@ def _need_device() -> None:
     device = get_device_name()
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
-            "HiLoRe's verl engine (actor_rollout_ref.actor.strategy=hilore) needs a CUDA device in each "
-            "actor worker, and this worker has none: give the actor GPUs (trainer.n_gpus_per_node) or run "
-            f"without +{PREFIX}enable=true"
+            f"{NEEDS_CUDA} in each actor worker, and this worker has none: give the actor GPUs "
+            f"(trainer.n_gpus_per_node) or run without +{PREFIX}enable=true"
         )
 
 

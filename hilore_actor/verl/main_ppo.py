@@ -17,9 +17,12 @@ HiLoRe's engine wraps with (``fsdp_version``). Without ``enable=true`` verl runs
 actor's own memory savers that HiLoRe's plan replaces (``REPLACED``: verl's activation offload,
 HF gradient checkpointing) are turned off, one line each. A bad override, a missing verl, or an
 actor strategy other than FSDP (``strategy=megatron``, ``--config-name ppo_megatron_trainer``)
-stops here with one line and exit code 2; these checks compose verl's config from its YAML files
-without importing verl, so none of verl's import-time warnings follows that line. A worker
-without CUDA stops in the worker (``fsdp_engine.py``). ``--help`` lists HiLoRe's overrides (``usage``).
+stops here with one line and exit code 2, as does a LoRA recipe that rolls out with vLLM where vLLM is
+not installed (``stops.check_lora_rollout``); these checks compose verl's config from its YAML files
+without importing verl, so none of verl's import-time warnings follows that line. Then verl's trainer
+runs until the machine lacks what it needs: no GPU in the Ray cluster, no CUDA in a worker (verl's
+NCCL process group, or HiLoRe's engine, ``fsdp_engine.py``), no rollout engine; the launcher ends
+there with one line and exit code 2 too (``stops.guard``). ``--help`` lists HiLoRe's overrides (``usage``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..grpo.skip import skip_active
 from .settings import CONFIG_ENV, PREFIX, VERL_KEYS, parse, split_overrides, to_env
+from .stops import Stopped, check_lora_rollout, guard
 
 REGISTER = "hilore_actor.verl.register"
 STRATEGY = "actor_rollout_ref.actor.strategy"
@@ -183,6 +187,7 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
             f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true"
         )
     skip_setting(cfg, settings.get("skip_zero_advantage", "auto"))
+    check_lora_rollout(cfg)
     facts = job_facts(cfg)
     rest, notes = replaced(cfg, rest)
     for note in notes:
@@ -249,10 +254,16 @@ def main(argv=None) -> int:
     os.environ.update(env)
     if env:
         importlib.import_module(REGISTER)  # this process; the workers import it from env
-    from verl.trainer.main_ppo import main as verl_main
+    import verl.trainer.main_ppo as verl_ppo
 
+    if env:
+        guard(verl_ppo)
     sys.argv = [sys.argv[0]] + overrides
-    verl_main()
+    try:
+        verl_ppo.main()
+    except Stopped as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
