@@ -123,6 +123,23 @@ def save_tiny_model(path, seed: int) -> str:
     return str(path)
 
 
+def save_tiny_chat_model(path, seed: int = 0) -> str:
+    """A model folder verl's trainer can open as a recipe's ``actor_rollout_ref.model.path``: the
+    tiny Llama with the bundled SmolLM2 tokenizer and its chat template (verl's dataset applies it
+    to the prompts), the vocabulary the tokenizer's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hilore_actor.models.source import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    tok.save_pretrained(path)
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, "vocab_size": len(tok)}, architectures=["LlamaForCausalLM"], **ids)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
 def two_ranks(cases, tmp_path, seed: int, timeout: int, hang_s: int) -> dict:
     """Run ``tests/helpers/verl_ranks.py`` (two gloo ranks of verl's engine) on a tiny model saved
     under ``tmp_path``: each case's results on the two ranks. ``hang_s``: the ranks dump their
