@@ -61,6 +61,13 @@ def head_is_linear(model) -> bool:
     return ok
 
 
+def record_linear_head(model, linear: bool) -> None:
+    """``head_is_linear``'s verdict for ``model`` given instead of checked: for a model on the
+    meta device, which has no values to compare, from a twin of its class checked on real numbers
+    (``hilore_actor.estimate``)."""
+    _LINEAR_HEAD[model.get_output_embeddings()] = bool(linear)
+
+
 def default_chunk(vocab: int, target_bytes: int = 32 * 2**20) -> int:
     """The CPU rule: ``target_bytes`` of float32 logits per chunk (55 rows at V = 151936)."""
     return max(16, target_bytes // (4 * vocab))
@@ -133,8 +140,9 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # float32 sums (float64 for a float64 head)
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        gb = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         c, scale = ctx.chunk, ctx.scale
         if grad is None:  # only the entropy reaches the loss
             grad = torch.zeros_like(lse)
@@ -144,6 +152,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             z = F.linear(h, weight, bias).float()
             if scale != 1.0:
                 z.mul_(scale)
+            p = None
             if ctx.entropy and grad_ent is not None:
                 mean_z = (lse[i : i + c] - ent[i : i + c])[:, None]  # E_p[z]
                 p = (z - lse[i : i + c, None]).exp_()
@@ -155,12 +164,13 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             if scale != 1.0:
                 dz.mul_(scale)
             gl = dz.to(hidden.dtype)
+            if need_b:
+                gb += dz.sum(0)  # float32 already: no [chunk, V] copy (the same sum as before for float32)
+            z = dz = p = None  # the float32 logits' room goes to the weight gradient's tile
             if need_h:
                 gh[i : i + c] = gl @ weight
             if need_w:
-                gw.addmm_(gl.t().float(), h.float())
-            if need_b:
-                gb += gl.float().sum(0)
+                _add_weight_grad(gw, gl, h)
         return (
             gh,
             (gw.to(weight.dtype) if need_w else None),
@@ -170,6 +180,26 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _add_weight_grad(acc: torch.Tensor, gl: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += gl.T @ h``: a chunk's head-weight gradient ``[V, H]`` from its logit gradient
+    ``gl [rows, V]`` and hidden rows ``h [rows, H]`` (the head's dtype) into the float32
+    accumulator (float64 for a float64 head), called after the chunk's float32 logits are freed.
+    A head in ``acc``'s dtype: one ``addmm_``, as before (float32 bitwise unchanged). bfloat16:
+    the GEMM in bfloat16 (tensor cores; float32 sums inside it, each product element rounded once
+    to bfloat16), ``tile`` head rows at a time so a tile's product takes at most the freed
+    logits' bytes, each added into ``acc`` in float32: no float32 copy of ``gl``. float16 (a
+    chunk's product could pass its 65504): in float32, the copy of ``gl`` in the freed room."""
+    if gl.dtype == acc.dtype:
+        acc.addmm_(gl.t(), h)
+    elif gl.dtype != torch.bfloat16:
+        acc.addmm_(gl.t().float(), h.float())
+    else:
+        rows, vocab = gl.shape
+        tile = max(1, min(vocab, rows * vocab * 4 // (h.shape[1] * gl.element_size())))
+        for j in range(0, vocab, tile):
+            acc[j : j + tile].add_(gl[:, j : j + tile].t() @ h)
 
 
 def chunked_token_log_probs(
