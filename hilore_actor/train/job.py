@@ -81,7 +81,8 @@ class Job:
             .remote(flat)
         )
         self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
-        self.weight_kind = self.get(self.rollout[0].weight_kind.remote())
+        self.weight_kind, self.adapter_config, self.weight_dtype = self.sync_form()
+        self.sync_bytes = 0  # what each rollout worker received at the last sync
 
     def get(self, refs):
         return self.ray.get(refs)
@@ -129,10 +130,26 @@ class Job:
             with contextlib.suppress(Exception):  # teardown: never in place of the error that ended the run
                 self.ray.kill(actor, no_restart=True)
 
-    def sync_weights(self) -> None:
+    def sync_form(self):
+        """``(weight kind, adapter config, dtype)`` of the weight sync, asked once: the kind the
+        rollout workers take; under LoRA to a vLLM engine ("adapter") also the learner's PEFT
+        config and the engine's dtype, in which the adapter is sent (``vllm_sync.cast_floats``)."""
+        kind = self.get(self.rollout[0].weight_kind.remote())
+        if kind != "adapter":
+            return kind, None, None
+        return kind, self.get(self.learners[0].adapter_config.remote()), self.get(self.rollout[0].weight_dtype.remote())
+
+    def sync_weights(self) -> int:
+        """The learners' weights into every rollout worker, in the form they take (``weight_kind``:
+        the adapter, merged or full weights); ``sync_bytes``: the bytes each worker received."""
+        from .vllm_sync import cast_floats
+
         w = self.get([l.export_weights.remote(self.weight_kind) for l in self.learners])[0]
+        if self.weight_kind == "adapter":
+            w = cast_floats(w, self.weight_dtype)
         ref = self.ray.put(w)
-        self.get([r.load_weights.remote(ref) for r in self.rollout])
+        self.sync_bytes = max(self.get([r.load_weights.remote(ref, self.adapter_config) for r in self.rollout]))
+        return self.sync_bytes
 
     def generate(self, prompts: List[str], step: int, greedy: bool = False) -> Dict:
         """The step's rollouts. A rollout worker that dies is restarted by Ray (up to

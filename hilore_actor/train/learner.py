@@ -559,6 +559,12 @@ class Learner:
         gather = zero3_gather if self.cfg.ds.zero_stage == 3 else None
         return export_weights(self.ds.module, kind, gather=gather, keep=self.rank == 0)
 
+    def adapter_config(self) -> Dict:
+        """The LoRA adapter's PEFT config (JSON types), what a vLLM engine serving it reads."""
+        from .vllm_sync import adapter_config
+
+        return adapter_config(self.ds.module)
+
     def save(self, path: str) -> None:
         """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""
         from .checkpoint import rank_file, versioned

@@ -1,17 +1,18 @@
 """Rollout and reference workers of the training job (``ray.remote`` wraps these classes).
 
-- ``HFRolloutWorker``: HF ``generate`` (CPU, or GPU without vLLM); holds the same peft model
-  as the learner and receives the adapter (or full weights) after every update.
-- ``VLLMRolloutWorker``: a vLLM engine (GPU); receives merged weights through a vLLM worker
-  extension, in bounded chunks (``vllm_sync.py``). vLLM is imported here, when the worker
-  starts, never at module level.
+- ``HFRolloutWorker``: HF ``generate`` (CPU, or GPU without vLLM); holds a plain copy of the
+  policy and receives the merged weights under LoRA (or the full weights) after every update.
+- ``VLLMRolloutWorker``: a vLLM engine (GPU); under LoRA it serves the learner's adapter
+  (vLLM's own LoRA path, a new adapter id per update), under full fine-tuning it receives the
+  weights through a vLLM worker extension, in bounded chunks (``vllm_sync.py``). vLLM is
+  imported here, when the worker starts, never at module level.
 - ``ReferenceWorker``: the frozen base model; reference log-probs for the KL term.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -51,10 +52,13 @@ class HFRolloutWorker:
     def weight_kind(self) -> str:
         return "merged" if self.cfg.ds.lora.rank > 0 else "full"
 
-    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Dict[str, torch.Tensor], adapter_config: Optional[Dict] = None) -> int:
+        """Returns the bytes received (``adapter_config``: only a vLLM engine serving LoRA reads it)."""
         from ..models.weights import load_weights
+        from .vllm_sync import payload_bytes
 
         load_weights(self.model, {k: v.to(self.device) for k, v in weights.items()}, self.weight_kind())
+        return payload_bytes(weights)
 
     def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False) -> Dict:
         """G sampled responses per prompt; ``greedy`` (held-out evaluation): one argmax response each."""
@@ -84,23 +88,38 @@ class HFRolloutWorker:
 
 
 class VLLMRolloutWorker:
-    """A vLLM engine. Weight sync loads merged HF-named tensors into the engine's model by
-    name through ``vllm_sync.WeightSyncExtension`` (no pickled function, no message over
-    ``vllm_sync.CHUNK_BYTES`` per tensor group). The engine is not exercised on CPU (vLLM's
-    kernels are CUDA-only; see docs/testing.md, "What is tested where"); the sync is, against
-    a stand-in engine (tests/train/test_vllm_sync.py)."""
+    """A vLLM engine. Under LoRA (``weight_kind`` "adapter") the engine starts with LoRA enabled
+    at the run's rank and keeps its base weights; each sync loads the learner's adapter under a
+    new id (``vllm_sync.AdapterSync``) and ``generate`` names it. Under full fine-tuning (or a
+    rank above vLLM's largest ``max_lora_rank``: merged weights) the sync loads HF-named tensors
+    into the engine's model by name through ``vllm_sync.WeightSyncExtension`` (no pickled
+    function, no message over ``vllm_sync.CHUNK_BYTES`` per tensor group). The engine is not
+    exercised on CPU (vLLM's kernels are CUDA-only; see docs/testing.md, "What is tested
+    where"); the sync is, against a stand-in engine (tests/train/test_vllm_sync.py)."""
 
     def __init__(self, flat_cfg: Dict, index: int):
         try:
             import vllm
         except ImportError as e:
             raise RuntimeError(f"--vllm.num_engines > 0 needs vllm (pip install 'hilore-actor[gpu]'): {e}") from None
+        from vllm.lora.request import LoRARequest
+
         from ..models.smollm2 import convert_smollm2
-        from .vllm_sync import EXTENSION
+        from .vllm_sync import EXTENSION, AdapterSync, engine_lora_args, lora_ranks
 
         self.cfg = hierarchize(flat_cfg)
         spec = self.cfg.actor.model_name_or_path
         path = str(convert_smollm2()) if spec == "smollm2" else spec
+        self.kind = vllm_weight_kind(self.cfg.ds.lora.rank, lora_ranks())
+        lora, self.adapter = {}, None
+        if self.kind == "adapter":
+            lora, self.adapter = engine_lora_args(self.cfg.ds.lora.rank, lora_ranks()), AdapterSync(LoRARequest)
+        elif self.kind == "merged":
+            print(
+                f"[vllm] LoRA rank {self.cfg.ds.lora.rank} is above vLLM's largest max_lora_rank "
+                f"{max(lora_ranks())}: the engine gets the merged weights after every update",
+                flush=True,
+            )
         self.llm = vllm.LLM(
             model=path,
             tensor_parallel_size=self.cfg.vllm.tensor_parallel_size,
@@ -109,17 +128,32 @@ class VLLMRolloutWorker:
             dtype="bfloat16" if self.cfg.ds.param_dtype == "bf16" else "auto",
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
+            **lora,
         )
         self.tok = self.llm.get_tokenizer()
 
     def weight_kind(self) -> str:
-        return "merged" if self.cfg.ds.lora.rank > 0 else "full"
+        return self.kind
 
-    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+    def weight_dtype(self) -> str:
+        """The dtype the engine computes in (an adapter's too: vLLM's ``lora_dtype`` "auto")."""
+        return str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    def load_weights(self, weights: Dict[str, torch.Tensor], adapter_config: Optional[Dict] = None) -> int:
+        """The learner's update into the engine; returns the bytes sent to it. Under LoRA:
+        ``weights`` is the adapter, ``adapter_config`` its PEFT config."""
         from .vllm_sync import sync_weights
 
-        sync_weights(self.llm, weights)
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self.kind == "adapter":
+            if adapter_config is None:
+                raise ValueError("an adapter sync needs the adapter's PEFT config")
+            sent = self.adapter.load(self.llm, weights, adapter_config)
+        else:
+            sent = sync_weights(self.llm, weights)
+        # cached KV blocks were computed with the old weights (under LoRA their hashes hold the old
+        # adapter's name, so they would never match again: this frees them at once)
+        self.llm.reset_prefix_cache()
+        return sent
 
     def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False) -> Dict:
         """G sampled responses per prompt; ``greedy`` (held-out evaluation): one at temperature 0 each."""
@@ -137,7 +171,9 @@ class VLLMRolloutWorker:
             max_tokens=c.max_new_tokens,
             seed=seed,
         )
-        outs = self.llm.generate([vllm.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
+        prompts_in = [vllm.TokensPrompt(prompt_token_ids=x) for x in ids]
+        lora = self.adapter.request if self.adapter is not None else None
+        outs = self.llm.generate(prompts_in, params, use_tqdm=False, lora_request=lora)
         seqs, plens, rlens, texts = [], [], [], []
         for p_ids, o in zip(ids, outs):
             for comp in o.outputs:
@@ -152,6 +188,16 @@ class VLLMRolloutWorker:
         for i, s in enumerate(seqs):
             padded[i, : len(s)] = s
         return {"sequences": padded, "prompt_lens": plens, "response_lens": rlens, "texts": texts}
+
+
+def vllm_weight_kind(lora_rank: int, ranks: Sequence[int]) -> str:
+    """What a vLLM engine receives: the adapter under LoRA, merged weights for a rank above
+    every ``max_lora_rank`` vLLM accepts (``ranks``), every weight under full fine-tuning."""
+    from .vllm_sync import max_lora_rank
+
+    if lora_rank <= 0:
+        return "full"
+    return "adapter" if max_lora_rank(lora_rank, ranks) is not None else "merged"
 
 
 class ReferenceWorker:
