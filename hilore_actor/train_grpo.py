@@ -223,6 +223,7 @@ def run(cfg) -> int:
             )
             m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
             m.update(skip)
+            m["sync_bytes"] = job.sync_bytes  # bytes each rollout worker got per update (vLLM LoRA: the adapter)
             if buffer is not None:
                 from hilore_actor.rollout.replay import stats
 
