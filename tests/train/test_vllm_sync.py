@@ -504,6 +504,21 @@ def test_bytes_per_update_for_qwen25_3b_lora16_all_linear():
     assert round(merged / sent) == 103
 
 
+def test_the_job_logs_the_bytes_of_each_sync(uninterrupted):
+    """The tiny preset (LoRA rank 8, an HF generate worker, which takes merged weights): every
+    step's ``sync_bytes`` in metrics.jsonl is the policy's base weights in the run's dtype."""
+    from hilore_actor.models.source import load_policy
+    from hilore_actor.train.config import param_dtype, parse_config
+
+    from train_job import TINY, metrics
+
+    cfg = parse_config(TINY)
+    model, _ = load_policy(cfg.actor.model_name_or_path, dtype=param_dtype(cfg), lora=None, seed=cfg.train.seed)
+    want = vllm_sync.payload_bytes(model.state_dict())
+    rows = metrics(uninterrupted[0])
+    assert rows and all(m["sync_bytes"] == want for m in rows), ([m.get("sync_bytes") for m in rows], want)
+
+
 def test_adapters_go_to_the_temporary_directory_when_shared_memory_is_short(tmp_path, monkeypatch):
     """A container's /dev/shm (64 MiB by default) can be smaller than an adapter and its successor."""
     tmp = tmp_path / "tmp"
