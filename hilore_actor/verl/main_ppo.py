@@ -187,7 +187,6 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
             f"(Megatron is not supported yet): use an FSDP config (ppo_trainer) or drop +{PREFIX}enable=true"
         )
     skip_setting(cfg, settings.get("skip_zero_advantage", "auto"))
-    check_lora_rollout(cfg)
     facts = job_facts(cfg)
     rest, notes = replaced(cfg, rest)
     for note in notes:
@@ -248,6 +247,8 @@ def main(argv=None) -> int:
         return 2
     try:
         overrides, env = launch_args(argv)
+        if env:  # what this machine lacks for the launch itself, not for the config
+            check_lora_rollout(compose(overrides))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
