@@ -101,7 +101,7 @@ def profile_units(
     for n in names:
         t = statistics.median(rec[n])
         costs.dtau[n] = dict({"H": t}, **{a: max(0.0, t - est[CODEC + a][n]) for a in levels})
-        costs.dm[n] = _dm(est, n, _kinds(levels, partial))
+        costs.dm[n] = option_bytes(est, n, _kinds(levels, partial))
         for a in (
             P_LABELS if partial else ()
         ):  # the probes' R and P replay times, both scaled: their difference is what P saves
@@ -126,7 +126,7 @@ def profile_units(
         {
             "tokens": x,
             "base_peak": int(v["peak"]["all-r"]),
-            "dm": {n: _dm(v, n, _kinds(levels, partial)) for n in names},
+            "dm": {n: option_bytes(v, n, _kinds(levels, partial)) for n in names},
         }
         for x, v in sorted(probes.items())
     ]
@@ -141,7 +141,7 @@ def _kinds(levels: Sequence[str], partial: bool) -> Sequence[str]:
     return (*levels, *P_LABELS) if partial else tuple(levels)
 
 
-def _dm(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
+def option_bytes(values: Dict, unit: str, levels: Sequence[str]) -> Dict[str, int]:
     """Bytes per option; an attention unit kept H or L also keeps its MLP's input (``mixed``),
     a P unit does not: its layer still replays as a whole (``recovery/engine.py``, 4-5)."""
     extra = values["mixed"].get(unit, 0.0)

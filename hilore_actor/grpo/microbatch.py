@@ -9,7 +9,7 @@ response tokens (so never on a position that would predict the next sequence's f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -66,17 +66,19 @@ class LossOutput:
     stats: Dict[str, torch.Tensor]
 
 
-def microbatch_loss(model, mb: Microbatch, chunked_head: bool = False, entropy: bool = False) -> LossOutput:
+def microbatch_loss(
+    model, mb: Microbatch, chunked_head: bool = False, entropy: bool = False, head_chunk: Optional[int] = None
+) -> LossOutput:
     """Forward the packed microbatch, then Eq. 1 and Eq. 4 on its response tokens.
     ``chunked_head``: token log-probs through the chunked head (``models/chunked_head.py``) instead
-    of the model's full logits. ``entropy``: ``stats["entropy"]``, the policy's mean per-token
+    of the model's full logits, ``head_chunk`` rows at a time (default: the device's rule). ``entropy``: ``stats["entropy"]``, the policy's mean per-token
     entropy (temperature 1) over the trained response tokens (``action_mask``); detached, so
     the loss and its gradient are unchanged."""
     ent = None
     if chunked_head:
         from ..models.chunked_head import chunked_token_log_probs
 
-        logp = chunked_token_log_probs(model, mb.input_ids, mb.position_ids, entropy=entropy)
+        logp = chunked_token_log_probs(model, mb.input_ids, mb.position_ids, chunk=head_chunk, entropy=entropy)
         if entropy:
             logp, ent = logp
     else:

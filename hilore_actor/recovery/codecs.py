@@ -41,7 +41,10 @@ class Payload:
 
     def finite(self) -> bool:
         """False for tensors with inf/NaN (additive -inf attention masks): they stay exact (and
-        equal masks stay shared across layers). Scaled codecs see it in their scales."""
+        equal masks stay shared across layers). Scaled codecs see it in their scales. On the
+        meta device there are no values: a payload is sized as a finite one."""
+        if self.data.is_meta:
+            return True
         return bool(torch.isfinite(self.scale if self.scale.numel() else self.data).all())
 
 

@@ -24,8 +24,11 @@ def tensors(tree) -> List[torch.Tensor]:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """Identifies the storage behind ``t``: views of one tensor share it."""
-    return t.untyped_storage().data_ptr()
+    """Identifies the storage behind ``t``: views of one tensor share it. A meta tensor has no
+    data pointer (every one reads 0): its storage object's own address tells them apart, so the
+    engine counts a model's saved bytes on the meta device as on a real one (``hilore_actor.estimate``)."""
+    s = t.untyped_storage()
+    return s._cdata if s.device.type == "meta" else s.data_ptr()
 
 
 def storage_bytes(t: torch.Tensor) -> int:

@@ -201,8 +201,8 @@ class Step:
         first = self._masks[key]
         if first is None:
             return t
-        if first.data_ptr() == t.data_ptr() or torch.equal(_one_head(first), _one_head(t)):
-            return first
+        if t.is_meta or first.data_ptr() == t.data_ptr() or torch.equal(_one_head(first), _one_head(t)):
+            return first  # (meta: no values; a layout's masks are taken as the same mask)
         return t
 
     def compress(self, t: torch.Tensor, unit: UnitState, keep_sign: bool = False):
@@ -335,4 +335,4 @@ def _mask_like(t: torch.Tensor) -> bool:
     read, once per layout and step). Attention probabilities (eager attention) differ by head."""
     if t.shape[1] == 1 or t.stride(1) == 0:
         return True
-    return bool(torch.equal(t[:, :1].expand_as(t), t))
+    return not t.is_meta and bool(torch.equal(t[:, :1].expand_as(t), t))  # (meta: no values to compare)

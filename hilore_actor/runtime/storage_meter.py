@@ -60,7 +60,7 @@ class StorageMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta")]
         if fresh:
             # ``torch.tensor(data)`` allocates before dispatch and hands the new tensor to
             # lift_fresh, whose output is its input: count that one as new
