@@ -222,7 +222,7 @@ def test_eval_flags(tmp_path):
     from hilore_actor.train.config import ConfigError
     from hilore_actor.train.evaluation import due
 
-    with pytest.raises(ConfigError, match="a held-out set is a .jsonl file"):
+    with pytest.raises(ConfigError, match="a held-out set is a dataset file"):
         _cfg(tmp_path, "--eval.dataset", "rg:basic_arithmetic")
     with pytest.raises(ConfigError, match="--eval.max_samples must be >= 1"):
         _cfg(tmp_path, "--eval.dataset", "x.jsonl", "--eval.max_samples", "0")
