@@ -9,6 +9,7 @@ import json
 import sys
 from dataclasses import MISSING, fields
 
+from .meta import MetaUnsupported
 from .plan import Setting, estimate
 
 GiB = 2**30
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except MetaUnsupported as err:
+        print(f"error: {args['model']}'s forward does not run on the meta device: {err}", file=sys.stderr)
         return 2
     print(json.dumps(e.to_json(), indent=1) if as_json else render(e))
     return 0

@@ -32,7 +32,10 @@ class Setting:
     """What the estimate is asked about; ``python -m hilore_actor.estimate`` makes its flags from these fields."""
 
     model: str = field(
-        default="", metadata={"help": "a named config (qwen2.5-7b, ...), a config.json or a local HF folder"}
+        default="",
+        metadata={
+            "help": "a named config (qwen2.5-7b, ...), smollm2 (the bundled model), a config.json or an HF folder"
+        },
     )
     tokens: int = field(default=16384, metadata={"help": "tokens per learner microbatch (one packed row)"})
     micro_batch: int = field(
@@ -103,6 +106,10 @@ def resolve_config(spec: str):
 
     if spec.lower() in NAMED:
         return named_config(spec)
+    if spec == "smollm2":  # the bundled model, as --pretrain names it
+        from ..models.smollm2 import convert_smollm2
+
+        return transformers.AutoConfig.from_pretrained(str(convert_smollm2()), local_files_only=True)
     p = Path(spec).expanduser()
     cfg_file = p / "config.json" if p.is_dir() else p
     if not cfg_file.is_file():

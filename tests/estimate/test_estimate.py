@@ -40,12 +40,13 @@ def test_the_json_holds_what_the_text_prints(answer):
     assert e["resident_bytes"] < e["gc_peak_bytes"] < e["budget_bytes"] < e["nogc_peak_bytes"]
     assert e["budget_bytes"] == int(1.10 * e["gc_peak_bytes"]) and e["gc_fits"]
     assert e["gc_update_seconds"] > e["forward_seconds"] > 0 and e["assumptions"]
-    for plan in e["plans"].values():
+    for name, plan in e["plans"].items():
         assert sum(plan["counts"].values()) == 56 and plan["update_seconds"] <= e["gc_update_seconds"]
-        # the knapsack's peak (gc's + the kept units' bytes as held alone) bounds the run's from above,
-        # within the layer input an attention unit's replay shares; both within B
-        assert plan["meta_peak_bytes"] <= plan["predicted_peak_bytes"] <= e["budget_bytes"]
-        assert plan["meta_peak_bytes"] >= 0.98 * plan["predicted_peak_bytes"]
+        # the knapsack's peak (gc's + the kept units' bytes as held alone) within B, and the plan run on the
+        # meta device within 3% of it (an H unit's bytes held alone count a layer input its replay would share;
+        # an L unit's encode adds a transient the knapsack does not count)
+        assert plan["predicted_peak_bytes"] <= e["budget_bytes"], name
+        assert plan["meta_peak_bytes"] == pytest.approx(plan["predicted_peak_bytes"], rel=0.03), name
 
 
 def test_the_text_names_the_fields(estimated, monkeypatch, capsys):
