@@ -69,8 +69,8 @@ pip_install hydra-core==1.3.8 codetiming==1.4.0 datasets orjson cloudpickle \
     importlib_metadata pyzmq==27.3.0 msgspec==0.23.0 fastapi==0.165.0 uvicorn==0.55.0 cachetools==8.0.3
 
 if [ -s "$MISSING" ]; then
-    echo "[setup] pip warned $(wc -l <"$MISSING") times that an index location of this machine's pip" \
-        "configuration is no file or directory (\`pip config list\`); the install went through"
+    echo "[setup] pip's warnings that an index location of this machine's pip configuration is no file or" \
+        "directory: $(wc -l <"$MISSING") (\`pip config list\`); the install went through"
 fi
 if [ -s "$KNOWN" ]; then
     echo "[setup] pip's resolver: $(sort -u "$KNOWN" | wc -l) conflicts with the declared pins of" \
