@@ -55,7 +55,7 @@ def _flash_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def register_attention() -> None:
     """``ATTENTION`` in transformers' attention registry (once; no mask function: a row is one
-    causal sequence, item 2 of the module docstring)."""
+    causal sequence, as the module docstring says)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _flash_attention)
