@@ -177,6 +177,13 @@ def launch_args(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     rest, ours = split_overrides(argv)
     enabled, settings, verl_only = parse(ours)
     if not enabled:
+        given = sorted(k for k in ours if k != "enable")
+        if given:  # verl would run unchanged: the overrides would do nothing
+            them = "them" if len(given) > 1 else "it"
+            raise ValueError(
+                f"{', '.join('+' + PREFIX + k for k in given)} given without +{PREFIX}enable=true (verl runs "
+                f"unchanged without it): add it, or drop {them}"
+            )
         return rest, {}
     rest, verl_only["fsdp"] = fsdp_version(rest, verl_only["fsdp"])
     cfg = compose(rest)

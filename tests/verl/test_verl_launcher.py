@@ -215,3 +215,17 @@ def test_the_launchers_error_is_its_last_line(bad, word):
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and word in last, err
     assert not out.strip(), out
+
+
+def test_hilore_overrides_without_enable_are_refused_not_dropped(capsys):
+    """Without ``enable=true`` verl runs unchanged, so a HiLoRe override would do nothing: one line."""
+    from hilore_actor.verl.main_ppo import main
+
+    assert (
+        main(GRPO + ["+actor_rollout_ref.actor.hilore.budget=1.25", "+actor_rollout_ref.actor.hilore.mode=hilore"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: +actor_rollout_ref.actor.hilore.budget, +actor_rollout_ref.actor.hilore.mode given without "
+        "+actor_rollout_ref.actor.hilore.enable=true (verl runs unchanged without it): add it, or drop them"
+    )
