@@ -93,7 +93,9 @@ def resolve_actions(actions: Union[str, Dict[str, str], None], plans: Dict[str, 
 def apply_baseline(model, name: str) -> None:
     """``gc``: HF gradient checkpointing on every decoder layer (non-reentrant, as OpenRLHF
     uses it), or, for an architecture transformers has none for, ``torch.utils.checkpoint``
-    around each decoder layer's forward (the same mechanism); ``no-gc``: off."""
+    around each decoder layer's forward (the same mechanism); ``no-gc``: off. Either leaves the
+    input embedding's hooks as it found them (``_hooks_as_found``): turned on and off per all-R
+    microbatch, HF's would otherwise add one each time."""
     # transformers >= 5.2x renamed the methods (activation_checkpointing_*); 5.15 (OpenRLHF
     # 0.11.2's pin) has gradient_checkpointing_*. Same mechanism either way.
     kwargs = {"use_reentrant": False}
@@ -102,12 +104,85 @@ def apply_baseline(model, name: str) -> None:
     if not getattr(model, "supports_gradient_checkpointing", True):
         _checkpoint_layers(model, name == "gc")
     elif name == "gc":
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        with _hooks_as_found(model, keep=_reentrant):
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        with _hooks_as_found(model):
+            (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+# A module's hook tables (torch.nn.Module) and the attributes transformers keeps its input-grad hooks in.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_HOOK_ATTRS = ("_require_grads_hooks", "_require_grads_hook")
+
+
+@contextlib.contextmanager
+def _hooks_as_found(model, keep=None):
+    """The hooks of the modules transformers hooks on a checkpointing toggle, and its record of
+    them, as they were before the block (unless ``keep(model)`` after it). transformers (5.2x)
+    registers a forward hook on the input embedding on every enable whose model reads
+    ``input_ids`` (``enable_input_require_grads``: the embedding's output made to require grad),
+    overwriting the attribute that would remove the previous one, and removes them on disable
+    only for a model with ``_hf_peft_config_loaded`` (peft's ``get_peft_model`` does not set it):
+    toggled per all-R microbatch, the hooks pile up, each forward calls them all, and layer 0's
+    input gradient is computed for nothing. Only reentrant checkpointing needs the hook: its
+    output requires grad only when an input does (a frozen embedding under LoRA: the adapters
+    inside get no gradient). ``gc`` is non-reentrant, which reaches them whatever the input, so
+    the embedding output requires grad exactly when it does without checkpointing; where a
+    model's own enable made it reentrant anyway (``keep=_reentrant``), transformers' hooks stay.
+    A hook the model had before (peft's, or its owner's ``enable_input_require_grads``) stays,
+    disable included. The modules are the ones ``enable_input_require_grads`` walks: each
+    submodule with ``get_input_embeddings`` and the embedding it returns (one pass over the
+    modules; a copy of every module's tables would cost more than the toggle itself)."""
+    owners, seen = [], {}
+    for m in model.modules():
+        if getattr(type(m), "get_input_embeddings", None) is None:
+            continue
+        owners.append(m)
+        try:
+            emb = m.get_input_embeddings()
+        except Exception:  # noqa: BLE001  no embedding here to watch
+            continue
+        if hasattr(emb, "_forward_hooks"):  # a module
+            seen[id(emb)] = emb
+    tables = [(e, [dict(getattr(e, k)) for k in _HOOK_DICTS]) for e in seen.values()]
+    attrs = [(m, {a: vars(m)[a] for a in _HOOK_ATTRS if a in vars(m)}) for m in owners]
+    try:
+        yield
+    finally:
+        if keep is None or not keep(model):
+            for e, before in tables:
+                for k, was in zip(_HOOK_DICTS, before):
+                    now = getattr(e, k)
+                    if list(now.items()) != list(was.items()):
+                        now.clear()  # in place: handles held elsewhere keep working on the same table
+                        now.update(was)
+            for m, was in attrs:
+                for a in _HOOK_ATTRS:
+                    if a in was:
+                        vars(m)[a] = was[a]
+                    else:
+                        vars(m).pop(a, None)
+
+
+def _reentrant(model) -> bool:
+    """Whether a layer checkpoints reentrantly (torch's default where ``use_reentrant`` is unset)."""
+    return any(
+        vars(m).get("gradient_checkpointing") is True
+        and getattr(vars(m).get("_gradient_checkpointing_func"), "keywords", {}).get("use_reentrant") is not False
+        for m in model.modules()
+    )
 
 
 def _checkpoint_layers(model, on: bool) -> None:
