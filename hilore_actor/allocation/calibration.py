@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..recovery.labels import plan_for_label, split_label
 from .exposure import unit_exposure
+from .runner import GradOp
 
 EPS_NUM = 1e-12
 
@@ -116,7 +117,8 @@ def fit_kappa(samples: Sequence[dict]) -> Dict[str, float]:
     return {g: (sxy[g] / sxx[g] if sxx[g] > 0 else 0.0) for g in sxy}
 
 
-INTERVENTION = {"grads": True, "track_error": True, "track_tokens": True}  # what a single-unit L pass measures
+INTERVENTION = {"track_error": True, "track_tokens": True}  # what a single-unit L pass measures (and its gradient)
+REFERENCE = "calibration reference"  # the held exact gradient (``runner.HeldGradients``)
 
 
 def calibration_prefix(runner, mb, level: str, room: int, margin: float = 1.15):
@@ -185,13 +187,17 @@ def calibrate(
     samples, done, total = [], 0, len(batches) * (len(names) + 1)
     all_r = {n: "R" for n in engine.unit_names}
     for b, mb in enumerate(batches):
-        ref = runner.run(mb, "all-r", grads=True, seed=b)
+        # the exact gradient stays held (one set) while each intervention's is compared with it
+        # parameter by parameter as backward produces it (``runner.GradOp``; docs/planning.md)
+        ref = runner.run(mb, "all-r", grad_op=GradOp(add=REFERENCE, restart=True) if names else None, seed=b)
         done += 1
-        gnorm = float(ref.grad.norm())
-        for name in names:
-            res = runner.run(mb, dict(all_r, **{name: level}), **INTERVENTION, seed=b)
+        for k, name in enumerate(names):
+            last = k == len(names) - 1
+            op = GradOp(compare=REFERENCE, drop=(REFERENCE,) if last else ())
+            res = runner.run(mb, dict(all_r, **{name: level}), **INTERVENTION, grad_op=op, seed=b)
             e = res.reconstruction.get(name, 0.0)
-            y = float((res.grad - ref.grad).norm()) / (gnorm + EPS_NUM)
+            diff, _, _, ref_sq = res.grad_sums
+            y = diff**0.5 / (ref_sq**0.5 + EPS_NUM)
             E = unit_exposure(ref.omega, res.token_norms[name], ref.mask)
             E_adv = unit_exposure(mb.advantages, res.token_norms[name], ref.mask)  # advantage-only proxy
             samples.append(
