@@ -5,6 +5,7 @@ chooser state behind."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hilore_actor.learner.gradient_check import update_gradient_error
@@ -81,3 +82,62 @@ def test_an_exact_plan_reports_zero(fresh_seed):
     plan = FixedPlan({n: ("exact", "checkpoint")[i % 2] for i, n in enumerate(engine.unit_names)})
     got = update_gradient_error(plan, engine, model, _loss, mbs, torch.device("cpu"))
     assert got["grad_rel_error"] == 0.0
+
+
+def _full_setup(seed, n_mbs):
+    """A full fine-tuning (no LoRA) of the same tiny model."""
+    model = build_model(tiny_config("llama", hidden_size=64, num_layers=3, vocab_size=256), lora=None, seed=seed)
+    mbs = []
+    for i in range(n_mbs):
+        ids, pos = packed_microbatch(96, 256, seed=seed + i)
+        mbs.append(SimpleNamespace(ids=ids, pos=pos, num_tokens=ids.numel(), seed=seed + i))
+    return model, mbs
+
+
+def _update(model, engine, plan, mbs):
+    """The check's passes as one update would run them: the plan's, then the exact ones under
+    layer checkpointing, every gradient accumulated in ``.grad``."""
+    from hilore_actor.recovery.policies import layer_checkpointing
+
+    for mb in mbs:
+        with engine.step(plan.sp.plan) as st:
+            out = _loss(model, mb)
+            st.set_actions(plan.actions(st, out))
+            out.loss.backward()
+    with layer_checkpointing(model):
+        for mb in mbs:
+            _loss(model, mb).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("n_mbs", [1, 2])
+def test_a_full_fine_tuning_is_compared_parameter_by_parameter(fresh_seed, n_mbs, monkeypatch):
+    """The error and cosine are those of the flattened gradients in float64, with one or two
+    microbatches per update; with one, the check holds no more than its passes run as one
+    update hold (which keeps one set of gradients in ``.grad``) plus one parameter's gradient
+    and the float64 temporaries of the reductions (3 chunks, set small here)."""
+    import hilore_actor.allocation.runner as runner_mod
+    from hilore_actor.runtime import MemoryMeter, memory
+
+    print("seed", fresh_seed)
+    chunk = 1 << 10
+    monkeypatch.setattr(memory, "CPU_METER", "storage")  # the microbatches' own meters nest inside
+    monkeypatch.setattr(runner_mod, "CHUNK", chunk)
+    model, mbs = _full_setup(fresh_seed, n_mbs)
+    engine = RecoveryEngine(model, codec="int8")
+    plan = FixedPlan({n: ("compressed", "exact", "checkpoint")[i % 3] for i, n in enumerate(engine.unit_names)})
+    ours, exact = _by_hand(model, engine, plan, mbs)
+    flat = lambda g: torch.cat([g[n].double().flatten() for n in exact])  # noqa: E731
+    a, b = flat(ours), flat(exact)
+    with MemoryMeter("cpu") as check:
+        got = update_gradient_error(plan, engine, model, _loss, mbs, torch.device("cpu"))
+    assert got["grad_rel_error"] == pytest.approx(float((a - b).norm() / b.norm()), rel=1e-10)
+    assert got["grad_cosine"] == pytest.approx(float(a @ b / (a.norm() * b.norm())), rel=0, abs=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+    with MemoryMeter("cpu") as update:
+        _update(model, engine, plan, mbs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    largest = max(p.numel() * p.element_size() for p in params)
+    print(got, check.peak_bytes, update.peak_bytes, largest, sum(p.numel() * p.element_size() for p in params))
+    if n_mbs == 1:
+        assert check.peak_bytes <= update.peak_bytes + largest + 3 * 8 * chunk
