@@ -50,7 +50,7 @@ from ..recovery.labels import (
 )
 from . import fitting
 from .calibration import Calibration
-from .exposure import exposures, rest_exposures
+from .exposure import exposures_and_rest
 from .knapsack import Option, solve
 from .profiling import P_LABELS, UnitCosts, costs_at, option_cost, profile_units, shape_class
 from .runner import GradOp
@@ -546,21 +546,14 @@ class Planner:
             if self._last is not None and (self._calls - 1) % self.config.refresh_every:
                 return {n: a if allows(sp.plan[n], a) else "R" for n, a in self._last.items()}
             norms = step.token_norms()
-            E = exposures(out.omega, norms, out.mask)
             # an integration's step stand-in (OpenRLHF, verl) may carry norms only: then token L's
             # risk is (1 - f) x the unit's (risks)
             kept = getattr(step, "kept_rows", dict)() if self.shares else {}
-            rest = (
-                rest_exposures(
-                    out.omega,
-                    norms,
-                    out.mask,
-                    {n: k for n, k in kept.items() if n in norms and k.numel() == norms[n].numel()},
-                )
-                if kept
-                else None
+            kept = {n: k for n, k in kept.items() if n in norms and k.numel() == norms[n].numel()}
+            E, rest = exposures_and_rest(out.omega, norms, out.mask, kept)  # one host sync for all units
+            self._last = self.allocate(
+                sp.costs, self.risks(E, rest or None), sp.memory_budget, sp.risk_budget, plan=sp.plan
             )
-            self._last = self.allocate(sp.costs, self.risks(E, rest), sp.memory_budget, sp.risk_budget, plan=sp.plan)
             return self._last
 
         return choose
