@@ -16,7 +16,10 @@ hands out, not process RSS and not a model of it:
   hand back to the device before an OOM, unlike whole cached segments (reserved bytes count
   both). B is compared to allocated + trapped bytes (``learner/microbatch_run.report``); trapped bytes
   are 0 on CPU and with expandable segments (torch leaves those out of the stat: their free
-  pages can be unmapped).
+  pages can be unmapped). The allocator updates these counters on the host at each allocation
+  and free, in program order (a free deferred by ``record_stream`` is settled at a later
+  allocation, not by a sync), so the meter reads them without ``torch.cuda.synchronize``: it
+  never stalls the host's run-ahead at a microbatch's start, mark or end.
 - CPU: the profiler's ``[memory]`` events, which carry the signed byte count of every tensor
   allocation and free in time order; the running sum's maximum is the peak. Only frees of
   addresses allocated inside the region count (see ``cpu_peak_from_events``), so the CPU
@@ -90,7 +93,6 @@ class MemoryMeter:
         self._before, self._trapped_before = {}, {}
         if self.device.type == "cuda":
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            torch.cuda.synchronize(idx)
             self._window = LEDGER.open(idx)
         elif CPU_METER == "storage":
             from .storage_meter import StorageMeter
@@ -111,7 +113,6 @@ class MemoryMeter:
         backward after a downgrade, or a step without its optimizer step."""
         if self.device.type == "cuda":
             w = self._window
-            torch.cuda.synchronize(w.idx)
             self._before[name] = w.peak() - w.start
             self._trapped_before[name] = w.trapped()
             self._marks[name] = LEDGER.open(w.idx)
@@ -150,7 +151,6 @@ class MemoryMeter:
         """(peak, net, since, before, max allocated, max reserved, trapped) of the region; closes its windows."""
         w = self._window
         try:
-            torch.cuda.synchronize(w.idx)
             top, reserved = w.peak(), w.peak(RESERVED)
             since = {k: m.peak() - w.start for k, m in self._marks.items()}
             return top - w.start, LEDGER.current(w.idx) - w.start, since, dict(self._before), top, reserved, w.trapped()

@@ -282,6 +282,25 @@ def test_cuda_meters_nest_and_survive_a_host_reset(fake_cuda):
     assert torch.cuda.max_memory_allocated(0) == 5 * MB  # since the host's reset: 3 + 1 + 4 - 3
 
 
+def test_cuda_meters_never_synchronise(fake_cuda, monkeypatch):
+    """A meter's start, mark and end read the allocator's counters, which it keeps on the host:
+    no ``torch.cuda.synchronize`` (one at each microbatch boundary would stall the host's
+    run-ahead on a GPU), nested meters and a host's reader included; the peaks are unchanged."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(a))
+    a = fake_cuda
+    with MemoryMeter("cuda:0") as outer:
+        a.alloc(4 * MB)
+        with MemoryMeter("cuda:0") as inner:
+            a.alloc(2 * MB)
+            inner.mark("end")
+            a.free(2 * MB)
+        torch.cuda.max_memory_allocated(0)
+    assert syncs == []
+    assert inner.peak_bytes == 2 * MB and inner.report.peak_before["end"] == 2 * MB
+    assert outer.peak_bytes == 6 * MB and outer.report.net_bytes == 4 * MB
+
+
 def test_default_allocator_settings(monkeypatch):
     from hilore_actor.runtime.memory import DEFAULT_ALLOC_CONF, default_allocator_settings
 
