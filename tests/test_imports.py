@@ -56,6 +56,7 @@ FLOORS = [
     {"rollout", "workloads"},
     {"allocation"},
     {"learner"},
+    {"estimate"},  # a plan before the run: the learner layer on the meta device
     {"train", "train_grpo", "openrlhf", "verl"},
 ]
 SAME_APP = {"train_grpo": "train"}  # the job's entry point is part of the training job
