@@ -137,6 +137,8 @@ STEPS = ([0.5, 0.5, 0, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 1, 0, 1], [0.25] * 8)
 
 
 def reward_func(queries, prompts, labels):
+    if len(queries) != 8:  # the job's probe before Ray (two prompts): not a step
+        return [0.0] * len(queries)
     calls.append(1)
     return STEPS[len(calls) - 1]
 """
