@@ -295,7 +295,6 @@ def probe_reward(task, cfg, tok, n: int = 2) -> None:
     """Call a user's reward (``--reward.path``, ``--reward.remote_url``) once before Ray starts,
     on the first ``n`` prompts with their reference answers as responses, as the run will call
     it: a wrong return type or length, or a server that does not answer, fails in seconds."""
-    from hilore_actor.data.reward_function import RewardError
     from hilore_actor.rollout.hf_generate import apply_chat
 
     if not (cfg.reward.path or cfg.reward.remote_url):
@@ -323,16 +322,18 @@ def check_budget_floor(cfg, tok) -> None:
     from hilore_actor.train.config import lora_spec, param_dtype
 
     spec = str(cfg.hilore.budget).strip().lower()
-    if spec == "auto" or cfg.hilore.budget_scope != "device" or parse_budget(spec)[0] != "bytes":
+    if spec == "auto" or cfg.hilore.budget_scope != "device":
         return
-    model = meta_policy(cfg.actor.model_name_or_path, tok, dtype=param_dtype(cfg), lora=lora_spec(cfg))
-    if model is None:
+    kind, budget = parse_budget(spec)
+    if kind != "bytes":
         return
     dtype = param_dtype(cfg)
+    model = meta_policy(cfg.actor.model_name_or_path, tok, dtype=dtype, lora=lora_spec(cfg))
+    if model is None:
+        return
     floor = resident_floor(
         model, world=world_size(cfg), zero_stage=cfg.ds.zero_stage, mixed_precision=dtype != torch.float32
     )
-    budget = parse_budget(spec)[1]
     if budget < floor:
         raise JobError(
             f"--hilore.budget {cfg.hilore.budget}: below the {floor / 2**20:.1f} MiB a rank holds between "
