@@ -26,9 +26,23 @@ def is_partitioned(t: torch.Tensor) -> bool:
     return status is not None and getattr(status, "name", None) == "NOT_AVAILABLE"
 
 
+def gather_coalesced(params: list) -> None:
+    """Gather partitioned ZeRO-3 parameters in one asynchronous collective, waited on the compute stream.
+
+    DeepSpeed's ``param.all_gather(param_list=...)`` issues one collective per parameter and ends in
+    ``get_accelerator().synchronize()``: a device-wide stall inside backward that also stops the
+    gradient reduce-scatter from overlapping compute. ``all_gather_coalesced`` (what DeepSpeed's own
+    coordinator uses) flattens the list into one collective per dtype; its handle's ``wait`` makes the
+    current stream wait for it, the host does not. It orders the list by ``ds_id`` itself, so every rank
+    gathers the same flat layout.
+    """
+    if params:
+        params[0].all_gather_coalesced(params).wait()
+
+
 def gathered_alias(param: torch.Tensor) -> torch.Tensor:
     """A detached alias of the full ZeRO-3 parameter; the parameter itself stays partitioned."""
-    param.all_gather()
+    gather_coalesced([param])
     try:
         return param.detach()
     finally:
@@ -58,8 +72,8 @@ def replay_outside_coordinator(modules):
     the next step records again, order checks across ranks). Its hooks would also release, under
     the module whose backward is running, parameters that module needs, and reset the backward
     counters of the replayed modules. So here each module, as it starts, gathers its partitioned
-    parameters itself (waiting for those in flight, which the coordinator gathered, counts and will
-    release) and partitions them as it ends (or as the replay ends, when it stopped early). The
+    parameters itself in one coalesced collective (``gather_coalesced``; waiting for those in flight,
+    which the coordinator gathered, counts and will release) and partitions them as it ends (or as the replay ends, when it stopped early). The
     coordinator does not run meanwhile, so its count of available parameters is exact whenever it
     reads it. Every rank replays the same units, so the gathers stay collective.
     """
@@ -86,7 +100,7 @@ def replay_outside_coordinator(modules):
                     inflight.pop(p).wait()
             todo = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
             if todo:
-                todo[0].all_gather(param_list=todo)
+                gather_coalesced(todo)
                 held.setdefault(module, []).extend(todo)
 
     def release(module, *_):

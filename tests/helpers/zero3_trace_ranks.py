@@ -6,6 +6,10 @@ Per rank, twice on the same weights and microbatches (one optimizer step each): 
 Each run counts the coordinator's trace invalidations (``_invalidate_trace``, wrapped on the
 instance after ``deepspeed.initialize``, which invalidates once itself) and, after each step,
 reads its count of available parameter elements and the true count, as it does at every fetch.
+``GpuStandIn`` counts, inside backward, the collectives each of the engine's ZeRO-3 gathers issues
+(per replayed module, per unpacked parameter) and the accelerator synchronizes the engine's frames
+reach, with DeepSpeed told, for those frames, that the device does not order data itself (as on CUDA:
+on the CPU accelerator DeepSpeed's blocking gather skips its ``synchronize``).
 ``python zero3_trace_ranks.py OUT.json kept,tight [PLAN,PLAN,...]`` (the ``ZERO`` configurations to run).
 """
 
@@ -33,6 +37,71 @@ ZERO = {
         "stage3_max_live_parameters": 6000,
     },
 }
+
+
+class GpuStandIn:
+    """Count what the recovery engine's own frames make DeepSpeed do inside backward.
+
+    ``collectives``: per gather call of ``hilore_actor/recovery/zero3.py`` (a replayed module's
+    pre-forward ``gather``, or ``gathered_alias`` for one unpacked parameter), how many collectives
+    reached DeepSpeed's communication backend. ``syncs``: ``synchronize`` calls with an engine frame on
+    the stack. Outside backward, and for DeepSpeed's own frames, nothing changes.
+    """
+
+    GATHERS = ("gather", "gathered_alias")
+
+    def __init__(self):
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.accelerator import get_accelerator
+
+        self.acc, self.cdb = get_accelerator(), ds_comm.cdb
+        self.calls, self.syncs, self.active = [], 0, False
+        real_sync, real_resolves = self.acc.synchronize, self.acc.resolves_data_dependency
+
+        def synchronize(*a, **k):
+            if self.active and self.engine_frames():
+                self.syncs += 1
+            return real_sync(*a, **k)
+
+        def resolves_data_dependency():
+            return real_resolves() and not (self.active and self.engine_frames())
+
+        self.acc.synchronize, self.acc.resolves_data_dependency = synchronize, resolves_data_dependency
+        for name in ("all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_reduce", "broadcast"):
+            setattr(self.cdb, name, self.counted(getattr(self.cdb, name)))
+
+    def counted(self, fn):
+        def call(*a, **k):
+            if self.active:
+                frame = next((f for f in self.engine_frames() if f.f_code.co_name in self.GATHERS), None)
+                if frame is not None:
+                    self.calls.append(frame)  # held: ids stay unique while counted
+            return fn(*a, **k)
+
+        return call
+
+    @staticmethod
+    def engine_frames():
+        f, out = sys._getframe(1), []
+        while f is not None:
+            if f"hilore_actor{os.sep}" in f.f_code.co_filename:
+                out.append(f)
+            f = f.f_back
+        return out
+
+    def backward(self, eng, loss):
+        self.active = True
+        try:
+            eng.backward(loss)
+        finally:
+            self.active = False
+
+    def per_gather(self):
+        """Collectives per gather call, in the order of the calls."""
+        counts = {}
+        for f in self.calls:
+            counts[id(f)] = counts.get(id(f), 0) + 1
+        return list(counts.values())
 
 
 def actions(plan: str, units):
@@ -72,6 +141,7 @@ def run(rank: int, hilore: bool, zero: str, plans) -> dict:
 
     coord.fetch_sub_module = fetch_sub_module
     rec = RecoveryEngine(eng) if hilore else None
+    gpu = GpuStandIn()
     for i, plan in enumerate(plans):
         ids, pos = packed_microbatch(64, 128, n_seqs=2, seed=10 * i + rank)  # each rank its own data
         if rec is None:
@@ -82,7 +152,7 @@ def run(rank: int, hilore: bool, zero: str, plans) -> dict:
             with rec.step(actions(plan, rec.unit_names)):
                 loss = grpo_loss(eng, ids, pos)
                 mode = coord.is_complete_trace()
-                eng.backward(loss)
+                gpu.backward(eng, loss)
         seen["grads"].append({n: safe_get_full_grad(p) for n, p in eng.module.named_parameters() if p.requires_grad})
         eng.step()
         resident = sum(p.ds_numel for p in eng.module.parameters() if p.ds_status.name == "AVAILABLE")
@@ -92,6 +162,8 @@ def run(rank: int, hilore: bool, zero: str, plans) -> dict:
         )
         drift.clear()
     seen["invalidated_at"] = invalidated
+    seen["collectives_per_gather"], seen["syncs_in_backward"] = gpu.per_gather(), gpu.syncs
+    gpu.calls.clear()
     if rec is not None:
         rec.detach()
     return seen

@@ -29,3 +29,15 @@ def test_zero3_trace_survives_changing_plans(zero, ranks):
         for s in got["steps"][1:]:
             assert s["complete"] and s["counted"] == s["resident"] and s["drift"] == [0], s
         assert all(r["bitwise"]) and len(r["bitwise"]) == len(got["steps"]) > 5
+
+
+@pytest.mark.parametrize("zero", ["kept", "tight"])
+def test_zero3_replay_gathers_one_collective_per_module_and_never_synchronizes(zero, ranks):
+    """Each replayed module's missing weights (and each unpacked partitioned parameter) arrive in
+    one collective, and the engine's gathers make no accelerator synchronize inside backward (a
+    counting stand-in: DeepSpeed is told the device does not order data itself, as on CUDA, where
+    its blocking per-parameter gather ends in a device-wide ``synchronize``)."""
+    for r in (rank[zero]["hilore"] for rank in ranks):
+        print(zero, r["collectives_per_gather"], r["syncs_in_backward"])
+        assert r["syncs_in_backward"] == 0
+        assert r["collectives_per_gather"] and set(r["collectives_per_gather"]) == {1}
