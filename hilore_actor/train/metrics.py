@@ -139,6 +139,39 @@ def _keep_until(path: Path, resume_step: Optional[int]) -> None:
         path.unlink()
 
 
+def _trim_events(folder: Path, resume_step: Optional[int]) -> None:
+    """On resume, TensorBoard's event files keep only the events of the steps the checkpoint
+    covers, as ``_keep_until`` does for the JSONL files: a run that logged steps past its last
+    checkpoint would otherwise hold those steps twice (any reader, not only TensorBoard's
+    purge, sees each step once). A torn last record (a crash mid-write) is dropped."""
+    if resume_step is None or not folder.is_dir():
+        return
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        kept, dropped = [], 0
+        try:
+            for raw in RawEventFileLoader(str(path)).Load():
+                if Event.FromString(raw).step <= resume_step:
+                    kept.append(raw)
+                else:
+                    dropped += 1
+        except Exception:  # noqa: BLE001  a torn record ends the file: what came before it stays
+            dropped += 1
+        if not dropped:
+            continue
+        tmp = path.with_name(path.name + ".trim")
+        with tmp.open("wb") as f:
+            writer = RecordWriter(f)
+            for raw in kept:
+                writer.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
 def _append(path: Path, rows: Sequence[Dict]) -> None:
     with path.open("a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -160,6 +193,8 @@ class MetricsLog:
         _keep_until(self.path, resume_step)
         _keep_until(self.samples_path, resume_step)
         self.tb_dir = tensorboard_dir or str(Path(save_path) / "tensorboard")
+        _trim_events(Path(self.tb_dir), resume_step)
+        self._purge_step = None if resume_step is None else resume_step + 1  # TensorBoard's own restart marker
         self._tb = None
         self._wandb = _start_wandb(wandb) if wandb else None
 
@@ -170,7 +205,7 @@ class MetricsLog:
             except ImportError:  # tensorboard not installed: JSONL only
                 self._tb = False
             else:
-                self._tb = SummaryWriter(self.tb_dir)
+                self._tb = SummaryWriter(self.tb_dir, purge_step=self._purge_step)
         return self._tb or None
 
     def log(self, step: int, metrics: Dict, samples: Sequence[Dict] = ()) -> None:

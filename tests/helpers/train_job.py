@@ -127,3 +127,19 @@ def tensorboard_scalars(logdir):
         for t in acc.Tags()["scalars"]:
             out.update({(t, e.step): e.value for e in acc.Scalars(t)})
     return out
+
+
+def tensorboard_counts(logdir):
+    """``{(tag, step): how many scalar events}`` over every event file under ``logdir``, each file
+    read on its own (no reader's purge across files), so a step logged twice counts twice."""
+    from collections import Counter
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = Counter()
+    for f in Path(logdir).glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        for t in acc.Tags()["scalars"]:
+            out.update((t, e.step) for e in acc.Scalars(t))
+    return out

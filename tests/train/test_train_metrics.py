@@ -3,6 +3,7 @@ writers (metrics.jsonl, samples.jsonl, TensorBoard, offline W&B) agreeing, the l
 statistic, the W&B and --eval.* checks of the flags, and the summary line's loss format."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hilore_actor.train.metrics import (
     wandb_options,
 )
 
-from train_job import tensorboard_scalars, wandb_history, wandb_scalars  # noqa: E402
+from train_job import tensorboard_counts, tensorboard_scalars, wandb_history, wandb_scalars  # noqa: E402
 
 # a step's row as train_grpo.step_metrics (+ replay, --compare_gc, --measure_grad_error, eval) writes it
 ROW = {
@@ -189,6 +190,34 @@ def test_offline_wandb_and_tensorboard_hold_the_same_scalars(tmp_path, monkeypat
     assert [json.loads(ln)["step"] for ln in log.path.read_text().splitlines()] == [1]
     MetricsLog(cfg.save_path, resume_step=0).close()
     assert (tmp_path / "run" / "samples.jsonl").read_text() == ""
+
+
+def test_a_resume_leaves_each_step_once_in_tensorboard(tmp_path):
+    """A run logged steps 1-3, its last checkpoint is step 1's (a crash before step 2's commit):
+    the resumed log logs steps 2-3 again, and every event file read on its own (no purge by a
+    reader) holds each (tag, step) once, the resumed run's values for steps 2-3; the writer also
+    marks the restart for TensorBoard (purge_step)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    log = MetricsLog(tmp_path)
+    for step in (1, 2, 3):
+        log.log(step, dict(ROW, reward_mean=step / 10))
+    log.close()
+    assert max(tensorboard_counts(log.tb_dir).values()) == 1
+    log = MetricsLog(tmp_path, resume_step=1)
+    for step in (2, 3):
+        log.log(step, dict(ROW, reward_mean=step / 100))
+    log.close()
+    counts = tensorboard_counts(log.tb_dir)
+    assert set(counts.values()) == {1} and {s for _, s in counts} == {1, 2, 3}
+    assert len(counts) == 3 * len(scalars(ROW))
+    tb = tensorboard_scalars(log.tb_dir)
+    assert [tb[("reward/mean", s)] for s in (1, 2, 3)] == pytest.approx([0.1, 0.02, 0.03])
+    files = sorted(Path(log.tb_dir).glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    starts = [e.step for f in files for e in EventFileLoader(str(f)).Load() if e.HasField("session_log")]
+    assert starts == [2]
+    assert [json.loads(ln)["step"] for ln in log.path.read_text().splitlines()] == [1, 2, 3]
 
 
 def test_wandb_checks_before_ray(tmp_path, monkeypatch, fresh_wandb):
