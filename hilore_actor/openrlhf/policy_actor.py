@@ -155,7 +155,8 @@ def microbatch_shape(args):
 
 def plan_wrapped(actor, strategy, hcfg, device):
     """Plan on the DeepSpeed-wrapped ``actor`` (OpenRLHF's ``Actor``, its ``model`` the engine),
-    every rank in lockstep (see the module docstring). Returns the ``RankPlanner``."""
+    every rank in lockstep (see the module docstring), on a microbatch of ``--hilore.plan_tokens``
+    tokens, else the recipe's largest (``microbatch_shape``). Returns the ``RankPlanner``."""
     from ..grpo.microbatch import microbatch_loss
     from ..learner.plan import plan_in_lockstep
     from ..learner.scope import resident_now
@@ -165,6 +166,7 @@ def plan_wrapped(actor, strategy, hcfg, device):
     params = [p for p in module.parameters() if p.requires_grad]
     zero3 = args.ds.zero_stage == 3
     tokens, seqs = microbatch_shape(args)
+    tokens = hcfg.plan_tokens or tokens  # --hilore.plan_tokens, as the job and verl take it; else the recipe's largest
     plan = plan_in_lockstep(
         module,
         hcfg,

@@ -35,7 +35,7 @@ import textwrap
 from typing import Dict, List, Optional, Tuple
 
 from ..grpo.skip import skip_active
-from .settings import CONFIG_ENV, PREFIX, VERL_KEYS, parse, split_overrides, to_env
+from .settings import CONFIG_ENV, NO_EFFECT, PREFIX, VERL_KEYS, parse, split_overrides, to_env
 from .stops import Stopped, check_lora_rollout, guard
 
 REGISTER = "hilore_actor.verl.register"
@@ -219,9 +219,9 @@ def usage() -> str:
 
     rows = [(k, d, h) for k, (d, h) in VERL_KEYS.items()]
     for name, _, default, help_ in HILORE_FLAGS:
-        if name == "hilore.chunked_head":
-            help_ += "; no effect under verl, whose engine computes the log-probs"
-        rows.append((name[len("hilore.") :], shown(default), help_.replace("--hilore.", "+" + PREFIX)))
+        key = name[len("hilore.") :]
+        if key not in NO_EFFECT:  # refused under verl (settings.NO_EFFECT)
+            rows.append((key, shown(default), help_.replace("--hilore.", "+" + PREFIX)))
     lines = [
         f"usage: python -m hilore_actor.verl.main_ppo [--config-name NAME] [--config-path DIR] <verl overrides> "
         f"+{PREFIX}enable=true [+{PREFIX}KEY=VALUE ...]",
@@ -236,6 +236,8 @@ def usage() -> str:
         lines += textwrap.wrap(
             f"{help_} (default: {default})", width=100, initial_indent=" " * 6, subsequent_indent=" " * 6
         )
+    refused = "; ".join(f"+{PREFIX}{key} ({why})" for key, why in NO_EFFECT.items())
+    lines += ["", *textwrap.wrap(f"Not taken under verl (refused): {refused}.", width=100)]
     return "\n".join(lines)
 
 

@@ -29,6 +29,9 @@ VERL_KEYS = {
     ),
 }
 
+# shared --hilore.* settings verl's engine cannot honour: refused with one line, never silently ignored
+NO_EFFECT = {"chunked_head": "verl's engine computes the log-probs with its own head"}
+
 
 def split_overrides(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
     """(verl's own overrides, HiLoRe's ``KEY -> raw value``) from Hydra overrides; HiLoRe's may
@@ -63,6 +66,9 @@ def parse(raw: Dict[str, str]) -> Tuple[bool, Dict, Dict]:
     except ValueError as e:
         msg = str(e).replace("--hilore.", "+" + PREFIX).replace("flag", "override")
         raise ValueError(f"{msg} (verl-only: {', '.join(PREFIX + k for k in VERL_KEYS)})") from None
+    for key, why in NO_EFFECT.items():
+        if key in settings:
+            raise ValueError(f"+{PREFIX}{key}={raw[key]} has no effect under verl ({why}): drop it")
     return enabled, settings, {"fsdp": fsdp}
 
 

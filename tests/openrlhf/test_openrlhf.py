@@ -756,6 +756,26 @@ def test_first_update_has_no_leftover_planning_gradient(orl):
     assert torch.equal(_grads(actor), g_gc)
 
 
+@pytest.mark.parametrize("given,tokens", [(None, 4 * 32), (96, 96)])
+def test_planning_takes_the_plan_tokens_flag_else_the_recipes_largest_microbatch(orl, monkeypatch, given, tokens):
+    """``--hilore.plan_tokens`` sets the planning microbatch's tokens, as in the job and verl; unset,
+    the recipe's largest microbatch (micro batch x ``--data.max_len``). The sequences per microbatch
+    stay the recipe's."""
+    from types import SimpleNamespace as NS
+
+    import hilore_actor.learner.plan as plan_mod
+    from hilore_actor.learner.settings import hilore_settings
+    from hilore_actor.openrlhf.policy_actor import plan_wrapped
+
+    seen = {}
+    monkeypatch.setattr(plan_mod, "plan_in_lockstep", lambda module, hcfg, **kw: seen.update(kw) or "the plan")
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    model = torch.nn.Linear(4, 4)
+    actor = NS(model=NS(module=model, optimizer=None))
+    plan = plan_wrapped(actor, _strategy_stub([]), hilore_settings(plan_tokens=given), torch.device("cpu"))
+    assert plan == "the plan" and (seen["tokens"], seen["seqs_per_microbatch"]) == (tokens, 4)
+
+
 def test_the_actor_plans_at_its_first_fit_on_the_gpu_openrlhf_set(orl, monkeypatch, actor_env):
     """``init_model_from_pretrained`` plans nothing: under ZeRO-3 the model is partitioned at
     load and with ``--ds.enable_sleep`` its states leave the GPU before it returns. The first

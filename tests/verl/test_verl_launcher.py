@@ -132,6 +132,7 @@ def test_a_recipes_fsdp_strategy_is_the_version_hilore_wraps_with(monkeypatch, g
         ("+actor_rollout_ref.actor.hilore.fsdp=fsdp3", "fsdp"),
         ("actor_rollout_ref.actor.strategy=fsdp2 +actor_rollout_ref.actor.hilore.fsdp=fsdp", "disagree"),
         ("actor_rollout_ref.actor.strategy=megatron", "Megatron is not supported"),
+        ("+actor_rollout_ref.actor.hilore.chunked_head=false", "chunked_head=false has no effect under verl"),
     ],
 )
 def test_bad_overrides_stop_the_launcher_with_one_message(capsys, bad, word):
@@ -173,10 +174,11 @@ def _launcher(*args):
 
 def test_help_lists_every_hilore_override_with_its_default():
     """``--help`` exits 0 on a CPU machine and names each override from the one flag table
-    (``learner/settings.py``) and the verl-only keys, each with its default."""
+    (``learner/settings.py``) and the verl-only keys, each with its default; a shared setting verl
+    cannot honour (refused) is not offered, and one line says so."""
     from hilore_actor.learner.settings import HILORE_FLAGS
     from hilore_actor.verl.main_ppo import shown
-    from hilore_actor.verl.settings import PREFIX, VERL_KEYS
+    from hilore_actor.verl.settings import NO_EFFECT, PREFIX, VERL_KEYS
 
     code, out, err = _launcher("--help")
     assert code == 0 and "Traceback" not in out + err, err
@@ -188,12 +190,13 @@ def test_help_lists_every_hilore_override_with_its_default():
         elif key is not None and line.startswith(" " * 6):
             entries[key] += " " + line.strip()
     keys = [(k, d) for k, (d, _) in VERL_KEYS.items()] + [
-        (n[len("hilore.") :], shown(d)) for n, _, d, _ in HILORE_FLAGS
+        (n[len("hilore.") :], shown(d)) for n, _, d, _ in HILORE_FLAGS if n[len("hilore.") :] not in NO_EFFECT
     ]
-    assert list(entries) == [k for k, _ in keys]
+    assert list(entries) == [k for k, _ in keys] and "chunked_head" in NO_EFFECT
     for key, default in keys:
         assert entries[key].endswith(f"(default: {default})"), (key, entries[key])
     assert "verl.trainer.main_ppo --help" in out
+    assert f"Not taken under verl (refused): +{PREFIX}chunked_head" in out
 
 
 @pytest.mark.parametrize(
