@@ -29,7 +29,14 @@ from typing import Dict, List
 import torch
 
 from hilore_actor.data.reward_function import RewardError
-from hilore_actor.train.config import ignored_notes, parse_config, plan_tokens, skips_zero_advantage, world_size
+from hilore_actor.train.config import (
+    ignored_notes,
+    parse_config,
+    plan_tokens,
+    skips_zero_advantage,
+    uses_reference,
+    world_size,
+)
 from hilore_actor.train.errors import ConfigError, JobError
 from hilore_actor.train.faults import SkipCounter, StopRequest, TooManySkipped
 from hilore_actor.train.job import Job
@@ -141,7 +148,7 @@ def run(cfg) -> int:
     check_budget_floor(cfg, tok)
     run_dir.resolve(cfg)  # the last of the checks before Ray: it creates the run's folder
     ckpts = CheckpointDir(checkpoint_root(cfg))
-    start, resume_dir, replan = 0, None, []
+    start, resume_dir, replan, resumed = 0, None, [], {}
     if cfg.ckpt.load_enable:
         last, skipped = ckpts.resumable()
         if last is None:
@@ -149,7 +156,8 @@ def run(cfg) -> int:
                 f"--resume: no complete checkpoint under {ckpts.root}"
                 + (f" ({len(skipped)} damaged: see above)" if skipped else "")
             )
-        start, resume_dir = CheckpointDir.meta(last)["step"], str(last)
+        resumed = CheckpointDir.meta(last)
+        start, resume_dir = resumed["step"], str(last)
         print(f"[train] resuming from {last} (after step {start})", flush=True)
         from hilore_actor.train.config import flatten_ns
         from hilore_actor.train.resume import check
@@ -176,12 +184,17 @@ def run(cfg) -> int:
         f"(minutes for a real model on CPU; --log_workers shows it)"
     )
     workers = max(cfg.vllm.num_engines, cfg.rollout.num_workers)
+    ref = "a reference worker"
+    if not uses_reference(cfg):
+        why = "--algo.kl.init_coef is 0" if cfg.algo.kl.use_loss else "--algo.kl.use_loss is off"
+        ref = f"no reference worker ({why}: the loss reads no reference log-probs, and no kl metric is logged)"
     print(
-        f"[train] starting {world_size(cfg)} learner rank(s), {workers} rollout worker(s) and a reference worker; "
+        f"[train] starting {world_size(cfg)} learner rank(s), {workers} rollout worker(s) and {ref}; "
         f"each learner {how}",
         flush=True,
     )
     job = Job(cfg, resume_dir, str(ckpts.root), local_ray)
+    print(f"[train] Ray actors: {', '.join(job.actor_names())}", flush=True)
     try:
         if resume_dir:
             job.get([l.load.remote(resume_dir) for l in job.learners])
@@ -214,7 +227,8 @@ def run(cfg) -> int:
             dynamic_ncols=True,
         )
         job.sync_weights()
-        stop, skips = StopRequest().__enter__(), SkipCounter(cfg.train.max_skipped_updates)
+        stop = StopRequest().__enter__()
+        skips = SkipCounter(cfg.train.max_skipped_updates, resumed.get("skipped_in_a_row", 0))
         restarts_before = call(job.coordinator.restart_count)
         buffer = replay_buffer(cfg, resume_dir)
         for step in bar:
@@ -222,6 +236,8 @@ def run(cfg) -> int:
                 job, task, cfg, step, stop, buffer, tok
             )
             m = step_metrics(rewards, out, per_update, rollout_s, ref_s, call(job.coordinator.step_record, step))
+            if ref_s is None:  # no reference worker: no KL to it, nothing timed
+                del m["kl"], m["ref_seconds"]
             m.update(skip)
             m["sync_bytes"] = job.sync_bytes  # bytes each rollout worker got per update (vLLM LoRA: the adapter)
             if buffer is not None:
@@ -267,7 +283,7 @@ def run(cfg) -> int:
                 or step + 1 == cfg.max_steps
                 or stop.requested
             ):
-                saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num, buffer)
+                saved = save_checkpoint(job, ckpts, step + 1, m, cfg.ckpt.max_num, buffer, skips.in_a_row)
             if stop.requested and step + 1 < cfg.max_steps:
                 break
         stop.__exit__()
@@ -358,7 +374,7 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
     """One GRPO step: rollouts -> rewards -> group advantages (+ replayed rollouts) -> packed
     rows per rank -> reference log-probs -> the learners' updates (weights to the rollout
     workers after each). Returns (rewards, rollouts, per update every rank's metrics,
-    rollout s, reference s, the replayed rollouts)."""
+    rollout s, reference s (None without a reference worker), the replayed rollouts)."""
     from hilore_actor.grpo import group_advantages
 
     G = cfg.rollout.n_samples_per_prompt
@@ -379,10 +395,13 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
             unskipped = ranks
         ranks, pads = skip_rows(ranks, seqs)
     all_rows = [r for rows in ranks for r in rows]
-    t = time.perf_counter()
-    for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
-        r["ref_log_probs"] = torch.where(r["given_mask"], r["given_ref_log_probs"], ref) if "given_mask" in r else ref
-    ref_s = time.perf_counter() - t
+    ref_s = None  # no reference worker: the learners take their old log-probs in its place (never read)
+    if job.ref is not None:
+        t = time.perf_counter()
+        for r, ref in zip(all_rows, job.get(job.ref.log_probs.remote(all_rows))):
+            given = "given_mask" in r
+            r["ref_log_probs"] = torch.where(r["given_mask"], r["given_ref_log_probs"], ref) if given else ref
+        ref_s = time.perf_counter() - t
     olds = job.get([l.set_batch.remote(step, rows, more) for l, rows, more in zip(job.learners, ranks, unskipped)])
     if buffer is not None:
         store_fresh(buffer, seqs[: len(out["seqs"])], ranks, olds, step)
@@ -441,7 +460,8 @@ def draw_replay(buffer, cfg, step: int):
 
 def store_fresh(buffer, fresh, ranks, olds, step: int) -> None:
     """The step's fresh rollouts into the buffer, each with its old log-probs (the learners'
-    ``set_batch``) and reference log-probs, cut out of the packed rows."""
+    ``set_batch``) and reference log-probs, cut out of the packed rows (without a reference
+    worker, the old ones: the loss has no KL term that would read them)."""
     from hilore_actor.rollout.replay import ReplayItem, split_row
 
     items = {}
@@ -450,15 +470,17 @@ def store_fresh(buffer, fresh, ranks, olds, step: int) -> None:
             if r.get("replayed") or r.get("pad"):  # rows are all fresh or all replayed: fresh ones fill updates first
                 continue
             lengths = [len(fresh[i][0]) for i in r["seq_index"]]
-            for i, o, ref in zip(r["seq_index"], split_row(old, lengths), split_row(r["ref_log_probs"], lengths)):
+            refs = split_row(r.get("ref_log_probs", old), lengths)
+            for i, o, ref in zip(r["seq_index"], split_row(old, lengths), refs):
                 ids, p, a = fresh[i]
                 items[i] = ReplayItem(ids, p, a, step, o, ref)
     buffer.add([items[i] for i in sorted(items)])
 
 
-def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None):
+def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None, skipped_in_a_row: int = 0):
     """Every rank's state, the coordinator's, the replay buffer, then the atomic commit
-    (``train/checkpoint.py``)."""
+    (``train/checkpoint.py``); the driver's own state across steps (``skipped_in_a_row``: updates
+    skipped for a non-finite gradient in a row) goes into ``meta.json``."""
     from hilore_actor.learner.coordinator import STATE_FILE, call
     from hilore_actor.train.checkpoint import versioned
 
@@ -470,7 +492,8 @@ def save_checkpoint(job, ckpts, step: int, m: Dict, keep: int, buffer=None):
     from hilore_actor.train.resume import saved_config
 
     # the flags, so that --resume can refuse or re-plan what differs before Ray starts (train/resume.py)
-    return ckpts.commit(stage, step, {"metrics": m, "config": saved_config(job.cfg)}, keep=keep)
+    meta = {"metrics": m, "config": saved_config(job.cfg), "skipped_in_a_row": skipped_in_a_row}
+    return ckpts.commit(stage, step, meta, keep=keep)
 
 
 def _say_recoveries(m: Dict, step: int, restarts_before: int) -> None:

@@ -165,6 +165,7 @@ def skip_runs(tmp_path_factory):
         args = ("--algo.kl.use_loss", "false", "--reward.path", str(reward), "--max_steps", "3")
         r = job(out, *args, "--hilore.skip_zero_advantage", setting, *more)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        (out / "driver.log").write_text(r.stdout)  # what the driver said (its start-up lines, its Ray actors)
         runs[setting] = out
     return runs
 

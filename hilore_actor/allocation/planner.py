@@ -558,6 +558,16 @@ class Planner:
 
         return choose
 
+    def online_state(self) -> Dict:
+        """The online chooser's state across microbatches (its refresh count and last actions):
+        a checkpoint keeps it, so a resumed run refreshes on the microbatches the uninterrupted one does."""
+        return {"calls": self._calls, "last": self._last}
+
+    def load_online_state(self, state: Optional[Dict]) -> None:
+        """``online_state``'s dict back (None: a fresh chooser)."""
+        state = state or {}
+        self._calls, self._last = int(state.get("calls", 0)), state.get("last")
+
     @contextlib.contextmanager
     def side_pass(self):
         """Passes run inside the block beside training (a measurement, not an update) leave

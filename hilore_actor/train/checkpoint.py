@@ -1,8 +1,10 @@
 """Atomic checkpoints of the training job, and their format.
 
 Layout under ``--ckpt.path``: ``step_<N>/`` (DeepSpeed's ``ds/`` with model, optimizer and
-scheduler states; per rank ``rng_rank<r>.pt`` and ``hilore_rank<r>.json`` with budget, plan
-and calibration; the coordinator's ``coordinator.json``; the driver's ``meta.json``) and
+scheduler states; per rank ``rng_rank<r>.pt`` and ``hilore_rank<r>.json`` with budget, plan,
+calibration and what the rank keeps across steps (``warmed_up``, the online chooser's ``online``
+state); the coordinator's ``coordinator.json``; the driver's ``meta.json``, with its own
+across-step state: ``skipped_in_a_row``) and
 ``latest`` naming the newest complete one. Every rank writes into ``.step_<N>.tmp``; only when
 all have returned does the driver write ``meta.json`` and rename the folder, then replace
 ``latest`` (temp file + ``os.replace``). A crash at any point leaves the previous checkpoint and
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 CHUNK = 1 << 20
-FORMAT_VERSION = 2  # the layout this code writes (see ``migrate``)
+FORMAT_VERSION = 3  # the layout this code writes (see ``migrate``)
 META = "meta.json"
 WORLD = "world_size"  # in ``config``, beside the flags: --actor.num_nodes x --actor.num_gpus_per_node
 
@@ -171,7 +173,11 @@ def migrate(state: Dict) -> Dict:
     level L); the driver's file list (empty: nothing to check, the checkpoint is taken as it is)
     and flags. Without flags, ``config`` holds what the files tell (the world size, one plan file
     per rank; the budget settings in rank 0's plan) and ``partial_config`` is true, so that
-    ``resume.check`` says the rest is not checked."""
+    ``resume.check`` says the rest is not checked.
+
+    2 -> 3: the state kept across steps. A rank gets ``warmed_up`` true (every checkpoint is
+    written after an update, which is the warm-up) and ``online`` None (a fresh online chooser);
+    the driver's ``skipped_in_a_row`` is 0 (version 2 did not keep it: the count starts again)."""
     state = copy.deepcopy(state)
     meta, ranks = state["meta"], state.get("ranks") or []
     if meta.get("format_version", 1) == 1:
@@ -179,9 +185,16 @@ def migrate(state: Dict) -> Dict:
             meta.update(config=_flags_in_plans(ranks), partial_config=True)
         meta.setdefault("files", {})
         meta["format_version"] = 2
+    if meta["format_version"] == 2:
+        meta.setdefault("skipped_in_a_row", 0)
+        meta["format_version"] = 3
     for rank in ranks:
         if rank.get("format_version", 1) == 1:
             _rank_1_to_2(rank)
+        if rank["format_version"] == 2:
+            rank.setdefault("warmed_up", True)
+            rank.setdefault("online", None)
+            rank["format_version"] = 3
     return state
 
 

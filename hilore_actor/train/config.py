@@ -644,10 +644,17 @@ def validate(cfg) -> None:
         raise ConfigError(f"{len(errors)} problems:\n  - " + "\n  - ".join(errors))
 
 
+def uses_reference(cfg) -> bool:
+    """Whether the loss reads the reference policy's log-probs: the KL loss on with a coefficient
+    other than 0. Else the job starts no reference worker (OpenRLHF 0.11.2 creates none when
+    ``init_kl_coef`` is 0) and logs no ``kl``."""
+    return bool(cfg.algo.kl.use_loss) and cfg.algo.kl.init_coef != 0
+
+
 def skip_blockers(cfg) -> List[str]:
     """The job's loss terms that give a response with advantage 0 a gradient (``grpo/skip.py``)."""
     out = []
-    if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef != 0:
+    if uses_reference(cfg):
         out.append(f"--algo.kl.use_loss adds a KL term (--algo.kl.init_coef {cfg.algo.kl.init_coef})")
     if cfg.actor.loss_agg_mode == "seq-mean-token-mean":
         out.append("--actor.loss_agg_mode seq-mean-token-mean divides each packed row by its own token count")
@@ -842,6 +849,8 @@ def ignored_notes(cfg) -> List[str]:
         )
     if cfg.actor.gradient_checkpointing_enable and cfg.actor.backend == "hilore":
         notes.append("[hilore] --actor.gradient_checkpointing_enable is replaced by HiLoRe's per-unit recompute")
+    if "ref.num_gpus" in user and not uses_reference(cfg):
+        notes.append("[train] --ref.num_gpus has no effect: without the KL loss the job starts no reference worker")
     if "data.instruction" in user and cfg.data.prompt_dataset == "toy:vowels":
         notes.append("[train] --data.instruction has no effect on toy:vowels, whose prompts are fixed")
     return notes

@@ -82,10 +82,11 @@ class TooManySkipped(RuntimeError):
 
 
 class SkipCounter:
-    """Updates skipped in a row; ``TooManySkipped`` at ``limit`` (0: never)."""
+    """Updates skipped in a row; ``TooManySkipped`` at ``limit`` (0: never). ``in_a_row``: the count
+    a resumed run starts from (the checkpoint's ``skipped_in_a_row``), so a streak spans the resume."""
 
-    def __init__(self, limit: int):
-        self.limit, self.in_a_row = int(limit), 0
+    def __init__(self, limit: int, in_a_row: int = 0):
+        self.limit, self.in_a_row = int(limit), int(in_a_row)
 
     def update(self, skipped: bool, step: int) -> None:
         self.in_a_row = self.in_a_row + 1 if skipped else 0

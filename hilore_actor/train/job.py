@@ -1,6 +1,8 @@
 """The Ray actors of one training run and the calls the recipe (``train_grpo.py``) makes on them:
 learner ranks (placed by ``placement.py``), rollout workers (restarted by Ray when they die),
-the reference worker and the budget coordinator (restarted too, ``learner/coordinator.py``)."""
+the reference worker (only where the loss reads it: ``config.uses_reference``) and the budget
+coordinator (restarted too, ``learner/coordinator.py``). Each actor is named after its role
+(``actor_names``), so Ray itself lists what the job started."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .config import flatten_ns, skips_zero_advantage, world_size
+from .config import flatten_ns, skips_zero_advantage, uses_reference, world_size
 from .errors import JobError
+
+ACTOR_PREFIX = "hilore-"  # the job's actors are named hilore-learner-0, hilore-rollout-0, hilore-reference ...
 
 # environment the workers need to see (Ray workers do not inherit the driver's environment)
 PASS_ENV = (
@@ -45,7 +49,7 @@ class Job:
         # Ray restarts a dead coordinator, which reloads the last checkpoint's state (coordinator.py)
         self.coordinator = (
             ray.remote(BudgetCoordinator)
-            .options(num_cpus=0, max_restarts=3, **env)
+            .options(name=ACTOR_PREFIX + "coordinator", num_cpus=0, max_restarts=3, **env)
             .remote(checkpoints=checkpoints, resume_from=resume_dir)
         )
         try:  # ranks placed (one bundle each), checkpoint storage checked, then the learners start
@@ -55,7 +59,9 @@ class Job:
         except RuntimeError as e:
             raise JobError(str(e)) from None
         self.learners = [
-            ray.remote(Learner).options(**place[r], **env).remote(flat, r, addr, port, self.coordinator, resume_dir)
+            ray.remote(Learner)
+            .options(name=f"{ACTOR_PREFIX}learner-{r}", **place[r], **env)
+            .remote(flat, r, addr, port, self.coordinator, resume_dir)
             for r in range(world_size(cfg))
         ]
         ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
@@ -65,20 +71,24 @@ class Job:
                     "--vllm.num_engines > 0 needs CUDA; on CPU use HF generate workers (--vllm.num_engines 0)"
                 )
             self.rollout = [
-                ray.remote(VLLMRolloutWorker).options(num_gpus=cfg.vllm.tensor_parallel_size, **ropts).remote(flat, i)
+                ray.remote(VLLMRolloutWorker)
+                .options(name=f"{ACTOR_PREFIX}rollout-{i}", num_gpus=cfg.vllm.tensor_parallel_size, **ropts)
+                .remote(flat, i)
                 for i in range(cfg.vllm.num_engines)
             ]
         else:
             self.rollout = [
                 ray.remote(HFRolloutWorker)
-                .options(num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
+                .options(name=f"{ACTOR_PREFIX}rollout-{i}", num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
                 .remote(flat, i)
                 for i in range(cfg.rollout.num_workers)
             ]
-        self.ref = (
+        self.ref = (  # None: nothing reads reference log-probs (the learners take their own old ones)
             ray.remote(ReferenceWorker)
-            .options(num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env)
+            .options(name=ACTOR_PREFIX + "reference", num_cpus=0, num_gpus=cfg.ref.num_gpus if cuda else 0, **env)
             .remote(flat)
+            if uses_reference(cfg)
+            else None
         )
         self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
         self.weight_kind, self.adapter_config, self.weight_dtype = self.sync_form()
@@ -86,6 +96,12 @@ class Job:
 
     def get(self, refs):
         return self.ray.get(refs)
+
+    def actor_names(self) -> List[str]:
+        """The job's actors as Ray lists them (its named actors in this job's namespace), sorted."""
+        from ray.util import list_named_actors
+
+        return sorted(n for n in list_named_actors() if n.startswith(ACTOR_PREFIX))
 
     @property
     def calibration_pending(self) -> bool:
@@ -126,7 +142,7 @@ class Job:
         after the driver: seconds of CPU, on a small machine, that the next command pays for."""
         import contextlib
 
-        for actor in [*self.learners, *self.rollout, self.ref, self.coordinator]:
+        for actor in [a for a in (*self.learners, *self.rollout, self.ref, self.coordinator) if a is not None]:
             with contextlib.suppress(Exception):  # teardown: never in place of the error that ended the run
                 self.ray.kill(actor, no_restart=True)
 

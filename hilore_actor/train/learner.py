@@ -70,6 +70,7 @@ class Learner:
         self.rank, self.world = rank, world_size(cfg)
         self.skip = skips_zero_advantage(cfg)  # rows may be fewer than gas: the boundary is set per row
         self.oom_reruns, self._oom_injected = 0, False  # microbatches rerun all-R after running out of memory
+        self._warmed_up = False  # B rebased after the first microbatch and optimizer step (a checkpoint keeps it)
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -146,7 +147,13 @@ class Learner:
         cfg = self.cfg
         saved = read_state(resume_dir)["ranks"] if resume_dir else []
         if self.rank < len(saved) and not self._replan(resume_dir):  # same budget and plan, no profiling
-            return restore_rank_planner(model, saved[self.rank], cfg.hilore, self.loss_fn, self.backend, self._log)
+            mine = saved[self.rank]
+            plan = restore_rank_planner(model, mine, cfg.hilore, self.loss_fn, self.backend, self._log)
+            # what the rank kept across steps: a resumed rank goes on as the uninterrupted one would
+            self._warmed_up = bool(mine["warmed_up"])
+            if plan.planner is not None:
+                plan.planner.load_online_state(mine["online"])
+            return plan
         return plan_before_wrapping(
             # the driver sets --hilore.plan_tokens from the real prompts; --data.prompt_max_len bounds them
             model,
@@ -182,7 +189,7 @@ class Learner:
         """Once, after the first microbatch and optimizer step: ZeRO-2/3 allocate their reduce
         buckets and gradient partitions in the first backward and AdamW its state in the first
         step, after B's resident bytes were measured; measure again and raise B if they grew."""
-        if getattr(self, "_warmed_up", False):
+        if self._warmed_up:
             return
         self._warmed_up = True
         if self.plan.rebase(self._resident(for_budget=True)):
@@ -271,7 +278,8 @@ class Learner:
     @torch.no_grad()
     def set_batch(self, step: int, rows: List[Dict], unskipped: Optional[List[Dict]] = None) -> List[torch.Tensor]:
         """Keep this rank's rows of the step and add old log-probs (the behaviour policy; a
-        replayed rollout keeps the ones it had when fresh, ``given_old_log_probs``). Returns
+        replayed rollout keeps the ones it had when fresh, ``given_old_log_probs``); a row without
+        reference log-probs (no reference worker: no KL term) takes its old ones in their place. Returns
         each row's old log-probs (on the CPU), which the replay buffer stores. ``unskipped``:
         this rank's rows before the skip, kept for ``compare_skip`` only."""
         from ..models.logprobs import sequence_log_probs
@@ -284,7 +292,7 @@ class Learner:
             if "given_mask" in r:
                 old = torch.where(r["given_mask"].to(self.device), r["given_old_log_probs"].to(self.device), old)
             r["old_log_probs"] = old
-        for r in unskipped or []:  # the skip runs without a KL term: the reference log-probs are not read
+        for r in rows + (unskipped or []):  # no reference worker, or the skip: no KL term reads them
             r.setdefault("ref_log_probs", r["old_log_probs"])
         self.ds.train()
         self.rows, self.unskipped = rows, unskipped or []
@@ -566,7 +574,8 @@ class Learner:
         return adapter_config(self.ds.module)
 
     def save(self, path: str) -> None:
-        """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG and plan."""
+        """DeepSpeed's checkpoint (model, optimizer, scheduler) + this rank's RNG, plan and the state
+        it keeps across steps (the warm-up's rebase done, the online chooser's refresh count)."""
         from .checkpoint import rank_file, versioned
 
         p = Path(path)
@@ -578,7 +587,9 @@ class Learner:
             },
             p / f"rng_rank{self.rank}.pt",
         )
-        rank_file(p, self.rank).write_text(json.dumps(versioned(self.plan.state())))
+        state = dict(self.plan.state(), warmed_up=self._warmed_up)
+        state["online"] = self.plan.planner.online_state() if self.plan.planner is not None else None
+        rank_file(p, self.rank).write_text(json.dumps(versioned(state)))
 
     def load(self, path: str) -> None:
         p = Path(path)

@@ -136,6 +136,21 @@ def test_side_pass_leaves_the_online_chooser_as_it_was():
     assert (h._calls, h._last) == (3, {"model.layers.0.mlp": "H"})
 
 
+def test_the_online_choosers_state_round_trips_through_json():
+    """A checkpoint keeps the chooser's refresh count and last actions (``online_state``, as JSON):
+    a resumed planner refreshes on the microbatches the uninterrupted one would; None is a fresh one."""
+    import json
+
+    model = build_model(tiny_config("llama", hidden_size=32, num_layers=2, vocab_size=64), seed=torch.seed() % 2**31)
+    h = Planner(Runner(model), 10**9, None, Planner.Config(mode="hilore-hr"), log=lambda *_: None)
+    h._calls, h._last = 7, {"model.layers.0.mlp": "H", "model.layers.1.mlp": "R"}
+    again = Planner(Runner(model), 10**9, None, Planner.Config(mode="hilore-hr"), log=lambda *_: None)
+    again.load_online_state(json.loads(json.dumps(h.online_state())))
+    assert (again._calls, again._last) == (7, {"model.layers.0.mlp": "H", "model.layers.1.mlp": "R"})
+    again.load_online_state(None)
+    assert (again._calls, again._last) == (0, None)
+
+
 def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
     """The leave-one-out check on scripted paired times (time without the unit minus time
     with it, seeded random sizes): a unit slower in all three pairs goes to R; one whose

@@ -159,8 +159,17 @@ def test_migrate_brings_version_1_files_to_the_current_layout():
     before = json.dumps(newest)
     got = migrate(newest)
     assert json.dumps(newest) == before  # the input is left as it is
-    want_rank = {"budget": 1000, "info": info, "plan": {"shape": "s"}, "calibrations": {"L": cal}, "format_version": 2}
-    assert got == {"meta": dict(newest["meta"], format_version=2), "ranks": [want_rank, want_rank]}
+    want_rank = {
+        "budget": 1000,
+        "info": info,
+        "plan": {"shape": "s"},
+        "calibrations": {"L": cal},
+        "warmed_up": True,
+        "online": None,
+        "format_version": 3,
+    }
+    want_meta = dict(newest["meta"], skipped_in_a_row=0, format_version=3)
+    assert got == {"meta": want_meta, "ranks": [want_rank, want_rank]}
     assert migrate(got) == got
 
     oldest_info = {"plan_tokens": 128, "gc_peak_bytes": 900, "budget_bytes": 1000}
@@ -175,7 +184,8 @@ def test_migrate_brings_version_1_files_to_the_current_layout():
         "config": {"world_size": 2, "hilore.plan_tokens": 128},  # what the plan files tell
         "partial_config": True,
         "files": {},
-        "format_version": 2,
+        "skipped_in_a_row": 0,
+        "format_version": 3,
     }
     assert got["ranks"][0] == {
         "budget": 1000,
@@ -190,10 +200,25 @@ def test_migrate_brings_version_1_files_to_the_current_layout():
         ),
         "plan": {"shape": "s"},
         "calibrations": {"L": cal},
-        "format_version": 2,
+        "warmed_up": True,
+        "online": None,
+        "format_version": 3,
     }
     gc_rank = migrate({"meta": {}, "ranks": [{"budget": 1000, "info": dict(info)}]})["ranks"][0]
-    assert "calibrations" not in gc_rank and gc_rank["format_version"] == 2  # gc and none keep no plan
+    assert "calibrations" not in gc_rank and gc_rank["format_version"] == 3  # gc and none keep no plan
+
+
+def test_migrate_gives_a_version_2_checkpoint_the_state_kept_across_steps():
+    """Version 2 kept no state across steps: a rank is warmed up (every checkpoint follows an
+    update) with a fresh online chooser, and the driver's non-finite streak starts at 0; what
+    version 3 wrote stays as it is."""
+    rank = {"budget": 1000, "info": {"budget_scope": "device"}, "format_version": 2}
+    got = migrate({"meta": {"step": 4, "files": {}, "config": {}, "format_version": 2}, "ranks": [rank]})
+    assert got["meta"]["skipped_in_a_row"] == 0 and got["meta"]["format_version"] == FORMAT_VERSION == 3
+    assert got["ranks"] == [dict(rank, warmed_up=True, online=None, format_version=3)]
+    kept = dict(rank, warmed_up=False, online={"calls": 5, "last": {"u": "H"}}, format_version=3)
+    meta = {"step": 4, "files": {}, "config": {}, "skipped_in_a_row": 2, "format_version": 3}
+    assert migrate({"meta": meta, "ranks": [kept]}) == {"meta": meta, "ranks": [kept]}
 
 
 def test_a_version_1_checkpoint_resumes_its_plan(tmp_path):

@@ -100,6 +100,14 @@ def test_plan_settings_under_gc_are_one_line_for_all(tmp_path):
     ]
 
 
+def test_the_reference_workers_gpus_without_the_kl_loss_are_said(tmp_path):
+    """No KL loss (or its coefficient 0): the job starts no reference worker, so its GPU share is one line."""
+    note = "[train] --ref.num_gpus has no effect: without the KL loss the job starts no reference worker"
+    assert _outcome(["--ref.num_gpus", "0.5"], tmp_path) == ("notes", [])  # the tiny preset's KL loss reads it
+    for off in (["--algo.kl.use_loss", "false"], ["--algo.kl.init_coef", "0"]):
+        assert _outcome(["--ref.num_gpus", "0.5", *off], tmp_path) == ("notes", [note])
+
+
 def test_l_settings_under_hilore_hr_are_said(tmp_path):
     kind, said = _outcome(["--hilore.mode", "hilore-hr", "--hilore.codec", "int8", "--hilore.delta", "0.1"], tmp_path)
     assert kind == "notes" and said == [
