@@ -124,7 +124,7 @@ def run(cfg) -> int:
     from hilore_actor.train.checkpoint import CheckpointDir
     from hilore_actor.train import run_dir
     from hilore_actor.train.evaluation import due, evaluate, load_eval_task
-    from hilore_actor.train.metrics import MetricsLog, pick_samples, summary, wandb_options
+    from hilore_actor.train.metrics import MetricsLog, pick_samples, step_actions, summary, wandb_options
 
     check_model_spec(cfg.actor.model_name_or_path)
     task = load_prompts(cfg)
@@ -271,7 +271,7 @@ def run(cfg) -> int:
                 evals, eval_samples = evaluate(job, eval_task, cfg, step, partial(score, eval_task, G=1, tok=tok))
                 m.update(evals)
                 samples += eval_samples
-            log.log(step + 1, m, samples)
+            log.log(step + 1, m, samples, step_actions(per_update, job.infos[0].get("units", [])))
             for upd in per_update:
                 skips.update(any(r["skipped"] for r in upd), step + 1)
             if job.calibration_pending:  # the first step ran H/R; from the next one on, the wanted mode
@@ -302,6 +302,7 @@ def run(cfg) -> int:
             flush=True,
         )
         print_report(log.path, cfg)
+        write_run_report(cfg.save_path)
         return 0
     finally:
         job.close()
@@ -608,6 +609,17 @@ def print_report(path, cfg) -> None:
             f"held-out after step {r['step']}: accuracy {r['eval_accuracy']:.3f}, reward {r['eval_reward_mean']:.3f} "
             f"({r['eval_prompts']} prompts, greedy)"
         )
+
+
+def write_run_report(folder) -> None:
+    """The run's page (``python -m hilore_actor.report``), its path the run's last line. The run
+    has finished by now: a report that cannot be written is said in one line, the run still succeeds."""
+    from hilore_actor.report.page import write
+
+    try:
+        print(f"[train] report: {write(folder)}", flush=True)
+    except Exception as e:  # noqa: BLE001  the weights and metrics are written: nothing to undo
+        print(f"[train] the report was not written ({type(e).__name__}: {e}); python -m hilore_actor.report {folder}")
 
 
 def _zero_adv(r: Dict) -> str:

@@ -32,7 +32,7 @@ import hilore_actor.rollout, hilore_actor.recovery, hilore_actor.workloads
 import hilore_actor.train, hilore_actor.train.config, hilore_actor.train.checkpoint, hilore_actor.learner.coordinator
 import hilore_actor.learner.plan, hilore_actor.learner.microbatch_run, hilore_actor.learner.settings
 import hilore_actor.train_grpo, hilore_actor.openrlhf, hilore_actor.openrlhf.training_step
-import hilore_actor.openrlhf.train_ppo_ray
+import hilore_actor.openrlhf.train_ppo_ray, hilore_actor.report.page, hilore_actor.report.__main__
 import hilore_actor.verl, hilore_actor.verl.settings, hilore_actor.verl.main_ppo, hilore_actor.verl.token_weights
 import hilore_actor.verl.microbatches
 import hilore_actor.grpo as g, torch
@@ -57,9 +57,11 @@ FLOORS = [
     {"allocation"},
     {"learner"},
     {"estimate"},  # a plan before the run: the learner layer on the meta device
-    {"train", "train_grpo", "openrlhf", "verl"},
+    {"train", "train_grpo", "report", "openrlhf", "verl"},
 ]
-SAME_APP = {"train_grpo": "train"}  # the job's entry point is part of the training job
+# the job's entry point and the report of its run folder (which reads the job's files, and whose
+# pictures the job draws per step) are part of the training job
+SAME_APP = {"train_grpo": "train", "report": "train"}
 
 
 def _package_imports():

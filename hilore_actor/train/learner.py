@@ -45,7 +45,7 @@ from .config import (
 )
 from ..learner.coordinator import call
 from ..learner.fault_injection import injected
-from ..recovery.labels import ACTIONS
+from ..recovery.labels import ACTIONS, split_label
 from ..runtime.distributed import init_deepspeed_distributed
 
 
@@ -329,7 +329,7 @@ class Learner:
             "replay": dict.fromkeys(ACTIONS, 0),
         }  # rows with replayed rollouts
         clip = {"fresh": [], "replay": []}
-        peaks, t0, tokens = [], time.perf_counter(), 0
+        peaks, t0, tokens, done = [], time.perf_counter(), 0, []
         for j, (i, r) in enumerate(rows):
             mb = self._microbatch(r)
             if self.skip:  # the update's last row is its boundary, however many the skip left
@@ -337,6 +337,7 @@ class Learner:
             out, rec = self._forward_backward(mb, step, i)
             self.ds.step()
             peaks.append(rec.scope_peak)
+            done.append(self._microbatch_record(u, i, r, rec))
             report(self.plan, self.coordinator, self.rank, step, i, rec)
             self._rebase_after_warm_up()
             if r.get("pad"):  # a pad row trains nothing: its statistics would be the skipped response's
@@ -370,6 +371,22 @@ class Learner:
             **{f"fraction_{a}": counts[a] / total if total else None for a in ACTIONS},
             **_split(by_kind, clip),
             "lr": self.ds.get_lr()[0],
+            "microbatches": done,
+        }
+
+    def _microbatch_record(self, u: int, index: int, row: Dict, rec) -> Dict:
+        """One microbatch as the run folder's ``actions.jsonl`` keeps it (``metrics.step_actions``):
+        each unit's action, one letter per unit in ``info()["units"]``' order (empty without a
+        recovery engine), whether it was a pad row of the zero-advantage skip, and its peak over B."""
+        units = self.rec.unit_names if self.rec is not None else []
+        return {
+            "update": u,
+            "microbatch": index,
+            "actions": "".join(split_label(rec.actions[n])[0] if n in rec.actions else "-" for n in units),
+            "skipped": bool(row.get("pad")),
+            "replayed": bool(row.get("replayed")),
+            "tokens": int(rec.tokens),
+            "peak_over_budget": rec.scope_peak / self.budget,
         }
 
     def _forward_backward(self, mb, step: int, index: int):
@@ -613,7 +630,12 @@ class Learner:
         from .placement import node_id
 
         return dict(
-            self.plan.info, rank=self.rank, gas=self.gas, updates_per_step=self.updates_per_step, node_id=node_id()
+            self.plan.info,
+            rank=self.rank,
+            gas=self.gas,
+            updates_per_step=self.updates_per_step,
+            node_id=node_id(),
+            units=self.rec.unit_names if self.rec is not None else [],  # in layer order: actions.jsonl's rows
         )
 
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .config import flatten_ns
 from .errors import JobError
+from .run_dir import ACTIONS_FILE, METRICS_FILE, PICTURES_DIR, SAMPLES_FILE
 
 # metrics.jsonl key -> TensorBoard / W&B name; nested keys keep their tail (peak_over_budget/0)
 TAGS = {
@@ -63,6 +64,8 @@ PREFIX_TAGS = (
 )
 PREFIX_TAGS = tuple(sorted(PREFIX_TAGS, key=lambda p: -len(p[0])))
 SAMPLES_TAG = "rollout/samples"  # sample generations: TensorBoard text, a W&B table
+# each step's pictures (``report/pictures.py``): file name -> TensorBoard / W&B image name
+PICTURES = {"actions": "hilore/actions", "peaks": "memory/peak_over_budget_per_microbatch"}
 
 
 def tag(key: str) -> str:
@@ -92,6 +95,19 @@ def rollout_metrics(rewards: Sequence[float], response_lengths: Sequence[int]) -
         "reward_max": max(r),
         "response_length_max": max(response_lengths),
     }
+
+
+def step_actions(per_update: Sequence[Sequence[Dict]], units: Sequence[str]) -> Dict:
+    """A step's line of ``actions.jsonl`` (its ``step`` added by ``MetricsLog.log``): ``units``, the
+    recovery units in layer order, and per rank its microbatches in the order they ran, each with
+    ``actions`` (one letter per unit: H, P, L or R; empty without a recovery engine), ``skipped``
+    (a pad row of the zero-advantage skip), ``replayed``, ``update``, ``microbatch``, ``tokens`` and
+    ``peak_over_budget`` (``Learner.update``'s ``microbatches``)."""
+    ranks: Dict[str, List[Dict]] = {}
+    for upd in per_update:
+        for r in upd:
+            ranks.setdefault(str(r["rank"]), []).extend(r.get("microbatches", []))
+    return {"units": list(units), "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))}
 
 
 def learner_means(rows: Sequence[Dict], keys: Sequence[str]) -> Dict[str, float]:
@@ -172,6 +188,13 @@ def _trim_events(folder: Path, resume_step: Optional[int]) -> None:
         os.replace(tmp, path)
 
 
+def _keep_pictures(folder: Path, resume_step: Optional[int]) -> None:
+    """The step pictures as ``_keep_until`` keeps the rows: on resume those of the covered steps."""
+    for f in folder.glob("step_*.png") if folder.is_dir() else ():
+        if resume_step is None or int(f.name.split("_")[1]) > resume_step:
+            f.unlink()
+
+
 def _append(path: Path, rows: Sequence[Dict]) -> None:
     with path.open("a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -187,11 +210,14 @@ class MetricsLog:
         resume_step: Optional[int] = None,
         wandb: Optional[Dict] = None,
     ):
-        self.path = Path(save_path) / "metrics.jsonl"
-        self.samples_path = Path(save_path) / "samples.jsonl"
+        self.path = Path(save_path) / METRICS_FILE
+        self.samples_path = Path(save_path) / SAMPLES_FILE
+        self.actions_path = Path(save_path) / ACTIONS_FILE
+        self.pictures = Path(save_path) / PICTURES_DIR
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _keep_until(self.path, resume_step)
-        _keep_until(self.samples_path, resume_step)
+        for path in (self.path, self.samples_path, self.actions_path):
+            _keep_until(path, resume_step)
+        _keep_pictures(self.pictures, resume_step)
         self.tb_dir = tensorboard_dir or str(Path(save_path) / "tensorboard")
         _trim_events(Path(self.tb_dir), resume_step)
         self._purge_step = None if resume_step is None else resume_step + 1  # TensorBoard's own restart marker
@@ -208,11 +234,17 @@ class MetricsLog:
                 self._tb = SummaryWriter(self.tb_dir, purge_step=self._purge_step)
         return self._tb or None
 
-    def log(self, step: int, metrics: Dict, samples: Sequence[Dict] = ()) -> None:
-        """The step's row, its scalars (TensorBoard, W&B) and its sample generations."""
+    def log(self, step: int, metrics: Dict, samples: Sequence[Dict] = (), actions: Optional[Dict] = None) -> None:
+        """The step's row, its scalars (TensorBoard, W&B) and its sample generations; ``actions``
+        (``step_actions``): its line of ``actions.jsonl`` and its pictures (the run folder's
+        ``pictures/``, TensorBoard and W&B images)."""
         _append(self.path, [dict(step=step, **metrics)])
         if samples:
             _append(self.samples_path, [dict(step=step, **s) for s in samples])
+        pictures = {}
+        if actions is not None:
+            _append(self.actions_path, [dict(step=step, **actions)])
+            pictures = self._pictures(step, actions)
         values = scalars(metrics)
         tb = self._writer()
         if tb is not None:
@@ -220,13 +252,24 @@ class MetricsLog:
                 tb.add_scalar(k, v, step)
             if samples:
                 tb.add_text(SAMPLES_TAG, _markdown(samples), step)
+            for name, path in pictures.items():
+                tb.add_image(PICTURES[name], _rgb(path), step, dataformats="HWC")
             tb.flush()
         if self._wandb is not None:
             if samples:  # this step's rows (a table per step keeps the run's size linear in steps)
                 cols = ["split", "prompt", "response", "reward", "answer"]
                 rows = [[_prompt_text(s[c]) if c == "prompt" else s[c] for c in cols] for s in samples]
                 values = dict(values, **{SAMPLES_TAG: self._wandb.Table(columns=cols, data=rows)})
+            values.update({PICTURES[name]: self._wandb.Image(str(path)) for name, path in pictures.items()})
             self._wandb.log(values, step=step)
+
+    def _pictures(self, step: int, actions: Dict) -> Dict[str, Path]:
+        """The step's heatmap of actions (none without a recovery engine) and its peaks against B, as
+        PNG files in ``pictures/`` (``{name: path}``)."""
+        from ..report.pictures import png, step_heatmap, step_peaks
+
+        figs = {"actions": step_heatmap(actions, step), "peaks": step_peaks(actions, step)}
+        return {k: png(f, self.pictures / f"step_{step:06d}_{k}.png") for k, f in figs.items() if f is not None}
 
     def close(self) -> None:
         if self._tb:
@@ -234,6 +277,15 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _rgb(path: Path):
+    """A PNG file as an ``[H, W, 3]`` uint8 array, as TensorBoard's ``add_image`` takes it."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
 
 
 def _markdown(samples: Sequence[Dict]) -> str:

@@ -17,9 +17,24 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
+# the files of the steps (``metrics.py``): their rows, sample generations, each unit's action on each
+# microbatch and each step's pictures; the run report's folder (``python -m hilore_actor.report``)
+METRICS_FILE, SAMPLES_FILE, ACTIONS_FILE, PICTURES_DIR = "metrics.jsonl", "samples.jsonl", "actions.jsonl", "pictures"
+REPORT_DIR = "report"
 # what a run writes into its folder; any of them but error.log (a run that failed before its
 # first step) means the folder holds a run
-RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final", "wandb", "error.log")
+RUN_OUTPUTS = (
+    METRICS_FILE,
+    SAMPLES_FILE,
+    ACTIONS_FILE,
+    PICTURES_DIR,
+    REPORT_DIR,
+    "tensorboard",
+    "checkpoints",
+    "final",
+    "wandb",
+    "error.log",
+)
 
 
 class RunDirError(ValueError):

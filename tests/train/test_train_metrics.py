@@ -220,6 +220,48 @@ def test_a_resume_leaves_each_step_once_in_tensorboard(tmp_path):
     assert [json.loads(ln)["step"] for ln in log.path.read_text().splitlines()] == [1, 2, 3]
 
 
+def test_each_steps_actions_and_pictures_go_to_the_run_folder_tensorboard_and_wandb(tmp_path, monkeypatch, fresh_wandb):
+    """Three made-up steps through MetricsLog (``synthetic_run``): actions.jsonl holds each step's
+    units and every rank's microbatches, rank by rank; the heatmap and the peaks go to
+    ``pictures/``, to TensorBoard (read back with EventAccumulator, at the PNG's size) and to the
+    offline W&B run as images; a resume keeps the covered steps' lines and pictures, a fresh run none."""
+    import random
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hilore_actor.report.pictures import png_size
+    from hilore_actor.train.metrics import PICTURES
+
+    from synthetic_run import RANKS, UNITS, write_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    cfg = _cfg(tmp_path, "--use_wandb", "--wandb_run_name", "pictures")
+    run = Path(cfg.save_path)
+    acts = write_run(run, seed, steps=3, wandb=wandb_options(cfg))
+    lines = [json.loads(ln) for ln in (run / "actions.jsonl").read_text().splitlines()]
+    assert [a["step"] for a in lines] == [1, 2, 3] and all(a["units"] == UNITS for a in lines)
+    for a, want in zip(lines, acts):
+        assert list(a["ranks"]) == [str(r) for r in range(RANKS)]
+        assert [[(m["actions"], m["skipped"]) for m in a["ranks"][str(r)]] for r in range(RANKS)] == want
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    history = wandb_history(run)
+    for name, image in PICTURES.items():
+        files = [run / "pictures" / f"step_{s:06d}_{name}.png" for s in (1, 2, 3)]
+        assert [(e.step, e.width, e.height) for e in acc.Images(image)] == [
+            (s, *png_size(f)) for s, f in zip((1, 2, 3), files)
+        ]
+        assert [history[s][f"{image}._type"] for s in (1, 2, 3)] == ["image-file"] * 3
+    MetricsLog(run, resume_step=2).close()
+    assert [json.loads(ln)["step"] for ln in (run / "actions.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(f.name[:11] for f in (run / "pictures").iterdir()) == ["step_000001"] * 2 + ["step_000002"] * 2
+    MetricsLog(run).close()  # a fresh run into the folder (--overwrite_output_dir): nothing of the old one
+    assert not (run / "actions.jsonl").exists() and not list((run / "pictures").iterdir())
+
+
 def test_wandb_checks_before_ray(tmp_path, monkeypatch, fresh_wandb):
     import importlib.util
 
