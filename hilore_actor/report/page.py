@@ -153,6 +153,9 @@ def _summary(run: Run) -> List[tuple]:
     if shares:
         skipped = any(r.get("zero_adv_skip") for r in rows)
         out.append(("advantage 0", f"{statistics.fmean(shares):.0%} of responses" + (", skipped" if skipped else "")))
+    speedups = [r["compare_skip_speedup"] for r in rows if "compare_skip_speedup" in r]
+    if speedups:  # --compare_skip: the first update with every response over with the skip's rows
+        out.append(("the skip's speed-up", f"x{statistics.median(speedups):.3f} (median of steps, --compare_skip)"))
     return out
 
 

@@ -25,7 +25,12 @@ class Run:
 
     @property
     def backend(self) -> str:
-        return str(self.flags.get("actor.backend") or "hilore")
+        """``--actor_backend``: from the flags, else from the name of ``--compare_gc``'s timing."""
+        if self.flags.get("actor.backend"):
+            return str(self.flags["actor.backend"])
+        keys = [k for k in self.metrics[-1] if k.startswith("compare_") and k.endswith("_seconds")]
+        timed = [k[len("compare_") : -len("_seconds")] for k in keys]  # gc and the backend (gc alone under gc)
+        return next((k for k in timed if k != "gc"), "gc" if timed else "hilore")
 
 
 def _jsonl(path: Path) -> List[Dict]:
