@@ -447,6 +447,12 @@ class Planner:
             self._drop_useless(sp, dev[0])
         return sp
 
+    def loo_passes(self, sp: ShapePlan, repeats: int = 3) -> int:
+        """The passes ``_drop_useless`` runs on ``sp``: per checked unit, ``repeats`` timed pairs
+        and, while planning is measured, one measured pass."""
+        checked = min(self.config.loo_units, sum(q != CHECKPOINT for q in sp.plan.values()))
+        return checked * (2 * repeats + (self.runner.watch is not None))
+
     def accumulated_error(self, sp: ShapePlan, dev, accumulate: int) -> float:
         """Relative error of the gradient summed over each ``accumulate`` microbatches (an
         update), against exact gradients on the same inputs; the worst update. The exact
@@ -501,6 +507,10 @@ class Planner:
         Checking every stored unit costs 2 x repeats updates each (30 minutes for the CPU
         demo's 27 units), so only the ``Config.loo_units`` stored units with the least profiled
         utility per byte are checked: those are where a measured utility of zero is likely."""
+        with self.runner.phase("leave-one-out", total=self.loo_passes(sp, repeats)):
+            self._drop_units(sp, mb, repeats)
+
+    def _drop_units(self, sp: ShapePlan, mb, repeats: int) -> None:
         stored = [n for n, q in sp.plan.items() if q != CHECKPOINT]
         label = {n: action_for_plan(sp.plan[n]) for n in stored}
 

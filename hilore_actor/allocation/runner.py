@@ -69,7 +69,10 @@ class Runner:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.watch: Optional[List[int]] = None  # peaks of the passes run while watching
         self.watch_phases: List[str] = []  # the phase each watched pass ran in (``phase``)
-        self._phase = ""
+        self.phase_stats: Dict[str, Dict[str, float]] = {}  # phase -> passes and seconds spent in it (``phase``)
+        self.progress: Optional[Callable[[Dict], None]] = None  # told of every phase and pass (``Progress``)
+        self._phase, self._total, self._pass = "", None, 0
+        self._since = self.started = time.perf_counter()
         self.held = HeldGradients(self.params)  # gradients gradient checks hold between passes (``GradOp``)
 
     @contextlib.contextmanager
@@ -83,13 +86,32 @@ class Runner:
             self.watch = None
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        """Name the passes run inside the block (planning's report says which phase peaked)."""
-        old, self._phase = self._phase, name
+    def phase(self, name: str, total: Optional[int] = None):
+        """Name the passes run inside the block: planning's report says which phase peaked,
+        ``phase_stats`` how many passes and seconds each took (a nested phase's time is its own,
+        not its parent's), and ``progress`` hears of each. ``total``: the passes it will run, when
+        known."""
+        old = (self._phase, self._total, self._pass)
+        self._account()
+        self._phase, self._total, self._pass = name, total, 0
+        self.phase_stats.setdefault(name, {"passes": 0, "seconds": 0.0})
+        self._tell()
         try:
             yield
         finally:
-            self._phase = old
+            self._account()
+            self._phase, self._total, self._pass = old
+
+    def _account(self) -> None:
+        now = time.perf_counter()
+        if self._phase:
+            self.phase_stats[self._phase]["seconds"] += now - self._since
+        self._since = now
+
+    def _tell(self) -> None:
+        if self.progress is not None:
+            elapsed = time.perf_counter() - self.started
+            self.progress({"phase": self._phase, "pass": self._pass, "total": self._total, "elapsed": elapsed})
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -127,6 +149,10 @@ class Runner:
             raise ValueError("grad_op streams the gradient: not with grads or accumulate")
         loss_fn = loss_fn or self.loss_fn
         measure_peak = measure_peak or (self.watch is not None and not (profile or timed))
+        self._pass += 1
+        if self._phase:
+            self.phase_stats[self._phase]["passes"] += 1
+        self._tell()
         if not accumulate:
             self._returned = None
             for p in self.params:

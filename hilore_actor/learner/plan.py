@@ -294,6 +294,7 @@ def plan_before_wrapping(
     calibrate_later: bool = False,
     runner_cls=None,
     backward=None,
+    progress=None,
     log=print,
 ) -> RankPlanner:
     """See the module docstring. ``hcfg``: the ``--hilore.*`` settings (``learner/settings.py``);
@@ -306,7 +307,8 @@ def plan_before_wrapping(
     ``runner_cls``: ``lockstep.Leader`` when other ranks replay the passes
     (``plan_in_lockstep``); calibration then runs on this rank alone. ``backward``: the runner's
     (``Runner``), e.g. outside ZeRO-3's gradient path on a wrapped model
-    (``openrlhf/policy_actor.py``)."""
+    (``openrlhf/policy_actor.py``). ``progress``: told of each phase and pass (``Runner.progress``);
+    ``info["plan_phases"]``: passes and seconds per phase."""
     from ..allocation import Runner
 
     runner_cls = runner_cls or Runner
@@ -325,6 +327,7 @@ def plan_before_wrapping(
         device=device,
     )
     runner = runner_cls(model, make_engine(model, hcfg), loss_fn=loss_fn, backward=backward)
+    runner.progress = progress
     if resident is None:
         from .scope import estimate_resident
 
@@ -332,7 +335,7 @@ def plan_before_wrapping(
         resident = estimate_resident(model, world=1, zero_stage=0, mixed_precision=dtype != torch.float32)
     counted = int(resident) if hcfg.budget_scope == "device" else 0  # the resident bytes B counts
     with runner.watching() as peaks:  # every planning pass, measured (plan_peak_over_budget)
-        with runner.phase("gc"):
+        with runner.phase("gc", total=1):
             gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
         budget = _budget(hcfg, gc_peak, int(resident), counted, device, log)
         room = budget - counted
@@ -368,6 +371,7 @@ def plan_before_wrapping(
         plan_peak_bytes=counted + peaks[top],
         plan_peak_over_budget=(counted + peaks[top]) / budget,
         plan_peak_phase=runner.watch_phases[top],
+        plan_phases={k: dict(v) for k, v in runner.phase_stats.items()},
     )
     return RankPlanner(budget, info, planner, sp, log)
 

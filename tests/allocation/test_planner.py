@@ -1,6 +1,7 @@
 """HiLoRe on a tiny model at B = 1.10 x B_GC over a 20-microbatch replay: every measured peak
 within B, accumulated gradient error within tolerance, and at least one unit kept."""
 
+import contextlib
 import pytest
 import torch
 
@@ -172,8 +173,10 @@ def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
     costs = SimpleNamespace(dtau={n: {"H": 0.01} for n in paired}, dm={n: {"H": 1 << 20} for n in paired})
     sp = ShapePlan("s", costs, dict({n: EXACT for n in paired}, other=CHECKPOINT), 0.0, 0.0, 0.0)
     pair = {n: 0 for n in paired}
+    passes, phases = [], []
 
     def run(plan, mb, timed=False):
+        passes.append(timed)
         if plan is sp:
             return SimpleNamespace(seconds=1.0)
         (n,) = [n for n in paired if plan.plan[n] == CHECKPOINT and sp.plan[n] != CHECKPOINT]
@@ -181,8 +184,10 @@ def test_leave_one_out_recomputes_only_a_unit_slower_in_every_pair():
         return SimpleNamespace(seconds=1.0 + paired[n][pair[n] - 1])
 
     hl = Planner.__new__(Planner)
-    hl.runner, hl.config, hl.log, hl._run = SimpleNamespace(watch=None), Planner.Config(loo_units=4), print, run
+    runner = SimpleNamespace(watch=None, phase=lambda *a, **k: phases.append((a, k)) or contextlib.nullcontext())
+    hl.runner, hl.config, hl.log, hl._run = runner, Planner.Config(loo_units=4), print, run
     hl._drop_useless(sp, None)
     assert pair == {n: 3 for n in paired}  # every stored unit checked, three pairs each
+    assert phases == [(("leave-one-out",), {"total": 18})] and passes == [True] * 18  # the progress total is exact
     assert sp.plan == {"costly": CHECKPOINT, "noisy": EXACT, "useful": EXACT, "other": CHECKPOINT}
     assert sp.report["loo_recomputed"] == ["costly"]
