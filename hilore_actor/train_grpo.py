@@ -181,7 +181,7 @@ def run(cfg) -> int:
         "restores its budget and plan from the checkpoint"
         if resume_dir and not replan
         else f"measures gc and plans its units on a {cfg.hilore.plan_tokens}-token microbatch first "
-        f"(minutes for a real model on CPU; --log_workers shows it)"
+        f"(minutes for a real model on CPU: each rank's phase below; --log_workers shows the planner's lines)"
     )
     workers = max(cfg.vllm.num_engines, cfg.rollout.num_workers)
     ref = "a reference worker"
@@ -414,7 +414,10 @@ def train_step(job, task, cfg, step: int, stop, buffer=None, tok=None):
             else [{}] * len(job.learners)
         )
         per_update.append(
-            [dict(r, **(e or {})) for r, e in zip(job.get([l.update.remote(step, u) for l in job.learners]), side)]
+            [
+                dict(r, **(e or {}))
+                for r, e in zip(job.progress.get([l.update.remote(step, u) for l in job.learners], "update"), side)
+            ]
         )
         job.sync_weights()
     fresh = seqs[: len(out["seqs"])]  # the step's own responses (a replayed one never has advantage 0)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -47,6 +48,7 @@ def generate_groups(
     batched: bool = False,
     greedy: bool = False,
     chat_template: bool = True,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> Rollout:
     """Sample ``group_size`` responses for every prompt (group-contiguous order).
 
@@ -54,7 +56,8 @@ def generate_groups(
     mask, so padding changes nothing but the batch shape): the same distribution as one call
     per prompt, several times faster on a CPU. Off, one call per prompt: the sampler the
     committed ``cpu-real`` benchmark inputs were made with, kept so they stay reproducible.
-    ``greedy``: argmax decoding (held-out evaluation; tests), one response per prompt per group slot."""
+    ``greedy``: argmax decoding (held-out evaluation; tests), one response per prompt per group slot.
+    ``progress(tokens, max_new_tokens)``: told as decoding goes (at most twice a second; it samples nothing)."""
     torch.manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -79,6 +82,7 @@ def generate_groups(
             max_new_tokens=max_new_tokens,
             num_return_sequences=1 if greedy else group_size,
             pad_token_id=pad,
+            stopping_criteria=_told(progress, width, max_new_tokens) if progress else None,
             **sampling,
         ).cpu()
         for j, row in enumerate(out):  # rows are group-contiguous: prompt j // group_size
@@ -96,3 +100,20 @@ def generate_groups(
     for i, s in enumerate(seqs):
         padded[i, : len(s)] = s
     return Rollout(padded, prompt_lens, resp_lens, texts, group_size)
+
+
+def _told(progress: Callable[[int, int], None], width: int, max_new_tokens: int):
+    """A stopping criterion that stops nothing: it tells ``progress`` how many tokens are decoded."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Told(StoppingCriteria):
+        last = 0.0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            now = time.perf_counter()
+            if now - self.last >= 0.5:
+                self.last = now
+                progress(input_ids.shape[1] - width, max_new_tokens)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Told()])

@@ -40,9 +40,11 @@ class Job:
         from ..learner.coordinator import BudgetCoordinator
         from .learner import Learner
         from .placement import check_shared, learner_placement
+        from .progress import Progress
         from .workers import HFRolloutWorker, ReferenceWorker, VLLMRolloutWorker
 
         self.ray, self.cfg = ray, cfg
+        self.progress = Progress(ray)  # what the workers are doing, shown while the driver waits
         flat = flatten_ns(cfg)
         cuda = torch.cuda.is_available()
         env = {"runtime_env": {"env_vars": {k: os.environ[k] for k in PASS_ENV if k in os.environ}}}
@@ -61,7 +63,7 @@ class Job:
         self.learners = [
             ray.remote(Learner)
             .options(name=f"{ACTOR_PREFIX}learner-{r}", **place[r], **env)
-            .remote(flat, r, addr, port, self.coordinator, resume_dir)
+            .remote(flat, r, addr, port, self.coordinator, resume_dir, self.progress.reporter(f"learner-{r}"))
             for r in range(world_size(cfg))
         ]
         ropts = dict(num_cpus=0, max_restarts=cfg.rollout.max_restarts, **env)  # a dead worker comes back (generate)
@@ -80,7 +82,7 @@ class Job:
             self.rollout = [
                 ray.remote(HFRolloutWorker)
                 .options(name=f"{ACTOR_PREFIX}rollout-{i}", num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
-                .remote(flat, i)
+                .remote(flat, i, self.progress.reporter(f"rollout-{i}"))
                 for i in range(cfg.rollout.num_workers)
             ]
         self.ref = (  # None: nothing reads reference log-probs (the learners take their own old ones)
@@ -90,7 +92,7 @@ class Job:
             if uses_reference(cfg)
             else None
         )
-        self.infos = self.get([l.info.remote() for l in self.learners])  # waits for planning
+        self.infos = self.progress.get([l.info.remote() for l in self.learners], "plan", after=0)  # planning
         self.weight_kind, self.adapter_config, self.weight_dtype = self.sync_form()
         self.sync_bytes = 0  # what each rollout worker received at the last sync
 
@@ -118,7 +120,9 @@ class Job:
 
         t = time.perf_counter()
         share = -(-self.cfg.hilore.calibration_batches // len(self.learners))
-        parts = [p for p in self.get([l.calibration_share.remote(share) for l in self.learners]) if p]
+        parts = [
+            p for p in self.progress.get([l.calibration_share.remote(share) for l in self.learners], "calibrate") if p
+        ]
         if not parts and skips_zero_advantage(self.cfg):  # every rank ran only pad rows: the next step calibrates
             print("[train] L's calibration waits for a step with trained responses", flush=True)
             return
@@ -194,12 +198,13 @@ class Job:
     def _generate(self, prompts: List[str], step: int, greedy: bool = False) -> Dict:
         k = len(self.rollout)
         chunks = [prompts[i * len(prompts) // k : (i + 1) * len(prompts) // k] for i in range(k)]
-        outs = self.get(
+        outs = self.progress.get(
             [
                 w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step, greedy)
                 for i, (w, c) in enumerate(zip(self.rollout, chunks))
                 if c
-            ]
+            ],
+            "rollout",
         )
         seqs, texts = [], []
         for o in outs:

@@ -65,8 +65,12 @@ class Learner:
         master_port: int,
         coordinator=None,
         resume_dir: Optional[str] = None,
+        progress=None,
     ):
+        """``progress``: told of planning's phases and passes and of each update's microbatches
+        (``progress.Reporter``: the driver shows them)."""
         cfg = self.cfg = hierarchize(flat_cfg)
+        self.progress = progress
         self.rank, self.world = rank, world_size(cfg)
         self.skip = skips_zero_advantage(cfg)  # rows may be fewer than gas: the boundary is set per row
         self.oom_reruns, self._oom_injected = 0, False  # microbatches rerun all-R after running out of memory
@@ -174,6 +178,7 @@ class Learner:
             # L's risk is calibrated on the first step's real rollouts (Learner.calibration_share); under
             # ZeRO-3 passes outside DeepSpeed's gradient path are not possible, so synthetic ones before it
             calibrate_later=cfg.ds.zero_stage < 3,
+            progress=self.progress,
             log=self._log,
         )
 
@@ -331,6 +336,8 @@ class Learner:
         clip = {"fresh": [], "replay": []}
         peaks, t0, tokens, done = [], time.perf_counter(), 0, []
         for j, (i, r) in enumerate(rows):
+            if self.progress is not None:
+                self.progress.phase(f"update {u + 1}, microbatch", j + 1, len(rows), t0)
             mb = self._microbatch(r)
             if self.skip:  # the update's last row is its boundary, however many the skip left
                 self.ds.set_gradient_accumulation_boundary(j == len(rows) - 1)
@@ -460,8 +467,10 @@ class Learner:
             for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
                 p.grad = g
 
+        runner = Runner(module, self.rec, loss_fn=self.loss_fn, backward=backward)
+        runner.progress = self.progress
         try:
-            yield Runner(module, self.rec, loss_fn=self.loss_fn, backward=backward)
+            yield runner
         finally:
             for p in params:
                 p.grad = None
@@ -482,7 +491,8 @@ class Learner:
             return None
         t = time.perf_counter()
         with self._side_runner() as runner:
-            cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], room=self.plan.planner.room)
+            with runner.phase("calibration"):
+                cal = calibrate_levels(runner, mbs, codec_levels(self.cfg.hilore.codec)[1], room=self.plan.planner.room)
         self._log(
             f"[hilore] rank {self.rank}: calibrated on {len(mbs)} real microbatches in {time.perf_counter() - t:.0f}s"
         )

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -37,12 +38,13 @@ class HFRolloutWorker:
     weights with the LoRA deltas merged in (``models.weights``, exact and deterministic), so
     sampling runs no LoRA branch; all of a step's prompts go through one batched call."""
 
-    def __init__(self, flat_cfg: Dict, index: int):
+    def __init__(self, flat_cfg: Dict, index: int, progress=None):
+        """``progress``: told how decoding goes (``progress.Reporter``)."""
         from ..models.source import load_policy
 
         self.cfg = hierarchize(flat_cfg)
         _threads(self.cfg)
-        self.index = index
+        self.index, self.progress = index, progress
         self.device = worker_device()
         self.model, self.tok = load_policy(
             self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), lora=None, seed=self.cfg.train.seed
@@ -66,6 +68,8 @@ class HFRolloutWorker:
 
         _fault(self.index, step)
         c = self.cfg.rollout
+        t0, what = time.perf_counter(), "evaluating" if greedy else "generating"
+        told = (lambda n, total: self.progress.phase(what, n, total, t0)) if self.progress else None
         r = generate_groups(
             self.model,
             self.tok,
@@ -78,6 +82,7 @@ class HFRolloutWorker:
             batched=True,
             greedy=greedy,
             chat_template=self.cfg.data.apply_chat_template,
+            progress=told,
         )
         return {
             "sequences": r.sequences.cpu(),

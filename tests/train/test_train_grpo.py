@@ -41,6 +41,8 @@ def test_three_steps_write_metrics_checkpoints_and_weights(uninterrupted):
     assert (out / "final" / "adapter_config.json").is_file()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert "step  reward" in r.stdout  # the reward table
+    for rank in (0, 1):  # the driver showed each rank's planning (plain lines: not a terminal)
+        assert f"[plan] learner-{rank}: " in r.stderr, r.stderr[-2000:]
 
 
 # what a resumed run may log differently from the uninterrupted one: wall-clock times, the Ray node
