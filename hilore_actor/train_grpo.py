@@ -211,6 +211,8 @@ def run(cfg) -> int:
             f"{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
             flush=True,
         )
+        if info.get("plan_why"):
+            print(f"[train] rank 0's plan: {info['plan_why']}", flush=True)
         log = MetricsLog(
             cfg.save_path,
             cfg.logger.tensorboard_dir,

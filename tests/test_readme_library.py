@@ -20,4 +20,7 @@ def test_the_allocation_snippet_runs_as_printed():
     namespace = {"__name__": "__main__"}
     exec(compile(code, str(README), "exec"), namespace)
     assert namespace["budget"] >= max(namespace["gc_peak_bytes"], namespace["all_r_peak_bytes"]) > 0
-    assert namespace["h"].plan_for(namespace["mbs"][-1]).plan
+    h, mbs = namespace["h"], namespace["mbs"]
+    assert h.plan_for(mbs[-1]).plan
+    assert len(set(namespace["res"].actions.values())) >= 2  # the plan mixes actions, as the README says
+    assert h.explain(h.plan_for(mbs[-1])).endswith("the rest are recomputed (R)")

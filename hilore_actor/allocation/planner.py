@@ -535,6 +535,22 @@ class Planner:
             else:
                 self.log(f"[hilore] leave-one-out: {n} kept (paired savings {ms} ms)")
 
+    def explain(self, sp: ShapePlan) -> str:
+        """One line: what ``sp``'s plan does with each unit, and why (Eq. 13's knapsack in B's room)."""
+        n = _kind_counts(sp)
+        above = max(0, self.room - sp.costs.base_peak)
+        codec = f" ({self.engine.codec.name})" if n[COMPRESSED] else ""
+        why = (
+            f"B leaves {above / 2**20:.2f} MiB above the all-R peak; the knapsack fills it with the units that save the "
+            "most recompute time per byte"
+        )
+        if self.levels:
+            why += f", a low-precision copy (L) where it costs less room and the step's risk stays within {self.delta}"
+        return (
+            f"{n[EXACT]} H, {n[PARTIAL]} P, {n[COMPRESSED]} L{codec}, "
+            f"{len(sp.plan) - sum(n.values())} R of {len(sp.plan)} units: {why}; the rest are recomputed (R)"
+        )
+
     # ---- online -------------------------------------------------------------------------------
     def plan_for(self, mb) -> ShapePlan:
         """The plan of ``mb``'s shape class; a new shape class is profiled and planned on the

@@ -198,7 +198,12 @@ class RankPlanner:
         self.sp = self.planner.prepare([dev_microbatch], accumulate=1)
         self._sized.clear()
         self.info.pop("peak_ratios", None)  # a new fitted plan: earlier peaks measured another one
-        self.info.update(calibration="job", plan=plan_counts(self.sp.plan), plan_report=self.sp.report)
+        self.info.update(
+            calibration="job",
+            plan=plan_counts(self.sp.plan),
+            plan_report=self.sp.report,
+            plan_why=self.planner.explain(self.sp),
+        )
 
     def state(self) -> Dict:
         """JSON-ready, for checkpoints: a resumed rank keeps its budget and plan."""
@@ -361,7 +366,7 @@ def plan_before_wrapping(
             )
             planner = _planner(runner, room, cal, hcfg, log)
             sp = planner.prepare(dev[:1], accumulate=1)
-            info.update(plan=plan_counts(sp.plan), plan_report=sp.report)
+            info.update(plan=plan_counts(sp.plan), plan_report=sp.report, plan_why=planner.explain(sp))
     runner.engine.detach()
     for p in model.parameters():  # no planning gradient may reach the first real update (ZeRO adds .grad in)
         p.grad = None

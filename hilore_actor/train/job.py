@@ -82,7 +82,7 @@ class Job:
             self.rollout = [
                 ray.remote(HFRolloutWorker)
                 .options(name=f"{ACTOR_PREFIX}rollout-{i}", num_gpus=cfg.rollout.num_gpus if cuda else 0, **ropts)
-                .remote(flat, i, self.progress.reporter(f"rollout-{i}"))
+                .remote(flat, i)
                 for i in range(cfg.rollout.num_workers)
             ]
         self.ref = (  # None: nothing reads reference log-probs (the learners take their own old ones)
@@ -140,6 +140,8 @@ class Job:
             f"plan {self.infos[0].get('plan')}",
             flush=True,
         )
+        if self.infos[0].get("plan_why"):
+            print(f"[train] rank 0's plan: {self.infos[0]['plan_why']}", flush=True)
 
     def close(self) -> None:
         """Stop every actor now, however the run ends. Dropped handles let them exit one by one
@@ -200,7 +202,13 @@ class Job:
         chunks = [prompts[i * len(prompts) // k : (i + 1) * len(prompts) // k] for i in range(k)]
         outs = self.progress.get(
             [
-                w.generate.remote(c, self.cfg.train.seed * 100003 + step * 101 + i, step, greedy)
+                w.generate.remote(
+                    c,
+                    self.cfg.train.seed * 100003 + step * 101 + i,
+                    step,
+                    greedy,
+                    self.progress.reporter(f"rollout-{i}"),
+                )
                 for i, (w, c) in enumerate(zip(self.rollout, chunks))
                 if c
             ],

@@ -43,7 +43,6 @@ class Reporter:
 
     def __init__(self, board, who: str):
         self.board, self.who = board, who
-        self.t0 = time.perf_counter()
 
     def __call__(self, event: Dict) -> None:
         try:
@@ -52,8 +51,10 @@ class Reporter:
             pass
 
     def phase(self, name: str, i: int = 0, total: Optional[int] = None, since: Optional[float] = None) -> None:
-        """A step's own events (rollouts, updates): ``elapsed`` since ``since`` (perf_counter)."""
-        self({"phase": name, "pass": i, "total": total, "elapsed": time.perf_counter() - (since or self.t0)})
+        """A step's own events (rollouts, updates): ``elapsed`` since ``since`` (this process's
+        ``perf_counter``; None: from now)."""
+        elapsed = time.perf_counter() - since if since is not None else 0.0
+        self({"phase": name, "pass": i, "total": total, "elapsed": elapsed})
 
 
 def _clock(seconds: float) -> str:

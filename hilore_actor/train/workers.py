@@ -38,13 +38,12 @@ class HFRolloutWorker:
     weights with the LoRA deltas merged in (``models.weights``, exact and deterministic), so
     sampling runs no LoRA branch; all of a step's prompts go through one batched call."""
 
-    def __init__(self, flat_cfg: Dict, index: int, progress=None):
-        """``progress``: told how decoding goes (``progress.Reporter``)."""
+    def __init__(self, flat_cfg: Dict, index: int):
         from ..models.source import load_policy
 
         self.cfg = hierarchize(flat_cfg)
         _threads(self.cfg)
-        self.index, self.progress = index, progress
+        self.index = index
         self.device = worker_device()
         self.model, self.tok = load_policy(
             self.cfg.actor.model_name_or_path, dtype=param_dtype(self.cfg), lora=None, seed=self.cfg.train.seed
@@ -62,14 +61,16 @@ class HFRolloutWorker:
         load_weights(self.model, {k: v.to(self.device) for k, v in weights.items()}, self.weight_kind())
         return payload_bytes(weights)
 
-    def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False) -> Dict:
-        """G sampled responses per prompt; ``greedy`` (held-out evaluation): one argmax response each."""
+    def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False, progress=None) -> Dict:
+        """G sampled responses per prompt; ``greedy`` (held-out evaluation): one argmax response each.
+        ``progress``: told how decoding goes (``progress.Reporter``; an argument of the call, not of the
+        actor, whose constructor arguments Ray must keep to restart it)."""
         from ..rollout.hf_generate import generate_groups
 
         _fault(self.index, step)
         c = self.cfg.rollout
         t0, what = time.perf_counter(), "evaluating" if greedy else "generating"
-        told = (lambda n, total: self.progress.phase(what, n, total, t0)) if self.progress else None
+        told = (lambda n, total: progress.phase(what, n, total, t0)) if progress is not None else None
         r = generate_groups(
             self.model,
             self.tok,
@@ -160,13 +161,16 @@ class VLLMRolloutWorker:
         self.llm.reset_prefix_cache()
         return sent
 
-    def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False) -> Dict:
-        """G sampled responses per prompt; ``greedy`` (held-out evaluation): one at temperature 0 each."""
+    def generate(self, prompts: Sequence[str], seed: int, step: int = -1, greedy: bool = False, progress=None) -> Dict:
+        """G sampled responses per prompt; ``greedy`` (held-out evaluation): one at temperature 0 each.
+        ``progress``: told that the engine generates, for how many prompts (the engine batches them all)."""
         import vllm
 
         _fault(self.index, step)
         from ..rollout.hf_generate import apply_chat
 
+        if progress is not None:
+            progress.phase("evaluating" if greedy else "generating, prompts", 0, len(prompts))
         c = self.cfg.rollout
         ids = [apply_chat(self.tok, p, self.cfg.data.apply_chat_template) for p in prompts]
         params = vllm.SamplingParams(
