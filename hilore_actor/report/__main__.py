@@ -1,6 +1,6 @@
 """``python -m hilore_actor.report RUN_DIR``: the run's report page (``page.py``) into
-``RUN_DIR/report/index.html``, PNGs beside it; prints the page's path. A folder that holds no run
-is one line and exit code 2."""
+``RUN_DIR/report/index.html``, PNGs beside it; prints the page's path. A folder that holds no run,
+or a page that cannot be written there, is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def main(argv=None) -> int:
         print(write(args.run_dir, args.out))
     except NotARun as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the page's folder cannot be written (a read-only copy of a run: --out elsewhere)
+        print(f"error: cannot write the report ({e.strerror or e}: {e.filename}); choose --out DIR", file=sys.stderr)
         return 2
     return 0
 

@@ -378,13 +378,13 @@ class Learner:
             **{f"fraction_{a}": counts[a] / total if total else None for a in ACTIONS},
             **_split(by_kind, clip),
             "lr": self.ds.get_lr()[0],
-            "microbatches": done,
+            "microbatches": [dict(d, peak_over_budget=d["peak_bytes"] / self.budget) for d in done],  # B as above
         }
 
     def _microbatch_record(self, u: int, index: int, row: Dict, rec) -> Dict:
         """One microbatch as the run folder's ``actions.jsonl`` keeps it (``metrics.step_actions``):
         each unit's action, one letter per unit in ``info()["units"]``' order (empty without a
-        recovery engine), whether it was a pad row of the zero-advantage skip, and its peak over B."""
+        recovery engine), whether it was a pad row of the zero-advantage skip, and its peak in B's scope."""
         units = self.rec.unit_names if self.rec is not None else []
         return {
             "update": u,
@@ -393,7 +393,7 @@ class Learner:
             "skipped": bool(row.get("pad")),
             "replayed": bool(row.get("replayed")),
             "tokens": int(rec.tokens),
-            "peak_over_budget": rec.scope_peak / self.budget,
+            "peak_bytes": int(rec.scope_peak),
         }
 
     def _forward_backward(self, mb, step: int, index: int):

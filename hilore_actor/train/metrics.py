@@ -101,8 +101,8 @@ def step_actions(per_update: Sequence[Sequence[Dict]], units: Sequence[str]) -> 
     """A step's line of ``actions.jsonl`` (its ``step`` added by ``MetricsLog.log``): ``units``, the
     recovery units in layer order, and per rank its microbatches in the order they ran, each with
     ``actions`` (one letter per unit: H, P, L or R; empty without a recovery engine), ``skipped``
-    (a pad row of the zero-advantage skip), ``replayed``, ``update``, ``microbatch``, ``tokens`` and
-    ``peak_over_budget`` (``Learner.update``'s ``microbatches``)."""
+    (a pad row of the zero-advantage skip), ``replayed``, ``update``, ``microbatch``, ``tokens``,
+    ``peak_bytes`` and ``peak_over_budget`` (``Learner.update``'s ``microbatches``)."""
     ranks: Dict[str, List[Dict]] = {}
     for upd in per_update:
         for r in upd:

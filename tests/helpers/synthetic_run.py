@@ -72,7 +72,7 @@ def write_run(path, seed: int, steps: int = 3, wandb=None):
                     "rank": r,
                     "microbatches": [
                         {"update": 0, "microbatch": k, "actions": a, "skipped": pad, "replayed": False, "tokens": 90,
-                         "peak_over_budget": rng.uniform(0.5, 1.03)}
+                         "peak_bytes": 2**26, "peak_over_budget": rng.uniform(0.5, 1.03)}
                         for k, (a, pad) in enumerate(acts[s][r])
                     ],
                 }

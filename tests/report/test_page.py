@@ -5,6 +5,7 @@ screenshot shows every picture loaded at its size; a folder that is not a run is
 
 import html
 import json
+import math
 import random
 import re
 import shutil
@@ -62,7 +63,8 @@ def test_a_run_without_actions_or_checkpoints_still_has_its_curves(tmp_path):
     shutil.rmtree(run / "checkpoints")
     page = write(run)
     assert [f for f, _, _ in _images(page)] == ["reward.png", "peaks.png", "shares.png", "time.png", "skip.png"]
-    assert "holds no checkpoint" in page.read_text()
+    text = page.read_text()
+    assert "holds no checkpoint" in text and "gc 4.0 s, hilore 3.2 s" in text  # the backend from its timing's name
 
 
 @pytest.mark.parametrize("case", ["missing", "a file", "error.log only", "no step yet", "not JSON"])
@@ -88,6 +90,10 @@ def test_the_command_prints_the_pages_path(tmp_path, capsys):
     write_run(tmp_path / "run", 2, steps=1)
     assert main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out" / "index.html")
+    (tmp_path / "a file").write_text("x")
+    assert main([str(tmp_path / "run"), "--out", str(tmp_path / "a file" / "out")]) == 2  # cannot be written there
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "choose --out DIR" in err, err
 
 
 # ---- the tiny job's reference run (tests/conftest.py's ``uninterrupted``) -------------------------
@@ -113,7 +119,7 @@ def test_the_job_records_each_units_action_and_draws_its_pictures_every_step(uni
             assert len(mbs) == m["coordinator"][rank]["microbatches"] == 2
             assert all(len(mb["actions"]) == len(a["units"]) and set(mb["actions"]) <= set("HPLR") for mb in mbs)
             assert [mb["tokens"] for mb in mbs] == m["coordinator"][rank]["tokens"]
-            assert max(mb["peak_over_budget"] for mb in mbs) == pytest.approx(m["peak_over_budget"][rank], rel=0.02)
+            assert max(mb["peak_over_budget"] for mb in mbs) == m["peak_over_budget"][rank]  # one update a step
         letters = "".join(mb["actions"] for mbs in a["ranks"].values() for mb in mbs)
         assert m["fraction_H"] == pytest.approx(letters.count("H") / len(letters))
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
@@ -128,6 +134,25 @@ def test_the_job_records_each_units_action_and_draws_its_pictures_every_step(uni
     last = r.stdout.strip().splitlines()[-1]
     assert last == f"[train] report: {out / 'report' / 'index.html'}", last
     assert [f for f, _, _ in _images(out / "report" / "index.html")][:3] == ["reward.png", "peaks.png", "actions.png"]
+
+
+def test_pad_rows_are_recorded_skipped_and_zero3_ranks_take_one_action_per_unit(skip_runs):
+    """The skip's runs (``skip_runs``): with the skip on, each step's microbatches marked skipped are its
+    pad rows, and the report's heatmap paints them grey; with it off under ZeRO-3 at B = 1.02 x gc, the
+    ranks agree on every unit's action microbatch by microbatch, and the plan mixes H and R."""
+    from train_job import metrics
+
+    on = [json.loads(ln) for ln in (skip_runs["on"] / "actions.jsonl").read_text().splitlines()]
+    pads = [sum(mb["skipped"] for mbs in a["ranks"].values() for mb in mbs) for a in on]
+    assert pads == [m["pad_microbatches"] for m in metrics(skip_runs["on"])] == [1, 0, 2]
+    heat = np.asarray(Image.open(skip_runs["on"] / "report" / "actions.png").convert("RGB"))
+    grey = tuple(int(pictures.COLOURS["skipped"][i : i + 2], 16) for i in (1, 3, 5))
+    assert (heat == grey).all(axis=-1).sum() > 100
+    off = [json.loads(ln) for ln in (skip_runs["off"] / "actions.jsonl").read_text().splitlines()]
+    for a in off:
+        assert [mb["actions"] for mb in a["ranks"]["0"]] == [mb["actions"] for mb in a["ranks"]["1"]], a["step"]
+    taken = {c for a in off for mbs in a["ranks"].values() for mb in mbs for c in mb["actions"]}
+    assert {"H", "R"} <= taken, taken
 
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -183,9 +208,13 @@ def test_a_browser_shows_every_picture_of_the_tiny_runs_report(uninterrupted, tm
     for i in found["images"]:
         size = files[i["src"]]
         assert i["complete"] and i["natural"] == list(size) and i["shown"] == list(size), i
-        x, y = round(i["x"]), round(i["y"])
-        seen = screen[y : y + size[1], x : x + size[0]]
         drawn = np.asarray(Image.open(report / i["src"]).convert("RGB")).astype(int)
+        x = round(i["x"])
+        # the layout may place it at a fractional row: the whole row above or below it, whichever matches
+        seen = min(
+            (screen[y : y + size[1], x : x + size[0]] for y in {math.floor(i["y"]), math.ceil(i["y"])}),
+            key=lambda part: np.abs(part - drawn).mean() if part.shape == drawn.shape else np.inf,
+        )
         assert seen.shape == drawn.shape, i
         assert seen.std() > 20 and len(np.unique(seen.reshape(-1, 3), axis=0)) > 50, i  # not blank
         assert np.abs(seen - drawn).mean() < 2.0, i  # the picture itself, not a broken-image box
