@@ -403,6 +403,7 @@ def render(results: Path) -> str:
         results_studies.fidelity(results),
         results_studies.diagnostics(results, page),
         results_studies.knapsack(results),
+        results_studies.planning_scale(results),
         results_studies.demo(results, page.demo_runs),
         results_studies.skip_demo(results, page.skip_runs),
     ):

@@ -1,5 +1,5 @@
 """The studies on ``benchmarks/RESULTS.md`` beside the speed benchmark: codecs, training fidelity,
-risk diagnostics, the knapsack's solve time and the demo job's runs, each rendered from its
+risk diagnostics, the knapsack's solve time, planning at depth and length and the demo job's runs, each rendered from its
 committed JSON (or JSONL) by ``results_page``."""
 
 from __future__ import annotations
@@ -183,6 +183,84 @@ def knapsack(results: Path) -> str:
         f"U = {d['units']} units on a {d['grid'][0]} x {d['grid'][1]} grid: median {d['median_ms']:.2f} ms "
         f"(min {d['min_ms']:.2f}, max {d['max_ms']:.2f}) over {d['repeats']} solves on 2 CPU cores.\n"
     )
+
+
+def planning_scale(results: Path) -> str:
+    """Hooks' overhead on a deep thin model and planning's time and peak at three lengths
+    (``python -m benchmarks.planning_scale``), against the aims the JSON records."""
+    p = Path(results) / "planning-scale.json"
+    if not p.exists():
+        return ""
+    d = json.loads(p.read_text())
+    aims = d["aims"]
+    out = [
+        "## Planning at depth and length (`python -m benchmarks.planning_scale`)",
+        "",
+        f"`{d['command']}` on {d['machine']}, nothing else running. Definitions: `benchmarks/planning_scale.py`'s "
+        "docstring and [docs/benchmark.md](../docs/benchmark.md#planning-at-depth-and-length).",
+        "",
+    ]
+    dep = d.get("depth")
+    if dep:
+        out += [
+            f"### Hooks' overhead: {dep['layers']} decoder layers ({dep['units']} units), hidden 64, LoRA r8, "
+            f"{dep['tokens']} tokens (commit {dep.get('commit', '?')})",
+            "",
+            f"Median of {dep['rounds']} paired, interleaved rounds; overhead = (method - its twin) / gc's update "
+            "time, per round, median with its 95% bootstrap interval. Aim: at most "
+            f"{aims['hook_overhead']:.0%} of gc's update time.",
+            "",
+            "| method | median update s | against | overhead, share of gc's time | 95% interval | within the aim |",
+            "|---|---:|---|---:|---|---|",
+        ]
+        for name, sec in dep["seconds"].items():
+            o = dep["overhead_of_gc"].get(name)
+            if o is None:
+                out.append(f"| {name} | {sec:.3f} | | | | |")
+                continue
+            lo, hi = o["ci95"]
+            aa = name == "no-gc'"
+            ok = "(A/A floor)" if aa else "yes" if o["median"] <= aims["hook_overhead"] else "no"
+            out.append(f"| {name} | {sec:.3f} | {o['against']} | {o['median']:+.1%} | [{lo:+.1%}, {hi:+.1%}] | {ok} |")
+        out.append("")
+    rows = d.get("length") or {}
+    if rows:
+        out += [
+            "### Planning on SmolLM2-135M-Instruct by microbatch length",
+            "",
+            "Planning as the training job runs it before the first step (ZeRO-0..2: H/R plans, L's calibration "
+            "later on real rollouts; `+calibration`: calibration inside planning, as under ZeRO-3), mode `hilore`, "
+            "B = 1.10 x gc's device peak, LoRA r16, the chunked head, 4 sequences per microbatch. "
+            f"Aims: planning at most {aims['plan_over_gc_updates']:.0f} gc updates of its microbatch; its highest "
+            f"pass at most B ({aims['plan_peak_over_budget']:.2f}).",
+            "",
+            "| tokens | planning s | gc update s | planning / gc update | within the aim | planning peak / B | "
+            "peak phase | plan (H/L/R) | commit |",
+            "|---:|---:|---:|---:|---|---:|---|---|---|",
+        ]
+        for k in sorted(rows, key=lambda k: (int(k.split("+")[0]), k)):
+            r = rows[k]
+            plan = r.get("plan") or {}
+            mix = f"{plan.get('exact', 0)}/{plan.get('compressed', 0)}/{plan.get('checkpoint', 0)}"
+            ok = "yes" if r["plan_over_gc_updates"] <= aims["plan_over_gc_updates"] else "no"
+            out.append(
+                f"| {k} | {r['plan_seconds']:.0f} | {r['gc_update_seconds']:.1f} | {r['plan_over_gc_updates']:.1f} | "
+                f"{ok} | {r['plan_peak_over_budget']:.3f} | {r['plan_peak_phase']} | {mix} | {r.get('commit', '?')} |"
+            )
+        names = []
+        for r in rows.values():
+            names += [n for n in (r.get("phases") or {}) if n not in names]
+        if names:
+            out += ["", "Where planning's time goes (passes / share of planning's seconds):", ""]
+            out += ["| tokens | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+            for k in sorted(rows, key=lambda k: (int(k.split("+")[0]), k)):
+                ph, total = rows[k].get("phases") or {}, rows[k]["plan_seconds"]
+                cells = [f"{int(ph[n]['passes'])} / {ph[n]['seconds'] / total:.0%}" if n in ph else "-" for n in names]
+                out.append(f"| {k} | " + " | ".join(cells) + " |")
+        out.append("")
+    for note in d.get("notes", []):
+        out += [note, ""]
+    return "\n".join(out).rstrip() + "\n"
 
 
 def demo(results: Path, runs: List[DemoRun]) -> str:
