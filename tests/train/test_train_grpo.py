@@ -303,6 +303,10 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_0(preempted):
     ck = tmp_path / "checkpoints"
     assert CheckpointDir(ck).resumable(log=print) == (ck / "step_2", [])
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2] and not (tmp_path / "final").exists()
+    from train_job import tensorboard_counts
+
+    counts = tensorboard_counts(tmp_path / "tensorboard")  # the step it finished is logged, once
+    assert set(counts.values()) == {1} and {step for _, step in counts} == {1, 2}
 
 
 @pytest.mark.slow  # a job of several steps: 50-120 s on 2 cores (pytest -m slow)
