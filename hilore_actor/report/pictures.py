@@ -155,7 +155,10 @@ def curves(
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.0, 3.4), dpi=DPI)
     if band is not None:
-        ax.fill_between(x, band[0], band[1], alpha=0.2, label="min-max")
+        import numpy as np
+
+        low, high = (np.asarray(b, dtype=float) for b in band)  # a step without the value: None, a gap
+        ax.fill_between(x, low, high, alpha=0.2, label="min-max")
     for name, ys in series.items():
         pts = [(a, b) for a, b in zip(x, ys) if b is not None]
         if pts:
