@@ -177,6 +177,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/planning-scale.json")
     p.add_argument("--redo", action="store_true", help="measure again what --out already holds")
+    p.add_argument(
+        "--untimed",
+        action="store_true",
+        help="the machine is not quiet: record the lengths' peaks and plans, and mark their times as not timings",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     out = Path(args.out)
@@ -202,7 +207,9 @@ def main(argv=None) -> int:
         k = _key(t, args.calibrate)
         if k in data["length"]:
             continue
-        data["length"][k] = dict(length(t, args.gc_repeats, args.seed, args.calibrate, log), commit=_commit())
+        data["length"][k] = dict(
+            length(t, args.gc_repeats, args.seed, args.calibrate, log), commit=_commit(), timed=not args.untimed
+        )
         _save(out, data)
         r = data["length"][k]
         log(
