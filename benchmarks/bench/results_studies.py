@@ -243,19 +243,28 @@ def planning_scale(results: Path) -> str:
             plan = r.get("plan") or {}
             mix = f"{plan.get('exact', 0)}/{plan.get('compressed', 0)}/{plan.get('checkpoint', 0)}"
             ok = "yes" if r["plan_over_gc_updates"] <= aims["plan_over_gc_updates"] else "no"
+            times = f"{r['plan_seconds']:.0f} | {r['gc_update_seconds']:.1f} | {r['plan_over_gc_updates']:.1f} | {ok}"
+            if not r.get("timed", True):
+                times = "not timed | not timed | - | -"
             out.append(
-                f"| {k} | {r['plan_seconds']:.0f} | {r['gc_update_seconds']:.1f} | {r['plan_over_gc_updates']:.1f} | "
-                f"{ok} | {r['plan_peak_over_budget']:.3f} | {r['plan_peak_phase']} | {mix} | {r.get('commit', '?')} |"
+                f"| {k} | {times} | {r['plan_peak_over_budget']:.3f} | {r['plan_peak_phase']} | {mix} | "
+                f"{r.get('commit', '?')} |"
             )
         names = []
         for r in rows.values():
             names += [n for n in (r.get("phases") or {}) if n not in names]
         if names:
-            out += ["", "Where planning's time goes (passes / share of planning's seconds):", ""]
+            out += ["", "Where planning's time goes (passes / share of planning's seconds; untimed rows: passes):", ""]
             out += ["| tokens | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
             for k in sorted(rows, key=lambda k: (int(k.split("+")[0]), k)):
                 ph, total = rows[k].get("phases") or {}, rows[k]["plan_seconds"]
-                cells = [f"{int(ph[n]['passes'])} / {ph[n]['seconds'] / total:.0%}" if n in ph else "-" for n in names]
+                timed = rows[k].get("timed", True)
+                cells = [
+                    "-"
+                    if n not in ph
+                    else f"{int(ph[n]['passes'])}" + (f" / {ph[n]['seconds'] / total:.0%}" if timed else "")
+                    for n in names
+                ]
                 out.append(f"| {k} | " + " | ".join(cells) + " |")
         out.append("")
     for note in d.get("notes", []):
