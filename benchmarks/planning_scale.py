@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     data = json.loads(out.read_text()) if out.exists() and not args.redo else {}
     data.setdefault("length", {})
     data["aims"] = AIMS
-    data["command"] = "python -m benchmarks.planning_scale " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.planning_scale " + " ".join(argv if argv is not None else sys.argv[1:])
     data["machine"] = f"{platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
 
     def log(msg):
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     parts = args.parts.split(",")
     if "depth" in parts and "depth" not in data:
         data["depth"] = depth(args.depth_layers, args.depth_tokens, args.rounds, args.seed, log)
-        data["depth"]["commit"] = _commit()
+        data["depth"].update(commit=_commit(), command=command)
         _save(out, data)
     if "depth" in data:
         d = data["depth"]
@@ -208,7 +208,10 @@ def main(argv=None) -> int:
         if k in data["length"]:
             continue
         data["length"][k] = dict(
-            length(t, args.gc_repeats, args.seed, args.calibrate, log), commit=_commit(), timed=not args.untimed
+            length(t, args.gc_repeats, args.seed, args.calibrate, log),
+            commit=_commit(),
+            command=command,
+            timed=not args.untimed,
         )
         _save(out, data)
         r = data["length"][k]

@@ -196,8 +196,8 @@ def planning_scale(results: Path) -> str:
     out = [
         "## Planning at depth and length (`python -m benchmarks.planning_scale`)",
         "",
-        f"`{d['command']}` on {d['machine']}, nothing else running. Definitions: `benchmarks/planning_scale.py`'s "
-        "docstring and [docs/benchmark.md](../docs/benchmark.md#planning-at-depth-and-length).",
+        f"On {d['machine']}; each part's command below, nothing else running unless a row says so. Definitions: "
+        "`benchmarks/planning_scale.py`'s docstring and [docs/benchmark.md](../docs/benchmark.md#planning-at-depth-and-length).",
         "",
     ]
     dep = d.get("depth")
@@ -205,6 +205,8 @@ def planning_scale(results: Path) -> str:
         out += [
             f"### Hooks' overhead: {dep['layers']} decoder layers ({dep['units']} units), hidden 64, LoRA r8, "
             f"{dep['tokens']} tokens (commit {dep.get('commit', '?')})",
+            "",
+            f"`{dep['command']}`.",
             "",
             f"Median of {dep['rounds']} paired, interleaved rounds; overhead = (method - its twin) / gc's update "
             "time, per round, median with its 95% bootstrap interval. Aim: at most "
@@ -250,6 +252,7 @@ def planning_scale(results: Path) -> str:
                 f"| {k} | {times} | {r['plan_peak_over_budget']:.3f} | {r['plan_peak_phase']} | {mix} | "
                 f"{r.get('commit', '?')} |"
             )
+        out += ["", "Commands: " + "; ".join(sorted({f"`{r['command']}`" for r in rows.values()})) + "."]
         names = []
         for r in rows.values():
             names += [n for n in (r.get("phases") or {}) if n not in names]
