@@ -22,6 +22,31 @@ def spawn_two(rank_main, *args) -> None:
     mp.spawn(rank_main, args=(2, port, *args), nprocs=2, join=True)
 
 
+def rank_env(rank: int, world: int, port: int) -> None:
+    """What torch.distributed and DeepSpeed read on one CPU rank of ``spawn_two``."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
+
+
+def start_deepspeed_rank(rank: int, world: int, port: int, hang_seconds: float) -> None:
+    """One DeepSpeed CPU rank of ``spawn_two``: its environment, one thread, gloo through DeepSpeed;
+    a rank still running after ``hang_seconds`` prints where it hangs and exits."""
+    import faulthandler
+
+    from hilore_actor.runtime.distributed import init_deepspeed_distributed
+
+    faulthandler.dump_traceback_later(hang_seconds, exit=True)
+    rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    init_deepspeed_distributed("cpu")
+
+
 def write_ranks(seen: dict, out: str, world: int, **extra) -> None:
     """Every rank's ``seen`` into ``out`` (``{"ranks": [...], **extra}``, by rank 0), then an
     orderly shutdown of the process group."""

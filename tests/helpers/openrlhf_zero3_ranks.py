@@ -129,14 +129,9 @@ def cpu_stand_ins(pa, fp32: bool = False) -> None:
 
 def start_rank(rank, world, port) -> None:
     """The rank's environment, the import shims and its gloo process group."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
+    from gloo_ranks import rank_env
+
+    rank_env(rank, world, port)  # before the imports: DeepSpeed reads its accelerator as it loads
     import openrlhf_shims
     import transformers.integrations.deepspeed as hf_deepspeed
 

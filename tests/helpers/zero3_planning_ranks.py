@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+from gloo_ranks import spawn_two, start_deepspeed_rank, write_ranks  # noqa: E402
 
 SETTINGS = dict(  # with L (calibration and validation both check gradients), one codec: fewer passes
     budget="1.10",
@@ -153,23 +153,10 @@ def fsdp2(tokens, seqs) -> dict:
 
 
 def rank_main(rank: int, world: int, port: int, out: str, tokens: str, seqs: str, chunk: str) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(300, exit=True)  # a hang: say where
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
     import hilore_actor.allocation.runner as runner_mod
     from hilore_actor.runtime import memory
-    from hilore_actor.runtime.distributed import init_deepspeed_distributed
 
-    init_deepspeed_distributed("cpu")
+    start_deepspeed_rank(rank, world, port, hang_seconds=300)
     memory.CPU_METER = "storage"  # planning's per-pass meters nest inside the planning's
     runner_mod.CHUNK = int(chunk)
     seen = {"zero3": zero3(int(tokens), int(seqs)), "fsdp2": fsdp2(int(tokens), int(seqs))}

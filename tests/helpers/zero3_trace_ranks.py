@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's helpers
-from gloo_ranks import spawn_two, write_ranks  # noqa: E402
+from gloo_ranks import spawn_two, start_deepspeed_rank, write_ranks  # noqa: E402
 
 # one letter per unit, repeated over the units; "R": every unit (whole-layer replays)
 PLANS = ["H", "H", "H", "HR", "H", "RH", "R", "PR", "H"]
@@ -170,21 +170,7 @@ def run(rank: int, hilore: bool, zero: str, plans) -> dict:
 
 
 def rank_main(rank: int, world: int, port: int, out: str, zero: str, plans) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(240, exit=True)  # a hang: say where
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
-    from hilore_actor.runtime.distributed import init_deepspeed_distributed
-
-    init_deepspeed_distributed("cpu")
+    start_deepspeed_rank(rank, world, port, hang_seconds=240)
     seen = {}
     for config in zero.split(","):  # every ZERO configuration on the same two ranks, one start-up
         ref, got = run(rank, False, config, plans), run(rank, True, config, plans)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from gloo_ranks import run_ranks  # tests/helpers
 from planning import plan_on_cpu  # tests/helpers
+from zero3_planning_ranks import SETTINGS  # tests/helpers: the ranks plan with the same settings
 
 import hilore_actor.allocation.runner as runner_mod
 from hilore_actor.allocation import Runner
@@ -26,15 +27,6 @@ from hilore_actor.models import build_model, tiny_config
 from hilore_actor.runtime import MemoryMeter, memory
 
 TOKENS, SEQS, CHUNK = 128, 4, 1 << 10
-SETTINGS = dict(  # with L (calibration and validation both check gradients), one codec: fewer passes
-    budget="1.10",
-    budget_scope="activations",
-    mode="hilore",
-    codec="int8-g64",
-    calibration_batches=1,
-    profile_repeats=1,
-    loo=False,
-)
 
 
 def data_bytes(mbs) -> int:
