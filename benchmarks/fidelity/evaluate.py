@@ -8,7 +8,8 @@ seed its run loaded it with) with the run's final LoRA adapter merged in.
 
 KL(p || q) between two final policies is measured where p samples: on p's greedy responses to
 the held-out prompts, the full-vocabulary KL of the next-token distributions, averaged over
-response tokens. Two runs that trained identically give exactly 0.
+response tokens. Two runs that trained identically give exactly 0. The study takes p = an
+arm's policy (or the base model) and q = gc's of the same seed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ HELDOUT_SEED = 1_000_003  # no run trains with it
 
 
 def heldout_examples(
-    n: int, train_seeds: Sequence[int], train_size: int, task_spec: str, options: Dict, instruction: str
+    n: int, train_seeds: Sequence[int], train_size: int, task_spec: str, options: Dict, instruction: Optional[str]
 ) -> Tuple[List, object]:
     """``n`` problems of the task that no run's training task holds, and the task they come
     from (its ``score`` verifies their answers)."""
@@ -43,7 +44,10 @@ def heldout_examples(
             picked.append(e)
         if len(picked) == n:
             return picked, pool
-    raise ValueError(f"the task has fewer than {n} held-out problems outside the {len(seen)} training ones")
+    raise ValueError(
+        f"the task has fewer than {n} held-out problems outside the {len(seen)} training ones (a dataset file "
+        "gives every seed the same problems: the study needs a generated task, e.g. rg:<name>)"
+    )
 
 
 def load_final_policy(model_spec: str, seed: int, final_dir: Optional[Path]):
@@ -65,14 +69,20 @@ def exact_share(scores: Sequence[float]) -> float:
     return sum(s >= 1.0 for s in scores) / len(scores)
 
 
-def greedy_accuracy(model, tok, pool, examples, max_new_tokens: int, batch: int = 64, log=print) -> Dict:
-    """Greedy responses to ``examples``, scored by the task's verifier (``pool.score``)."""
+def greedy_accuracy(
+    model, tok, pool, examples, max_new_tokens: int, batch: int = 64, chat_template: bool = True, log=print
+) -> Dict:
+    """Greedy responses to ``examples``, scored by the task's verifier (``pool.score``), the
+    prompts rendered as the job renders them (``--data.apply_chat_template``)."""
     from hilore_actor.rollout.hf_generate import generate_groups
 
     scores, texts, seqs, prompt_lens = [], [], [], []
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
-        r = generate_groups(model, tok, [e.prompt for e in chunk], 1, max_new_tokens, batched=True, greedy=True)
+        prompts = [e.prompt for e in chunk]
+        r = generate_groups(
+            model, tok, prompts, 1, max_new_tokens, batched=True, greedy=True, chat_template=chat_template
+        )
         for j, (t, e) in enumerate(zip(r.texts, chunk)):
             scores.append(pool.score(t, e))
             texts.append(t)
