@@ -211,6 +211,12 @@ def run(cfg) -> int:
             f"{f' ({peak_phase})' if peak_phase else ''}; ready in {time.perf_counter() - t0:.0f}s",
             flush=True,
         )
+        if info.get("gc_peak_over_budget", 0) > 1:
+            print(
+                f"[train] B is {1 / info['gc_peak_over_budget']:.2f} x gc's peak: a run gradient checkpointing "
+                "cannot make within B (planning's gc reference pass measured it above B)",
+                flush=True,
+            )
         if info.get("plan_why"):
             print(f"[train] rank 0's plan: {info['plan_why']}", flush=True)
         log = MetricsLog(

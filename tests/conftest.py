@@ -133,7 +133,9 @@ def uninterrupted(tmp_path_factory):
 
 SKIP_REWARDS = """
 calls = []
-STEPS = ([0.5, 0.5, 0, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 1, 0, 1], [0.25] * 8)
+# per step, two groups of four: with --train.batch_size 4 each group is one update, and each rank
+# runs one row of two responses per update (sequences 0-1 and 4-5 on rank 0, 2-3 and 6-7 on rank 1)
+STEPS = ([1, 0.5, 0, 0.5, 0.5, 0.5, 0, 1], [1, 1, 1, 1, 0, 1, 0, 1], [0, 1, 0.5, 0.5] + [0.25] * 4)
 
 
 def reward_func(queries, prompts, labels):
@@ -146,24 +148,30 @@ def reward_func(queries, prompts, labels):
 
 @pytest.fixture(scope="session")
 def skip_runs(tmp_path_factory):
-    """The tiny preset without its KL loss, three steps whose rewards are known in advance: step 1
-    leaves rank 0 one row of two (one pad), step 2 leaves rank 0 nothing (a row moves to it), step
-    3 trains nothing (a pad on each rank: AdamW still moves). ``on``: the skip on, under ZeRO-2;
-    ``off``: the skip off, under ZeRO-3 with B close to gc's peak (a plan that mixes H and R), the
-    reference of both the skip's test (``tests/train/test_skip.py``) and ZeRO-3's
-    (``test_zero3_ranks_agree_on_every_units_action``): H/R gradients are exact, so the two runs
-    differ by the reductions' order only, and one job run serves both."""
+    """The tiny preset without its KL loss, three steps of two updates each (``--train.batch_size
+    4``) whose rewards are known in advance (advantage 0 where a reward is its group's mean).
+    Step 1: update 1 shrinks both ranks' rows to one response each, update 2 leaves rank 0
+    nothing (a pad); step 2: update 1 trains nothing (a pad per rank), update 2 all; step 3:
+    update 1 leaves rank 1 nothing, update 2 trains nothing (pads 1, 2, 3).
+    ``on``: the skip on, under ZeRO-3 with B close to gc's peak (a plan that mixes H and R), what
+    the skip's test (``tests/train/test_skip.py``) and ZeRO-3's (``test_zero3_ranks_agree_on_every_
+    units_action``) check; ``ref``: their reference, none of it under test: gradient checkpointing
+    (``--actor_backend gc``) under ZeRO-2, every response trained. H/R gradients are exact, so the
+    two runs differ by the reductions' order only."""
     from train_job import job
 
     root = tmp_path_factory.mktemp("skip")
     reward = root / "rewards.py"
     reward.write_text(SKIP_REWARDS)
-    settings = {"on": (), "off": ("--ds.zero_stage", "3", "--hilore.budget", "1.02")}
+    settings = {
+        "on": ("--hilore.skip_zero_advantage", "on", "--ds.zero_stage", "3", "--hilore.budget", "1.02"),
+        "ref": ("--hilore.skip_zero_advantage", "off", "--actor_backend", "gc"),
+    }
     runs = {}
     for setting, more in settings.items():
         out = root / setting
         args = ("--algo.kl.use_loss", "false", "--reward.path", str(reward), "--max_steps", "3")
-        r = job(out, *args, "--hilore.skip_zero_advantage", setting, *more)
+        r = job(out, *args, "--train.batch_size", "4", *more)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         (out / "driver.log").write_text(r.stdout)  # what the driver said (its start-up lines, its Ray actors)
         runs[setting] = out

@@ -49,6 +49,7 @@ from ..recovery.labels import (
     with_share,
 )
 from . import fitting
+from .budget import RoomBelowAllR
 from .calibration import Calibration
 from .exposure import exposures_and_rest
 from .knapsack import Option, solve
@@ -131,6 +132,13 @@ class Planner:
         )
         loo_units: int = field(
             default=4, metadata=_help("stored units the leave-one-out check times (least profiled utility per byte)")
+        )
+        loo_max_spread: float = field(
+            default=0.5,
+            metadata=_help(
+                "a unit's leave-one-out pairs whose differences spread over more than this share of an update's "
+                "time measured a stall, not the unit: the unit keeps its profiled choice, said in the log"
+            ),
         )
         within_budget: bool = field(
             default=True,
@@ -289,7 +297,7 @@ class Planner:
         costs = self.costs_cache[shape]
         headroom = float(self.room - costs.base_peak)
         if headroom < 0:
-            raise ValueError(f"room {self.room} B is below the all-R peak {costs.base_peak} B of shape {shape}")
+            raise RoomBelowAllR(self.room, costs.base_peak, shape)
         best, self._ratio, self._candidates, self._measured = None, None, [], {}
         for scale in self.scales:
             with self.runner.phase(f"fit at risk scale {scale}"):
@@ -503,7 +511,9 @@ class Planner:
         10-15% run-to-run noise cannot resolve in three pairs. With the median, a unit whose
         saving is small beside the noise went to R about half the time (a cpu-small sweep:
         18 units recomputed on medians of -1.8 to -33 ms on 0.6-1.4 s updates); a unit with no
-        effect at all now goes to R with probability 1/8.
+        effect at all now goes to R with probability 1/8. Pairs whose differences spread over more
+        than ``Config.loo_max_spread`` of an update (a loaded machine once gave -163 s on 1 s
+        updates) measured the machine, not the unit: no decision is taken from them.
         Checking every stored unit costs 2 x repeats updates each (30 minutes for the CPU
         demo's 27 units), so only the ``Config.loo_units`` stored units with the least profiled
         utility per byte are checked: those are where a measured utility of zero is likely."""
@@ -525,10 +535,21 @@ class Planner:
             alt = ShapePlan(sp.shape, sp.costs, without, sp.memory_budget, sp.risk_budget, sp.plan_risk_budget)
             if self.runner.watch is not None:
                 self._run(alt, mb)  # measured once (planning's peak), not timed
+            updates = []
             for _ in range(repeats):  # paired: with, without, interleaved
-                diffs.append(self._run(alt, mb, timed=True).seconds - self._run(sp, mb, timed=True).seconds)
+                pair = (self._run(alt, mb, timed=True).seconds, self._run(sp, mb, timed=True).seconds)
+                diffs.append(pair[0] - pair[1])
+                updates += pair
             ms = ", ".join(f"{d * 1e3:.1f}" for d in diffs)
-            if max(diffs) <= 0:
+            update = statistics.median(updates)
+            if max(diffs) - min(diffs) > self.config.loo_max_spread * update:
+                sp.report.setdefault("loo_noisy", []).append(n)
+                self.log(
+                    f"[hilore] leave-one-out: {n}'s pairs spread over {(max(diffs) - min(diffs)) * 1e3:.1f} ms on "
+                    f"{update * 1e3:.1f} ms updates ({ms} ms), more than a unit can change (the machine stalled): "
+                    "it keeps its profiled choice"
+                )
+            elif max(diffs) <= 0:
                 sp.plan[n] = CHECKPOINT
                 sp.report.setdefault("loo_recomputed", []).append(n)
                 self.log(f"[hilore] leave-one-out: {n} saved no time in any pair ({ms} ms); recompute it")

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..grpo.microbatch import Microbatch
+from .budget import RoomBelowAllR
 from ..recovery.labels import P_LABELS, plan_for_label, row_share, without_share
 
 
@@ -87,7 +88,7 @@ def profile_units(
             rec[n].append(r.unit_seconds[n]["recompute"])
     peak = runner.run(mb, "all-r", measure_peak=True).peak_bytes
     if room is not None and peak > room:
-        raise ValueError(f"room {room} B is below the all-R peak {peak} B of shape {shape_class(mb)}")
+        raise RoomBelowAllR(room, peak, shape_class(mb))
     probes = probe_bytes(runner, mb, repeats, room, levels, partial=partial)
     costs = UnitCosts(
         shape_class(mb),

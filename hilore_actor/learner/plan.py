@@ -11,14 +11,16 @@ microbatches as large as the job can make (``workloads.replayed_microbatches``) 
 2. for modes with L: the calibration (Eq. 10 of docs/DESIGN.md), or a saved one;
 3. the validated plan (``allocation.planner.Planner.prepare``).
 
-Every one of these passes stays within B, so a device sized for B can plan (the gc pass is
-B's own base; profiling measures what would not fit on prefixes of the microbatch; the exact
+Every one of these passes after gc's reference stays within B, so a device sized for B and
+for gc's own pass can plan (gc's pass is what a ratio budget is a ratio of; B may be below it,
+down to the all-R peak, where gc's full float32 logits set gc's peak; profiling measures what would not fit on prefixes of the microbatch; the exact
 reference is all-R; a fit grows its candidates by half the gap its measured real/predicted
 ratio leaves, ``allocation.fitting``, because that ratio grows with the plan: a full step
 to the predicted size can overshoot B). One pass can still overshoot: a fit's first
 candidate, whose ratio no earlier pass measured. The runner measures each
-pass; ``info["plan_peak_over_budget"]`` is the highest over B and ``info["plan_peak_phase"]``
-the phase it ran in (gc, calibration, profiling, fit at a risk scale, validation).
+pass; ``info["plan_peak_over_budget"]`` is the highest after gc's over B and
+``info["plan_peak_phase"]`` the phase it ran in (calibration, profiling, fit at a risk scale,
+validation; gc under the gc and none backends).
 
 A shorter microbatch gets the plan re-solved for its own tokens (``RankPlanner.for_tokens``).
 Online, ``RankPlanner.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
@@ -308,13 +310,16 @@ def plan_before_wrapping(
     ``calibrate_later``: a mode with L and no saved calibration plans H/R
     (``info["calibration"] == "pending"``) until the job calibrates on its real rollouts
     (``RankPlanner.adopt_calibration``); else calibration runs here on synthetic microbatches.
-    ``info["plan_peak_over_budget"]``: the highest planning pass, in B's scope, over B.
+    ``info["plan_peak_over_budget"]``: the highest planning pass after gc's reference, in B's
+    scope, over B (``info["gc_peak_over_budget"]``: gc's, above 1 where B is below gc's peak).
     ``runner_cls``: ``lockstep.Leader`` when other ranks replay the passes
     (``plan_in_lockstep``); calibration then runs on this rank alone. ``backward``: the runner's
     (``Runner``), e.g. outside ZeRO-3's gradient path on a wrapped model
     (``openrlhf/policy_actor.py``). ``progress``: told of each phase and pass (``Runner.progress``);
     ``info["plan_phases"]``: passes and seconds per phase."""
     from ..allocation import Runner
+
+    from ..allocation.budget import BudgetError, RoomBelowAllR, below_minimum
 
     runner_cls = runner_cls or Runner
 
@@ -342,7 +347,12 @@ def plan_before_wrapping(
     with runner.watching() as peaks:  # every planning pass, measured (plan_peak_over_budget)
         with runner.phase("gc", total=1):
             gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
-        budget = _budget(hcfg, gc_peak, int(resident), counted, device, log)
+        budget = _budget(hcfg, gc_peak, int(resident), counted, device, log, backend)
+        if backend == "hilore" and budget < gc_peak + counted:  # B below gc's: is it above HiLoRe's all-R peak?
+            with runner.phase("all-R", total=1):
+                all_r = runner.run(dev[0], "all-r", measure_peak=True).peak_bytes
+            if budget < counted + all_r:
+                raise BudgetError(below_minimum(budget, counted + all_r, gc_peak + counted))
         room = budget - counted
         info = {
             "plan_tokens": tokens,
@@ -365,13 +375,19 @@ def plan_before_wrapping(
                 None if not wants_l else "pending" if cal is None else "file" if saved else "synthetic"
             )
             planner = _planner(runner, room, cal, hcfg, log)
-            sp = planner.prepare(dev[:1], accumulate=1)
+            try:
+                sp = planner.prepare(dev[:1], accumulate=1)
+            except RoomBelowAllR as e:  # B's floor: the all-R peak profiling measured
+                raise BudgetError(below_minimum(budget, e.need + counted, gc_peak + counted)) from None
             info.update(plan=plan_counts(sp.plan), plan_report=sp.report, plan_why=planner.explain(sp))
     runner.engine.detach()
     for p in model.parameters():  # no planning gradient may reach the first real update (ZeRO adds .grad in)
         p.grad = None
-    top = max(range(len(peaks)), key=peaks.__getitem__)
+    # planning's own passes: gc's reference measures what B is a ratio of, and may exceed a B below gc's peak
+    own = [i for i, phase in enumerate(runner.watch_phases) if phase != "gc"] or list(range(len(peaks)))
+    top = max(own, key=peaks.__getitem__)
     info.update(
+        gc_peak_over_budget=(counted + gc_peak) / budget,
         plan_seconds=time.perf_counter() - t0,
         plan_peak_bytes=counted + peaks[top],
         plan_peak_over_budget=(counted + peaks[top]) / budget,
@@ -421,26 +437,29 @@ def plan_in_lockstep(model, hcfg, *, backend: str, loss_fn, log=print, **kw) -> 
     return restore_rank_planner(model, state, hcfg, loss_fn, backend, log=log)
 
 
-def _budget(hcfg, gc_peak: int, resident: int, counted: int, device, log) -> int:
+def _budget(hcfg, gc_peak: int, resident: int, counted: int, device, log, backend: str = "hilore") -> int:
     """B in its scope: a ratio of gc's peak in that scope (gc's in-microbatch peak, plus the
     resident bytes in the device scope), a size, or ``auto`` (``scope.auto_budget``). ``counted``:
-    the resident bytes B counts (``resident`` in the device scope, 0 in the activation scope)."""
+    the resident bytes B counts (``resident`` in the device scope, 0 in the activation scope).
+    B's floor: under HiLoRe the all-R peak, which the caller measures where B is below gc's peak;
+    under gc and none, gc's peak."""
     from ..allocation import resolve_budget
-    from ..allocation.budget import BudgetError
+    from ..allocation.budget import BudgetError, below_minimum
     from .scope import CPU_AUTO_RATIO, auto_budget
 
+    floor = counted + gc_peak if backend != "hilore" else 0  # HiLoRe's (the all-R peak): checked by the caller
     if str(hcfg.budget).strip().lower() != "auto":
-        return resolve_budget(hcfg.budget, gc_peak + counted, gc_peak + counted)
+        return resolve_budget(hcfg.budget, gc_peak + counted, floor)
     device_bytes = auto_budget(device)
     if device_bytes is None:
         device_bytes = int(CPU_AUTO_RATIO * (gc_peak + resident))
         log(f"[hilore] --hilore.budget auto on CPU (no capacity to read): {CPU_AUTO_RATIO} x gc's device peak")
     budget = device_bytes - (resident - counted)  # the activation scope: what the device leaves a microbatch
-    if budget < gc_peak + counted:
+    if budget < floor:
         raise BudgetError(
-            f"--hilore.budget auto: the device has {device_bytes / 2**20:.0f} MiB for this rank, less than "
-            f"gradient checkpointing needs ({(gc_peak + resident) / 2**20:.0f} MiB with the weights and "
-            f"optimizer state); free memory (a colocated vLLM's share?) or use fewer tokens per microbatch"
+            f"--hilore.budget auto: the device has {device_bytes / 2**20:.0f} MiB for this rank: "
+            + below_minimum(budget, floor, gc_peak + counted)
+            + "; free memory (a colocated vLLM's share?) or use fewer tokens per microbatch"
         )
     return budget
 

@@ -71,7 +71,7 @@ class Settings:
         metadata=_help(
             "memory budget B per rank: a ratio of gc's peak (1.10), a size (6GiB), or auto "
             "(CUDA: the memory free at start-up plus what the learner holds, less 8 percent of the device; "
-            "CPU: 1.25 x gc)"
+            "CPU: 1.25 x gc); at least the all-R peak (every unit recomputed), which may be below gc's peak"
         ),
     )
     budget_scope: str = field(
@@ -247,10 +247,10 @@ def hilore_errors(hcfg) -> List[str]:
         except BudgetError as e:
             errors.append(f"--hilore.budget: {e}")
         else:
-            if kind == "ratio" and value < 1.0:  # resolve_budget's minimum is at least gc's peak
+            if value <= 0:  # the floor itself, the all-R peak, is measured at start-up (resolve_budget)
                 errors.append(
-                    f"--hilore.budget {hcfg.budget}: a ratio below 1 is below what gradient checkpointing "
-                    "needs (B is at least gc's peak, and at least the all-R peak; both are measured at start-up)"
+                    f"--hilore.budget {hcfg.budget}: give a ratio of gc's peak above 0 (e.g. 1.10; below 1 where "
+                    "HiLoRe's all-R peak allows) or a size (e.g. 12GiB)"
                 )
     for name, low, what in (
         ("delta", 0.0, ">= 0"),

@@ -318,6 +318,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "hilore.calibration_batches": 2,
         "hilore.profile_repeats": 1,
         "hilore.loo": False,  # a tiny unit's saving is milliseconds: leave-one-out would time noise
+        # gc's peak is its full float32 logits (49,152 words), which the chunked head does not make: B at 1.10 x
+        # gc would hold every unit. 0.58 x gc is just above HiLoRe's own all-R peak (0.56 x here), so the plan
+        # stores some units and recomputes the rest, as a real model's does at 1.10
+        "hilore.budget": "0.58",
         "save_path": "runs/tiny",
     },
 }
@@ -326,6 +330,9 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 # A preset's settings of its own task: they follow the preset's task and never reach a user's
 # --data.prompt_dataset, whose prompts stay as written.
 PRESET_TASK_KEYS = ("data.instruction", "data.task_options")
+# A preset's B sized for HiLoRe's plan (below gc's own peak, where gc cannot run): under --actor_backend gc or
+# none, B is the default ratio of gc's peak.
+PRESET_PLAN_KEYS = ("hilore.budget",)
 
 ZERO3_COMPILE = (
     "--hilore.compile does not run under --ds.zero_stage 3: ZeRO-3 gathers each submodule's weights in "
@@ -482,6 +489,10 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> SimpleNamespace:
     flat.update(given)
     if flat["data.prompt_dataset"] != preset.get("data.prompt_dataset", flat["data.prompt_dataset"]):
         for k in PRESET_TASK_KEYS:  # the user's own data: none of the preset's task settings
+            if k in preset and k not in yaml_flags and k not in given:
+                flat[k] = DEFAULTS[k]
+    if flat["actor.backend"] != "hilore":
+        for k in PRESET_PLAN_KEYS:  # gc or none: the preset's B was sized for HiLoRe's plan
             if k in preset and k not in yaml_flags and k not in given:
                 flat[k] = DEFAULTS[k]
     flat["preset"] = args.get("preset")

@@ -21,8 +21,12 @@ def test_parse(spec, expected):
 
 
 def test_resolve_and_minimum():
+    """B's floor is the all-R peak (``base_peak``), which may be below gc's peak: a ratio below 1 down to it."""
     assert resolve_budget(1.10, gc_peak=1000, base_peak=1000) == 1100
-    with pytest.raises(BudgetError, match=r"minimum is 0\.0 MiB \(1\.000 x the gc peak"):
-        resolve_budget(0.9, gc_peak=1000, base_peak=900)
+    assert resolve_budget(0.9, gc_peak=1000, base_peak=900) == 900
+    with pytest.raises(BudgetError, match=r"minimum is 0\.0 MiB \(0\.900 x the gc peak"):
+        resolve_budget(0.89, gc_peak=1000, base_peak=900)
+    with pytest.raises(BudgetError, match="above 0"):
+        resolve_budget(0, gc_peak=1000, base_peak=900)
     with pytest.raises(BudgetError, match="cannot read budget"):
         parse_budget("lots")

@@ -89,8 +89,8 @@ def test_resume_compares_the_saved_flags_refuses_replans_or_applies(tmp_path):
     from hilore_actor.train.config import flatten_ns, parse_config
     from hilore_actor.train.resume import ResumeError, check, replan_flags, saved_config
 
-    def flags(*argv):
-        cfg = parse_config(["--preset", "tiny", *argv])
+    def flags(*argv):  # B as the plan files below were made with
+        cfg = parse_config(["--preset", "tiny", "--hilore.budget", "1.10", *argv])
         cfg.hilore.plan_tokens = 128
         return cfg
 

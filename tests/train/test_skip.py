@@ -102,24 +102,30 @@ def test_shares_count_responses_and_their_tokens():
 
 
 def test_the_job_with_the_skip_trains_the_weights_it_trains_without(skip_runs):
-    """Three steps with the skip on (ZeRO-2) and off (ZeRO-3, ``skip_runs``): the same metrics within
-    the reductions' rounding and the same final LoRA weights within 1e-6."""
+    """Three steps of two updates each with the skip on (ZeRO-3, HiLoRe at 1.02 x gc) against
+    ``skip_runs``' reference (gc under ZeRO-2, every response trained): shrunk rows, a rank left
+    nothing and updates that train nothing give the same metrics within the reductions' rounding
+    and the same final LoRA weights within 1e-5 (six AdamW updates: Adam's step, normalised per
+    element, turns float32 rounding in a near-zero gradient component into a step of the learning
+    rate's size; the gradient norms agree within 1e-7)."""
     from safetensors.torch import load_file
 
-    on, off = (metrics(skip_runs[s]) for s in ("on", "off"))
-    assert [m["zero_adv_share"] for m in on] == [0.25, 0.5, 1.0] == [m["zero_adv_share"] for m in off]
-    assert [m["zero_adv_skip"] for m in on] == [1, 1, 1] and [m["zero_adv_skip"] for m in off] == [0, 0, 0]
-    assert [m["pad_microbatches"] for m in on] == [1, 0, 2] and all(m["pad_microbatches"] == 0 for m in off)
-    for a, b in zip(on, off):
+    on, ref = (metrics(skip_runs[s]) for s in ("on", "ref"))
+    assert [m["zero_adv_share"] for m in on] == [0.5, 0.5, 0.75] == [m["zero_adv_share"] for m in ref]
+    assert [m["zero_adv_skip"] for m in on] == [1, 1, 1] and [m["zero_adv_skip"] for m in ref] == [0, 0, 0]
+    assert [m["pad_microbatches"] for m in on] == [1, 2, 3] and all(m["pad_microbatches"] == 0 for m in ref)
+    for a, b in zip(on, ref):
         assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-9)  # the update's loss, skip or not
-    w_on, w_off = (load_file(str(skip_runs[s] / "final" / "adapter_model.safetensors")) for s in ("on", "off"))
-    assert set(w_on) == set(w_off)
-    num = sum(float((w_on[k].double() - w_off[k].double()).pow(2).sum()) for k in w_on)
-    den = sum(float(w_off[k].double().pow(2).sum()) for k in w_off)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+        # the update's loss, skip or not: a group's advantages sum to 0, so the loss nearly cancels (1e-4 here)
+        # and float32 rounding of its per-token terms (each about 0.1; eps 1.2e-7) bounds it absolutely
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
+    w_on, w_ref = (load_file(str(skip_runs[s] / "final" / "adapter_model.safetensors")) for s in ("on", "ref"))
+    assert set(w_on) == set(w_ref)
+    num = sum(float((w_on[k].double() - w_ref[k].double()).pow(2).sum()) for k in w_on)
+    den = sum(float(w_ref[k].double().pow(2).sum()) for k in w_ref)
     print("final LoRA weights, relative difference", (num / den) ** 0.5)
-    assert (num / den) ** 0.5 <= 1e-6
+    assert (num / den) ** 0.5 <= 1e-5
 
 
 def test_with_the_kl_loss_auto_trains_every_response(uninterrupted):
