@@ -228,7 +228,7 @@ def eval_keys(args, runs: List[Run], shared: Dict) -> Dict[str, Dict]:
     base = heldout_key(args, shared)
     keys = {"base": base}
     for r in runs:
-        keys[r.name] = dict(base, steps=args.steps, run=digest(r.key(shared, args.model)))
+        keys[r.name] = dict(base, steps=args.steps, run_flags=digest(r.key(shared, args.model)))
     return keys
 
 

@@ -95,7 +95,7 @@ def _current(out: Path, name: str, keys: Optional[Dict]):
     rows, ev = _load(out / "runs" / f"{name}.metrics.jsonl"), _load(out / "eval" / f"{name}.json")
     if keys is not None and name in keys:
         made = _load(out / "runs" / f"{name}.json")
-        if made is None or digest(made) != keys[name].get("run"):
+        if made is None or digest(made) != keys[name].get("run_flags"):
             rows = None
         if ev is not None and any(ev.get(k) != v for k, v in keys[name].items()):
             ev = None

@@ -131,6 +131,27 @@ def test_a_pilot_is_gc_on_the_first_seed_with_the_studys_heldout_set(tmp_path):
     assert eval_keys(pilot, [run], shared)["base"]["train_seeds"] == [0, 1, 2]
 
 
+def test_a_runs_evaluation_is_saved_with_its_keys_and_then_current(tmp_path, monkeypatch):
+    """``_evaluate`` of a trained run (the policy and greedy decoding stood in for): the file it
+    writes holds the run's name and every key the study checks it by, so it is current."""
+    import torch
+
+    from benchmarks.fidelity import cli, evaluate
+    from benchmarks.fidelity.cli import _fresh, _runs, eval_keys, shared_flags
+
+    args = _args("--pilot", "--seeds", "0")
+    (run,) = _runs(args, tmp_path)
+    shared = shared_flags(args, tmp_path, {})
+    keys = eval_keys(args, [run], shared)
+    monkeypatch.setattr(evaluate, "load_final_policy", lambda *a, **k: (None, None))
+    monkeypatch.setattr(evaluate, "greedy_accuracy", lambda *a, **k: {"accuracy": 0.5, "scores": [1.0, 0.0], "n": 2})
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    cli._evaluate(args, run, shared, keys, [], None, tmp_path)
+    saved = json.loads((tmp_path / "eval" / "gc-seed0.json").read_text())
+    assert saved["run"] == "gc-seed0" and saved["accuracy"] == 0.5
+    assert _fresh(tmp_path / "eval" / "gc-seed0.json", keys["gc-seed0"])
+
+
 def test_the_pilot_says_whether_gc_learns(tmp_path):
     from benchmarks.fidelity.cli import pilot_summary
 
