@@ -71,15 +71,9 @@ def codecs(results: Path, runs: List[CodecRun]) -> str:
 FIDELITY_SCHEMA = 2  # the form of benchmarks/fidelity/report.py's fidelity.json this section renders
 
 
-def _ci(ci) -> str:
-    return "-" if not ci else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
-
-
-def _yes(x) -> str:
-    return "-" if x is None else "yes" if x else "no"
-
-
 def fidelity(results: Path) -> str:
+    from benchmarks.fidelity.report import result_tables
+
     """The fidelity study (``python -m benchmarks.fidelity``): final held-out accuracy per arm
     and seed, the paired differences to gc with their intervals, the study's power, KL to gc,
     the gradient error and L share per step, and the learning curves' plot. A report of an
@@ -98,7 +92,6 @@ def fidelity(results: Path) -> str:
             "arm was known to degrade, so it could not have shown a difference."
         )
         return "\n".join(out) + "\n"
-    seeds = [str(s) for s in d["seeds"]]
     command = p.parent / "command.txt"
     cmd = command.read_text().strip() if command.is_file() else "python -m benchmarks.fidelity"
     out += [
@@ -111,48 +104,8 @@ def fidelity(results: Path) -> str:
         *([d["task_line"], ""] if d.get("task_line") else []),
         "Arms' own flags: " + "; ".join(f"{m} `{' '.join(f)}`" for m, f in d["flags"].items()) + ".",
         "",
-        "| final held-out accuracy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean (SD) |",
-        "|---" * (len(seeds) + 2) + "|",
+        *result_tables(d),
     ]
-    for m, a in d["accuracy"].items():
-        out.append(
-            f"| {m} | "
-            + " | ".join(fmt(a["by_seed"].get(s), ".3f") for s in seeds)
-            + f" | {fmt(a['mean'], '.3f')} ({fmt(a['sd'], '.3f')}) |"
-        )
-    out.append(f"| base model (step 0) | {fmt(d['base_accuracy'], '.3f')} |" + " |" * len(seeds))
-    g = d["gc_learns"]
-    out += [
-        "",
-        f"gc learns the task ({g['aim']}) on every seed: {_yes(g['all_seeds'])} ("
-        + (", ".join(f"seed {s} {v['gain_pp']:+.1f} pp" for s, v in g["by_seed"].items()) or "-")
-        + ").",
-        "",
-        "| arm - gc, pp | " + " | ".join(f"seed {s} [bootstrap 95%]" for s in seeds) + " | mean [t 95% over seeds] |"
-        " within 0.5 pp | detectable at 80% power |",
-        "|---" * (len(seeds) + 4) + "|",
-    ]
-    for m, pr in d["paired"].items():
-        cells = [
-            f"{v['difference_pp']:+.2f} {_ci(v['ci95_pp'])}" if v else "-"
-            for v in (pr["by_seed"].get(s) for s in seeds)
-        ]
-        out.append(
-            f"| {m} | "
-            + " | ".join(cells)
-            + f" | {fmt(pr['mean_pp'], '+.2f')} {_ci(pr['ci95_pp'])} | {_yes(pr['within_0.5pp'])} | "
-            f"{fmt(pr['detectable_pp'], '.2f')} |"
-        )
-    out.append("")
-    for m, pr in d["paired"].items():
-        out.append(
-            f"{m}: within 0.5 pp of gc: mean {_yes(pr['within_0.5pp'])}, whole interval "
-            f"{_yes(pr['ci_within_0.5pp'])}; difference detected (interval excludes 0): {_yes(pr['ci_excludes_0'])}; "
-            f"power: {len(pr['seeds'])} seeds with SD {fmt(pr['sd_pp'], '.2f')} pp detect "
-            f"{fmt(pr['detectable_pp'], '.2f')} pp (80% power, two-sided 5%), one seed's evaluation "
-            + (", ".join(f"{fmt(v['detectable_pp'], '.1f')}" for v in pr["by_seed"].values()) or "-")
-            + " pp."
-        )
     for m, by in d["kl_to_gc"].items():
         if by:
             out.append(f"KL({m} || gc): " + ", ".join(f"seed {s} {v:.2e}" for s, v in by.items()) + ".")

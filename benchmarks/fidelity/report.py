@@ -346,26 +346,12 @@ def power_line(arm: str, p: Dict) -> str:
     )
 
 
-def markdown(rep: Dict, out: Path) -> str:
-    cmd = (
-        (out / "command.txt").read_text().strip()
-        if (out / "command.txt").is_file()
-        else "python -m benchmarks.fidelity"
-    )
+def result_tables(rep: Dict) -> List[str]:
+    """Final accuracy per arm and seed, whether gc learns, and the paired differences to gc: the
+    tables of fidelity.md and of the results page's section."""
     seeds = [str(s) for s in rep["seeds"]]
     lines = [
-        f"# Training fidelity: {', '.join(rep['arms'])} ({rep['steps']} GRPO steps per run)",
-        "",
-        f"`{cmd}` (flags shared by every run: `study.yaml`). "
-        + ("All runs finished." if rep["complete"] else f"**Partial**: missing {', '.join(rep['missing_runs'])}."),
-        "",
-        *([rep["task_line"], ""] if rep["task_line"] else []),
-        "Arms' own flags: " + "; ".join(f"{m} `{' '.join(f)}`" for m, f in rep["flags"].items()) + ".",
-        "",
-        "Final held-out accuracy (greedy, exact answers, "
-        f"{rep['heldout'] or '-'} problems no run trained on), per seed:",
-        "",
-        "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean (SD) |",
+        "| final held-out accuracy | " + " | ".join(f"seed {s}" for s in seeds) + " | mean (SD) |",
         "|---" * (len(seeds) + 2) + "|",
     ]
     for m, a in rep["accuracy"].items():
@@ -378,13 +364,12 @@ def markdown(rep: Dict, out: Path) -> str:
     g = rep["gc_learns"]
     lines += [
         "",
-        f"gc learns the task ({g['aim']}): {_yes(g['all_seeds'])} ("
+        f"gc learns the task ({g['aim']}) on every seed: {_yes(g['all_seeds'])} ("
         + (", ".join(f"seed {s} {v['gain_pp']:+.1f} pp" for s, v in g["by_seed"].items()) or "-")
         + ").",
         "",
-        "Paired difference to gc, pp (per seed: bootstrap 95% interval over problems; mean: t interval over seeds):",
-        "",
-        "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean [95%] | within 0.5 pp | detectable |",
+        "| arm - gc, pp | " + " | ".join(f"seed {s} [bootstrap 95%]" for s in seeds) + " | mean [t 95% over seeds] |"
+        " within 0.5 pp | detectable at 80% power |",
         "|---" * (len(seeds) + 4) + "|",
     ]
     for m, p in rep["paired"].items():
@@ -398,6 +383,30 @@ def markdown(rep: Dict, out: Path) -> str:
     lines.append("")
     for m, p in rep["paired"].items():
         lines += [verdict(m, p), power_line(m, p)]
+    return lines
+
+
+def markdown(rep: Dict, out: Path) -> str:
+    cmd = (
+        (out / "command.txt").read_text().strip()
+        if (out / "command.txt").is_file()
+        else "python -m benchmarks.fidelity"
+    )
+    lines = [
+        f"# Training fidelity: {', '.join(rep['arms'])} ({rep['steps']} GRPO steps per run)",
+        "",
+        f"`{cmd}` (flags shared by every run: `study.yaml`). "
+        + ("All runs finished." if rep["complete"] else f"**Partial**: missing {', '.join(rep['missing_runs'])}."),
+        "",
+        *([rep["task_line"], ""] if rep["task_line"] else []),
+        "Arms' own flags: " + "; ".join(f"{m} `{' '.join(f)}`" for m, f in rep["flags"].items()) + ".",
+        "",
+        "Final held-out accuracy (greedy, exact answers, "
+        f"{rep['heldout'] or '-'} problems no run trained on), per seed; paired differences to gc (per seed: "
+        "bootstrap 95% interval over problems; mean: t interval over seeds):",
+        "",
+        *result_tables(rep),
+    ]
     kl = rep["kl_to_gc"]
     lines += [
         "",
