@@ -109,7 +109,8 @@ class Settings:
         default=DEFAULT_CODECS,
         metadata=_help(
             "low-precision codec(s) for L, a comma list (hilore_actor.recovery.CODECS: int8, "
-            "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2): the first is the "
+            "int8-g64, int8-g128, int8-outlier, bf16, fp8-e4m3, fp8-e4m3-b32, fp8-e5m2; int2, ternary, only for "
+            "positive controls): the first is the "
             "engine's, each one more is one more L level per unit for the knapsack, with its own bytes, time and "
             "calibrated risk"
         ),

@@ -13,7 +13,10 @@ plain torch ops so it runs on CPU and CUDA alike:
   than a group is one group;
 - ``int8-outlier``: per-row int8 with the ``k`` channels of largest magnitude kept exact in
   a side table (chosen per tensor from its own column absmax, so no calibration is needed);
-- ``bf16``: a plain bfloat16 copy: half of float32, three significant digits, no scale.
+- ``bf16``: a plain bfloat16 copy: half of float32, three significant digits, no scale;
+- ``int2``: per-row absmax onto {-1, 0, 1} (stored as int8): deliberately coarse (relative
+  error 0.85 on Gaussian rows of 576, int8's 0.0075), for positive controls (a run that must degrade; the fidelity
+  study's control), never for a plan meant to train well.
 
 Every payload reports its exact stored bytes: values, scales and side tables.
 Adding a codec is a subclass with ``encode``/``decode`` and a ``register`` call.
@@ -227,6 +230,7 @@ register(AbsmaxCodec("int8-g64", torch.int8, 127.0, rounding=True, group=64))
 register(AbsmaxCodec("int8-g128", torch.int8, 127.0, rounding=True, group=128))
 register(OutlierCodec("int8-outlier", k=8))
 register(CastCodec("bf16", torch.bfloat16))
+register(AbsmaxCodec("int2", torch.int8, 1.0, rounding=True))  # ternary: positive controls only
 if hasattr(torch, "float8_e4m3fn"):  # fp8 needs a torch build with the float8 dtypes
     register(AbsmaxCodec("fp8-e4m3", torch.float8_e4m3fn, 448.0, rounding=False))
     register(AbsmaxCodec("fp8-e5m2", torch.float8_e5m2, 57344.0, rounding=False))

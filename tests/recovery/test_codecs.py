@@ -35,7 +35,8 @@ def test_roundtrip_keeps_shape_dtype_and_counts_bytes(name, shape):
     assert p.nbytes == sum(t.numel() * t.element_size() for t in stored)
     if x.numel() >= 96:
         assert p.nbytes < x.numel() * x.element_size()
-        assert reconstruction_error(x, codec) < (0.2 if "e5m2" in name else 0.08)
+        bound = {"int2": 0.95, "fp8-e5m2": 0.2}.get(name, 0.08)  # int2: ternary, a control's codec
+        assert reconstruction_error(x, codec) < bound
 
 
 @pytest.mark.parametrize(
@@ -139,7 +140,7 @@ def test_keep_sign_never_decodes_a_nonzero_value_to_zero_or_the_other_sign(name)
     codec = get_codec(name)
     y = codec.decode(codec.encode(x, keep_sign=True))
     assert torch.equal(torch.sign(y), torch.sign(x))
-    quantum = x.abs().amax(-1, keepdim=True) / 127.0
+    quantum = x.abs().amax(-1, keepdim=True) / (1.0 if name == "int2" else 127.0)  # int2: {-1, 0, 1}
     assert ((y - x).abs() <= quantum * 1.0001).all()
     if name == "int8":
         assert (codec.decode(codec.encode(x)) == 0).float().mean() > 0.9  # round to nearest: the small ones are gone
