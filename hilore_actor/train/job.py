@@ -131,8 +131,8 @@ class Job:
         cal = {a: merge([Calibration(**p[a]) for p in parts]) for a in parts[0]}  # per L level, every rank's samples
         if self.cfg.hilore.calibration:
             save_levels(cal, self.cfg.hilore.calibration)
-        self.infos = self.get(
-            [l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners]
+        self.infos = self.progress.get(  # the re-plan: fit candidates and validation, minutes on a real model
+            [l.adopt_calibration.remote({a: asdict(c) for a, c in cal.items()}) for l in self.learners], "plan"
         )
         n = len({s["batch"] for s in next(iter(cal.values())).samples})
         print(
