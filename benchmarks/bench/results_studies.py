@@ -72,12 +72,12 @@ FIDELITY_SCHEMA = 2  # the form of benchmarks/fidelity/report.py's fidelity.json
 
 
 def fidelity(results: Path) -> str:
-    from benchmarks.fidelity.report import result_tables
-
     """The fidelity study (``python -m benchmarks.fidelity``): final held-out accuracy per arm
     and seed, the paired differences to gc with their intervals, the study's power, KL to gc,
     the gradient error and L share per step, and the learning curves' plot. A report of an
     earlier form is not shown: its study could not see a difference."""
+    from benchmarks.fidelity.report import result_tables
+
     p = Path(results) / "fidelity" / "fidelity.json"
     if not p.exists():
         return ""

@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-samples", type=int, default=64, help="held-out problems of those evaluations (greedy)")
     p.add_argument("--heldout", type=int, default=300, help="held-out problems of the final evaluation (greedy)")
     p.add_argument("--hilore-budget", default=None, help="the hilore arm's --hilore.budget (default: the job's)")
-    p.add_argument("--control-budget", default="1.05", help="the control's --hilore.budget: room for all-L, not all-H")
-    p.add_argument("--control-codec", default="fp8-e5m2", help="the control's (coarse) --hilore.codec")
+    p.add_argument(
+        "--control-budget", default="1.30", help="the control's --hilore.budget: room to store every unit, many as L"
+    )
+    p.add_argument("--control-codec", default="int2", help="the control's (deliberately coarse) --hilore.codec")
     p.add_argument("--model", default="smollm2", help="policy model (--pretrain of the job); tiny:qwen2 for tests")
     p.add_argument(
         "--set",

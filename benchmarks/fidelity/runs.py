@@ -15,9 +15,9 @@ Arms (all with the same model, task, head and shared flags; ``JOB``), paired by 
 - ``hilore``: mode ``hilore`` (H/L/R per unit and microbatch, L on the default codec set) at a
   budget where its plans use L, with ``--measure_grad_error`` (each update's gradient against
   the exact one on the same microbatches, beside training);
-- ``control``: a positive control that must hurt. ``hilore-static`` at a budget that fits
-  all-L but not all-H, with a coarse codec and risk and tolerance so large that nothing is
-  refused for its error: L on (nearly) every unit, whatever it costs the gradient;
+- ``control``: a positive control that must hurt. ``hilore-static`` at a budget that stores
+  every unit, with the deliberately coarse codec ``int2`` and risk and tolerance so large that
+  nothing is refused for its error: L wherever it saves room, whatever it costs the gradient;
 - ``hilore-hr`` (optional): H/R only, whose gradients equal gc's bit for bit;
 - ``replay``: gc's learner with rollout-level replay (the replay study, docs/training-job.md).
 
@@ -106,8 +106,8 @@ def arm_flags(
     method: str,
     out: Path,
     hilore_budget: Optional[str] = None,
-    control_budget: str = "1.05",
-    control_codec: str = "fp8-e5m2",
+    control_budget: str = "1.30",
+    control_codec: str = "int2",
 ) -> List[str]:
     """The job flags that make ``method`` what it is: ``METHODS`` plus its budget and codec and,
     for an arm with L, its calibration file in ``out`` (one per codec: calibration measures L's

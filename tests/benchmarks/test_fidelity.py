@@ -58,7 +58,7 @@ def test_each_arm_builds_its_command(tmp_path):
     assert {k: _value(control, k) for k in want} == want and "--measure_grad_error" in control
     default = _runs(_args("--seeds", "0"), tmp_path / "runs", out)
     control = default[2].command(cfg, 40, "smollm2", [])
-    assert _value(control, "--hilore.budget") == "1.05" and _value(control, "--hilore.codec") == "fp8-e5m2"
+    assert _value(control, "--hilore.budget") == "1.30" and _value(control, "--hilore.codec") == "int2"
     assert "--hilore.budget" not in default[1].command(cfg, 40, "smollm2", [])  # hilore at the job's budget
 
 
