@@ -1,6 +1,6 @@
 """The studies on ``benchmarks/RESULTS.md`` beside the speed benchmark: codecs, training fidelity,
-risk diagnostics, the knapsack's solve time, planning at depth and length and the demo job's runs, each rendered from its
-committed JSON (or JSONL) by ``results_page``."""
+risk diagnostics, the knapsack's solve time, planning at depth and length and the demo job's runs,
+each rendered from its committed JSON (or JSONL) by ``results_page``."""
 
 from __future__ import annotations
 
@@ -188,7 +188,8 @@ def planning_scale(results: Path) -> str:
         "## Planning at depth and length (`python -m benchmarks.planning_scale`)",
         "",
         f"On {d['machine']}; each part's command below, nothing else running unless a row says so. Definitions: "
-        "`benchmarks/planning_scale.py`'s docstring and [docs/benchmark.md](../docs/benchmark.md#planning-at-depth-and-length).",
+        "`benchmarks/planning_scale.py`'s docstring and "
+        "[docs/benchmark.md](../docs/benchmark.md#planning-at-depth-and-length).",
         "",
     ]
     dep = d.get("depth")

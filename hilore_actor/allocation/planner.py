@@ -562,8 +562,8 @@ class Planner:
         above = max(0, self.room - sp.costs.base_peak)
         codec = f" ({self.engine.codec.name})" if n[COMPRESSED] else ""
         why = (
-            f"B leaves {above / 2**20:.2f} MiB above the all-R peak; the knapsack fills it with the units that save the "
-            "most recompute time per byte"
+            f"B leaves {above / 2**20:.2f} MiB above the all-R peak; the knapsack fills it with the units that save "
+            "the most recompute time per byte"
         )
         if self.levels:
             why += f", a low-precision copy (L) where it costs less room and the step's risk stays within {self.delta}"

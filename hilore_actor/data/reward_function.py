@@ -219,7 +219,8 @@ class RemoteReward:
             if attempt + 1 < self.tries:
                 time.sleep(self.wait)
         raise RewardError(
-            f"the reward server {url} did not answer {self.tries} requests ({why}){_on(part[0] if len(part) == 1 else part)}"
+            f"the reward server {url} did not answer {self.tries} requests ({why})"
+            f"{_on(part[0] if len(part) == 1 else part)}"
         )
 
 

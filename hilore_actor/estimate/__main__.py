@@ -73,8 +73,8 @@ def render(e) -> str:
             f"  peak {_g(p.meta_peak_bytes)} on the meta device (knapsack's prediction {_g(p.predicted_peak_bytes)})",
             f"  predicted: {p.update_seconds:.3f} s per microbatch, {p.gain_over_gc:+.1%} over gc, "
             f"{p.recompute_removed:.1%} of gc's recompute removed",
-            f"  if offloaded instead: the {p.counts.get('R', 0)} R units' {_g(p.offload_bytes)} would cross to the host "
-            f"each way, {p.offload_seconds:.2f} s at {d['host_bandwidth'] / 1e9:.0f} GB/s, against "
+            f"  if offloaded instead: the {p.counts.get('R', 0)} R units' {_g(p.offload_bytes)} would cross to the "
+            f"host each way, {p.offload_seconds:.2f} s at {d['host_bandwidth'] / 1e9:.0f} GB/s, against "
             f"{e.forward_seconds:.3f} s of forward and {e.backward_seconds:.3f} s of backward to hide behind",
         ]
     lines.append("assumptions: " + "; ".join(e.assumptions))

@@ -71,9 +71,10 @@ def microbatch_loss(
 ) -> LossOutput:
     """Forward the packed microbatch, then Eq. 1 and Eq. 4 on its response tokens.
     ``chunked_head``: token log-probs through the chunked head (``models/chunked_head.py``) instead
-    of the model's full logits, ``head_chunk`` rows at a time (default: the device's rule). ``entropy``: ``stats["entropy"]``, the policy's mean per-token
-    entropy (temperature 1) over the trained response tokens (``action_mask``); detached, so
-    the loss and its gradient are unchanged."""
+    of the model's full logits, ``head_chunk`` rows at a time (default: the device's rule).
+    ``entropy``: ``stats["entropy"]``, the policy's mean per-token entropy (temperature 1) over the
+    trained response tokens (``action_mask``); detached, so the loss and its gradient are
+    unchanged."""
     ent = None
     if chunked_head:
         from ..models.chunked_head import chunked_token_log_probs

@@ -11,16 +11,16 @@ microbatches as large as the job can make (``workloads.replayed_microbatches``) 
 2. for modes with L: the calibration (Eq. 10 of docs/DESIGN.md), or a saved one;
 3. the validated plan (``allocation.planner.Planner.prepare``).
 
-Every one of these passes after gc's reference stays within B, so a device sized for B and
-for gc's own pass can plan (gc's pass is what a ratio budget is a ratio of; B may be below it,
-down to the all-R peak, where gc's full float32 logits set gc's peak; profiling measures what would not fit on prefixes of the microbatch; the exact
-reference is all-R; a fit grows its candidates by half the gap its measured real/predicted
-ratio leaves, ``allocation.fitting``, because that ratio grows with the plan: a full step
-to the predicted size can overshoot B). One pass can still overshoot: a fit's first
-candidate, whose ratio no earlier pass measured. The runner measures each
-pass; ``info["plan_peak_over_budget"]`` is the highest after gc's over B and
-``info["plan_peak_phase"]`` the phase it ran in (calibration, profiling, fit at a risk scale,
-validation; gc under the gc and none backends).
+Every one of these passes after gc's reference stays within B, so a device sized for B and for gc's
+own pass can plan (gc's pass is what a ratio budget is a ratio of; B may be below it, down to the
+all-R peak, where gc's full float32 logits set gc's peak; profiling measures what would not fit on
+prefixes of the microbatch; the exact reference is all-R; a fit grows its candidates by half the gap
+its measured real/predicted ratio leaves, ``allocation.fitting``, because that ratio grows with the
+plan: a full step to the predicted size can overshoot B). One pass can still overshoot: a fit's
+first candidate, whose ratio no earlier pass measured. The runner measures each pass;
+``info["plan_peak_over_budget"]`` is the highest after gc's over B and ``info["plan_peak_phase"]``
+the phase it ran in (calibration, profiling, fit at a risk scale, validation; gc under the gc and
+none backends).
 
 A shorter microbatch gets the plan re-solved for its own tokens (``RankPlanner.for_tokens``).
 Online, ``RankPlanner.actions`` turns a microbatch's omega into actions (Eq. 7 -> Eq. 13), and
@@ -348,7 +348,9 @@ def plan_before_wrapping(
         with runner.phase("gc", total=1):
             gc_peak = runner.run(dev[0], "gc", measure_peak=True, loss_fn=std_loss_fn).peak_bytes
         budget = _budget(hcfg, gc_peak, int(resident), counted, device, log, backend)
-        if backend == "hilore" and budget < gc_peak + counted:  # B below gc's: is it above HiLoRe's all-R peak?
+        # B below gc's: is it above HiLoRe's all-R peak? Checked here only when L's calibration passes (minutes)
+        # come first; otherwise profiling's own all-R pass finds it moments later (``RoomBelowAllR`` below)
+        if backend == "hilore" and n_cal and budget < gc_peak + counted:
             with runner.phase("all-R", total=1):
                 all_r = runner.run(dev[0], "all-r", measure_peak=True).peak_bytes
             if budget < counted + all_r:

@@ -73,9 +73,10 @@ def replay_outside_coordinator(modules):
     the module whose backward is running, parameters that module needs, and reset the backward
     counters of the replayed modules. So here each module, as it starts, gathers its partitioned
     parameters itself in one coalesced collective (``gather_coalesced``; waiting for those in flight,
-    which the coordinator gathered, counts and will release) and partitions them as it ends (or as the replay ends, when it stopped early). The
-    coordinator does not run meanwhile, so its count of available parameters is exact whenever it
-    reads it. Every rank replays the same units, so the gathers stay collective.
+    which the coordinator gathered, counts and will release) and partitions them as it ends (or as
+    the replay ends, when it stopped early). The coordinator does not run meanwhile, so its count of
+    available parameters is exact whenever it reads it. Every rank replays the same units, so the
+    gathers stay collective.
     """
     mods = list({id(s): s for m in modules for s in m.modules()}.values())
     if not any(hasattr(p, "ds_id") for m in mods for p in m.parameters(recurse=False)):
