@@ -236,7 +236,8 @@ def train(run: Run, cmd: List[str], key: Optional[Dict] = None, log=print) -> No
         try:
             for line in proc.stdout:
                 out.write(line)
-                if line.startswith(("[train]", "[step", "error")):
+                out.flush()  # job.log is where a user looks while a run plans or trains
+                if line.startswith(("[train]", "[plan]", "[step", "error")):
                     log(f"[{run.name}] {line.rstrip()}")
             rc = proc.wait()
         finally:

@@ -383,6 +383,9 @@ def test_the_report_on_a_synthetic_study(tmp_path, fresh_seed):
         0.01
     )
     assert rep["gc_learns"]["all_seeds"] == all(aim for aim in (v["met"] for v in rep["gc_learns"]["by_seed"].values()))
+    partial = summarize(out, [r for r in runs if r.name != "gc-seed2"], 4, keys, eval_samples=20)["gc_learns"]
+    met = [v["met"] for v in partial["by_seed"].values()]
+    assert partial["all_seeds"] == (False if not all(met) else None)  # a missing seed: unknown unless one missed
     # a file another study made is not this study's: the run is missing, its pairs and KL with it
     (out / "eval" / "control-seed2.json").write_text(
         json.dumps(dict(keys["control-seed2"], steps=3, scores=[1.0] * 50))
