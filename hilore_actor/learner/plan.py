@@ -16,8 +16,9 @@ own pass can plan (gc's pass is what a ratio budget is a ratio of; B may be belo
 all-R peak, where gc's full float32 logits set gc's peak; profiling measures what would not fit on
 prefixes of the microbatch; the exact reference is all-R; a fit grows its candidates by half the gap
 its measured real/predicted ratio leaves, ``allocation.fitting``, because that ratio grows with the
-plan: a full step to the predicted size can overshoot B). One pass can still overshoot: a fit's
-first candidate, whose ratio no earlier pass measured. The runner measures each pass;
+plan: a full step to the predicted size can overshoot B). A pass can still overshoot: a fit's
+first candidate, whose ratio no earlier pass measured, or a grown one whose real bytes grew faster
+than ``1 / fitting.GROWTH`` per predicted byte (docs/planning.md). The runner measures each pass;
 ``info["plan_peak_over_budget"]`` is the highest after gc's over B and ``info["plan_peak_phase"]``
 the phase it ran in (calibration, profiling, fit at a risk scale, validation; gc under the gc and
 none backends).
