@@ -661,6 +661,9 @@ def main(argv=None) -> int:
     finally:
         if not ray_before and _ray_running():  # the Ray this run started or joined, whatever the outcome:
             sys.modules["ray"].shutdown()  # left to the interpreter's exit, its workers outlived us, busy
+        from hilore_actor.train.run_dir import release_all
+
+        release_all()  # the run folder, for the next run (``train/run_dir.py``)
 
 
 def _ray_running() -> bool:

@@ -7,15 +7,20 @@
   gets a new, timestamped folder under it, and ``--resume`` takes the newest run there that
   has a checkpoint.
 - Either way the folder must be a writable directory; that is checked before Ray starts.
+- A folder another run is using (a second job, or a second ``--resume`` of the same run) is
+  refused, before anything in it is touched: the job holds an exclusive ``flock`` on
+  ``LOCK_FILE`` in its folder while it runs (the kernel drops it however the job ends).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 # the files of the steps (``metrics.py``): their rows, sample generations, each unit's action on each
 # microbatch and each step's pictures; the run report's folder (``python -m hilore_actor.report``)
@@ -37,8 +42,39 @@ RUN_OUTPUTS = (
 )
 
 
+LOCK_FILE = ".hilore-run.lock"  # in the run folder: held by the job using it, names that job
+_held: Dict[str, int] = {}  # this process's locks: resolved folder -> descriptor
+
+
 class RunDirError(ValueError):
     """The run folder cannot be used as asked; the message says why and what to do."""
+
+
+def claim(folder: Path) -> None:
+    """Hold ``folder`` for this process until ``release_all`` (or the process ends); refused with
+    the holder's pid and host when another process holds it. Claiming again is a no-op."""
+    key = str(Path(folder).resolve())
+    if key in _held:
+        return
+    fd = os.open(Path(folder) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
+        os.close(fd)
+        raise RunDirError(
+            f"--save_path {folder} is in use by another run ({holder}): wait for it to end, or stop it "
+            "(Ctrl-C checkpoints it) and continue it with --resume"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _held[key] = fd
+
+
+def release_all() -> None:
+    """Let go of every folder this process claimed (the job's end)."""
+    while _held:
+        os.close(_held.popitem()[1])  # closing the descriptor drops its flock
 
 
 def outputs(folder: Path) -> List[str]:
@@ -95,6 +131,7 @@ def resolve(cfg, log: Callable[[str], None] = print) -> None:
                 "--resume, choose another --save_path, or pass --overwrite_output_dir to replace it"
             )
         if held and overwrite:
+            claim(folder)  # not while another run writes there
             for name in RUN_OUTPUTS:
                 p = folder / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
@@ -112,6 +149,7 @@ def resolve(cfg, log: Callable[[str], None] = print) -> None:
     else:
         folder = _new_run(folder)
     _writable(folder, "--save_path")
+    claim(folder)
     if cfg.logger.tensorboard_dir:
         _writable(Path(cfg.logger.tensorboard_dir), "--logger.tensorboard_dir")
     if cfg.ckpt.path:

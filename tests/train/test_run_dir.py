@@ -1,21 +1,31 @@
 """The run folder (``train/run_dir.py``): a named folder holding a run is refused for a fresh
-run and left byte-identical; unnamed, every run gets its own folder; --resume finds the newest."""
+run and left byte-identical; unnamed, every run gets its own folder; --resume finds the newest;
+a folder another process's run holds is refused, untouched."""
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hilore_actor.train.config import parse_config
-from hilore_actor.train.run_dir import RunDirError, resolve
+from hilore_actor.train.run_dir import LOCK_FILE, RunDirError, release_all, resolve
+
+
+@pytest.fixture(autouse=True)
+def _release():
+    yield
+    release_all()  # what the job's end does
 
 
 def digests(folder):
+    """The user's and the run's files (not the job's lock)."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != LOCK_FILE
     }
 
 
@@ -42,7 +52,7 @@ def test_a_named_folder_holding_a_run_is_refused_and_untouched(tmp_path):
     assert c.save_path == str(tmp_path) and digests(tmp_path) == before
     (tmp_path / "notes.txt").write_text("mine")
     resolve(cfg("--save_path", str(tmp_path), "--overwrite_output_dir"), log=print)
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # the run's outputs only
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "notes.txt"]  # the run's outputs only
 
 
 def test_unnamed_folders_get_one_folder_per_run_and_resume_takes_the_newest(tmp_path, monkeypatch):
@@ -66,3 +76,27 @@ def test_a_folder_that_cannot_be_written_is_refused(tmp_path):
         resolve(cfg("--save_path", str(tmp_path / "file")), log=print)
     with pytest.raises(RunDirError, match="cannot write there"):  # a folder under a file cannot be made
         resolve(cfg("--save_path", str(tmp_path / "file" / "run")), log=print)
+
+
+def test_a_folder_another_run_holds_is_refused_and_untouched(tmp_path):
+    """Another process's job holds the folder (as ``train_grpo`` does while it runs): neither
+    --resume nor --overwrite_output_dir may touch it, and the error names the holder; once that
+    process ends, --resume takes the folder."""
+    fake_run(tmp_path)
+    before = digests(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from hilore_actor.train.run_dir import claim; claim({str(tmp_path)!r}); "
+         "print('held', flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for flag in ("--resume", "--overwrite_output_dir"):
+            with pytest.raises(RunDirError, match=f"in use by another run \\(pid {holder.pid} on .*--resume"):
+                resolve(cfg("--save_path", str(tmp_path), flag), log=print)
+            assert digests(tmp_path) == before, flag
+    finally:
+        holder.communicate("\n", timeout=60)
+    c = cfg("--save_path", str(tmp_path), "--resume")
+    resolve(c, log=print)
+    assert c.save_path == str(tmp_path) and digests(tmp_path) == before
