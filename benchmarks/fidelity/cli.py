@@ -311,6 +311,15 @@ def write_heldout(args, shared: Dict, out: Path):
 
 
 def main(argv=None) -> int:
+    from hilore_actor.train.run_dir import release_all
+
+    try:
+        return _main(argv)
+    finally:
+        release_all()  # --out, for the next study
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out, root = Path(args.out), Path(args.runs)
     runs: List[Run] = []
@@ -319,6 +328,8 @@ def main(argv=None) -> int:
     shared: Dict = {}
     try:
         _check(args)
+        if not args.report_only:  # one study at a time in --out (each run's job also holds its own folder)
+            _claim(out)
         runs = _runs(args, root, out)
         study = _runs(argparse.Namespace(**dict(vars(args), pilot=False)), root, out)  # what the report waits for
         shared = shared_flags(args, out, _overrides(args.set))
@@ -338,6 +349,16 @@ def main(argv=None) -> int:
     if args.pilot:
         print(pilot_summary(out, runs[0]), flush=True)
     return 0
+
+
+def _claim(out: Path) -> None:
+    from hilore_actor.train.run_dir import RunDirError, claim
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        claim(out, flag="--out")
+    except (RunDirError, OSError) as e:
+        raise StudyError(str(e)) from None
 
 
 def _train_and_evaluate(args, runs: List[Run], config: Path, shared: Dict, keys: Dict, out: Path) -> None:

@@ -50,9 +50,10 @@ class RunDirError(ValueError):
     """The run folder cannot be used as asked; the message says why and what to do."""
 
 
-def claim(folder: Path) -> None:
+def claim(folder: Path, flag: str = "--save_path") -> None:
     """Hold ``folder`` for this process until ``release_all`` (or the process ends); refused with
-    the holder's pid and host when another process holds it. Claiming again is a no-op."""
+    the holder's pid and host when another process holds it (``flag``: how the user named the
+    folder). Claiming again is a no-op."""
     key = str(Path(folder).resolve())
     if key in _held:
         return
@@ -63,7 +64,7 @@ def claim(folder: Path) -> None:
         holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
         os.close(fd)
         raise RunDirError(
-            f"--save_path {folder} is in use by another run ({holder}): wait for it to end, or stop it "
+            f"{flag} {folder} is in use by another run ({holder}): wait for it to end, or stop it "
             "(Ctrl-C checkpoints it) and continue it with --resume"
         ) from None
     os.ftruncate(fd, 0)

@@ -117,6 +117,28 @@ def test_the_study_refuses_flags_the_job_would(tmp_path):
     _check(_args())
 
 
+def test_a_second_study_in_the_same_out_folder_is_refused_untouched(tmp_path, capsys):
+    """While one study runs (its process holds ``--out``), the same command again stops with one
+    line naming the holder, before it writes anything there."""
+    from benchmarks.fidelity.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from hilore_actor.train.run_dir import claim; claim({str(out)!r}, '--out'); "
+         "print('held', flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["--out", str(out), "--runs", str(tmp_path / "runs"), "--model", "tiny:qwen2"]) == 2
+    finally:
+        holder.communicate("\n", timeout=60)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} is in use by another run (pid {holder.pid} ") and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == [".hilore-run.lock"] and not (tmp_path / "runs").exists()
+
+
 def test_a_pilot_is_gc_on_the_first_seed_with_the_studys_heldout_set(tmp_path):
     """The pilot's run is the study's gc-seed0 run (same flags, same held-out problems: those
     outside every seed's training prompts), so the full study reuses it."""
