@@ -271,6 +271,7 @@ def _starts_processes(code, namespace: dict, seen: set) -> bool:
         if isinstance(obj, types.ModuleType) and _of_tests(obj):
             obj = [getattr(obj, n) for n in names if isinstance(getattr(obj, n, None), types.FunctionType)]
         for f in obj if isinstance(obj, list) else [obj]:
+            f = getattr(f, "__wrapped__", f)  # a decorated helper (``contextlib.contextmanager``): its own code
             if isinstance(f, types.FunctionType) and _of_tests(f):
                 nested.append((f.__code__, f.__globals__))
     return any(_starts_processes(c, ns, seen) for c, ns in nested)

@@ -120,23 +120,18 @@ def test_the_study_refuses_flags_the_job_would(tmp_path):
 def test_a_second_study_in_the_same_out_folder_is_refused_untouched(tmp_path, capsys):
     """While one study runs (its process holds ``--out``), the same command again stops with one
     line naming the holder, before it writes anything there."""
+    from folder_holder import held_by_another_process
+
     from benchmarks.fidelity.cli import main
+    from hilore_actor.train.run_dir import LOCK_FILE
 
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"from hilore_actor.train.run_dir import claim; claim({str(out)!r}, '--out'); "
-         "print('held', flush=True); input()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_by_another_process(out, "--out") as pid:
         assert main(["--out", str(out), "--runs", str(tmp_path / "runs"), "--model", "tiny:qwen2"]) == 2
-    finally:
-        holder.communicate("\n", timeout=60)
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --out {out} is in use by another run (pid {holder.pid} ") and err.count("\n") == 1
-    assert sorted(p.name for p in out.iterdir()) == [".hilore-run.lock"] and not (tmp_path / "runs").exists()
+    assert err.startswith(f"error: --out {out} is in use by another run (pid {pid} ") and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE] and not (tmp_path / "runs").exists()
 
 
 def test_a_pilot_is_gc_on_the_first_seed_with_the_studys_heldout_set(tmp_path):

@@ -4,11 +4,10 @@ a folder another process's run holds is refused, untouched."""
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from folder_holder import held_by_another_process
 
 from hilore_actor.train.config import parse_config
 from hilore_actor.train.run_dir import LOCK_FILE, RunDirError, release_all, resolve
@@ -84,19 +83,11 @@ def test_a_folder_another_run_holds_is_refused_and_untouched(tmp_path):
     process ends, --resume takes the folder."""
     fake_run(tmp_path)
     before = digests(tmp_path)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"from hilore_actor.train.run_dir import claim; claim({str(tmp_path)!r}); "
-         "print('held', flush=True); input()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_by_another_process(tmp_path) as pid:
         for flag in ("--resume", "--overwrite_output_dir"):
-            with pytest.raises(RunDirError, match=f"in use by another run \\(pid {holder.pid} on .*--resume"):
+            with pytest.raises(RunDirError, match=f"in use by another run \\(pid {pid} on .*--resume"):
                 resolve(cfg("--save_path", str(tmp_path), flag), log=print)
             assert digests(tmp_path) == before, flag
-    finally:
-        holder.communicate("\n", timeout=60)
     c = cfg("--save_path", str(tmp_path), "--resume")
     resolve(c, log=print)
     assert c.save_path == str(tmp_path) and digests(tmp_path) == before
